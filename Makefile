@@ -1,0 +1,47 @@
+# The course's commands. Each one sets itself up: a .venv with the pinned versions.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
+
+.PHONY: setup demo test test-lib test-notebooks lint lab labs slides images clean-cluster clean
+
+setup: $(STAMP)
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[mpi,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)            ## the headless tour: cluster, algorithms, summary table, figures
+	$(PY) -m course_lib demo
+
+test: test-lib test-notebooks lint   ## the whole suite: library tests, every notebook and lab
+
+test-lib: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-notebooks: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(NBVAL) notebooks labs
+
+lint: $(STAMP)
+	$(PY) -m ruff check course_lib tests
+
+lab: $(STAMP)             ## JupyterLab on the course
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 notebooks/00_welcome_and_cluster.ipynb
+
+labs: $(STAMP)            ## regenerate the student labs from labs/solutions/
+	$(PY) -m course_lib labs build
+
+slides: $(STAMP)          ## a reveal.js deck per notebook, in slides/
+	$(VENV)/bin/jupyter nbconvert --to slides --output-dir slides notebooks/*.ipynb
+
+images: $(STAMP)          ## regenerate the figures in images/
+	$(PY) -m course_lib images
+
+clean-cluster: $(STAMP)   ## stop clusters left behind by a killed notebook kernel
+	$(PY) -m course_lib cluster clean
+
+clean:
+	rm -rf slides/*.html demo_output .pytest_cache

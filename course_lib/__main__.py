@@ -1,0 +1,74 @@
+"""The course's command line: ``python -m course_lib <command>``.
+
+    demo                 the headless tour (make demo)
+    doctor               is this machine ready? versions, MPI, GPUs, a live 2-engine cluster
+    cluster clean [--all] stop clusters left behind by a killed notebook kernel
+    labs build | check   regenerate the student labs / list the stale ones
+    images               regenerate the figures in images/
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _images(out_dir):
+    from course_lib import figures_gd
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures_gd.save_all(out_dir)
+    print(f"figures written to {out_dir}/")
+    return 0
+
+
+def _labs(action):
+    from course_lib import labs
+    if action == "build":
+        for path in labs.build_all():
+            print(f"wrote {path}")
+        return 0
+    stale = labs.stale()
+    for path in stale:
+        print(f"stale: {path} (run: python -m course_lib labs build)")
+    return 1 if stale else 0
+
+
+def _clean(everything):
+    from course_lib.launch import clean_clusters
+    stopped = clean_clusters(all=everything)
+    print(f"stopped {len(stopped)} cluster(s){': ' + ', '.join(stopped) if stopped else ''}")
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="the headless tour")
+    demo.add_argument("-n", type=int, default=4, help="engines (default 4)")
+    demo.add_argument("--out", default="demo_output", help="folder for the figures")
+    sub.add_parser("doctor", help="check this machine")
+    cluster = sub.add_parser("cluster", help="cluster housekeeping")
+    cluster.add_argument("action", choices=["clean"])
+    cluster.add_argument("--all", action="store_true", help="also clusters of live kernels")
+    labs = sub.add_parser("labs", help="student labs")
+    labs.add_argument("action", choices=["build", "check"])
+    images = sub.add_parser("images", help="regenerate images/")
+    images.add_argument("--out", type=Path, default=ROOT / "images")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from course_lib import demo as demo_mod
+        return demo_mod.main(n=args.n, out_dir=args.out)
+    if args.command == "doctor":
+        from course_lib import doctor
+        return doctor.main()
+    if args.command == "cluster":
+        return _clean(args.all)
+    if args.command == "labs":
+        return _labs(args.action)
+    return _images(args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""A local cluster of ipyparallel engines, each one a rank in a torch.distributed process group.
+
+Introduced in notebooks/00_welcome_and_cluster.ipynb. Usage::
+
+    from course_lib.cluster import start_cluster
+    with start_cluster(n=4) as cluster:          # 4 engines, Gloo on CPU, NCCL on GPUs
+        print(cluster.run(engine_info))          # one result per rank, in rank order
+
+Every engine gets a rank 0..n-1 by position (engine ids change on restart, ranks do not),
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in its environment, one torch thread, and a process group
+with a short timeout. Nothing waits forever: a call past its deadline interrupts the engines and
+raises :class:`ClusterTimeout` naming the ranks that did not finish; an engine that dies raises
+:class:`EngineDied` naming its rank; either way the next call repairs the cluster first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import ipyparallel as ipp
+
+from course_lib.engine import (  # noqa: F401 - re-exported: the rank demos sit beside the cluster
+    _free_port_and_host,
+    _probe_engine,
+    _setup_engine,
+    allreduce_ranks,
+    choose_backend,
+    engine_info,
+    exit_on,
+    hello,
+    skip_collective,
+    sleep_on,
+)
+from course_lib.launch import PROFILE, _stop_and_reap, clean_clusters, slurm_config
+
+
+class ClusterError(RuntimeError):
+    """A cluster call failed; the message names the ranks concerned."""
+
+
+class ClusterTimeout(ClusterError, TimeoutError):
+    """A call did not finish on some ranks before its deadline."""
+
+
+class EngineDied(ClusterError):
+    """An engine process exited while the cluster was using it."""
+
+
+class RemoteError(ClusterError):
+    """A function raised on one or more ranks; ``errors`` maps rank to the remote traceback."""
+
+    def __init__(self, message, errors):
+        super().__init__(message)
+        self.errors = errors
+
+
+# ---------------------------------------------------------------- the client side
+class Cluster:
+    """A started cluster: ``run`` a course_lib function on every rank, ``stop`` when done."""
+
+    def __init__(self, ipp_cluster, client, n, backend, timeout, pg_timeout, threads):
+        self._ipp, self.client, self.n = ipp_cluster, client, n
+        self.requested_backend, self.timeout = backend, timeout
+        self.pg_timeout, self.threads = pg_timeout, threads
+        self._store_dir = tempfile.mkdtemp(prefix="course_lib-pg-")
+        self._broken = None  # None, "pg" (re-create the process group) or "engines" (restart)
+        self._setup()
+
+    # -- set-up and repair
+    def _setup(self):
+        """Order engines into ranks, pick the backend, and create the process group."""
+        ids = sorted(self.client.ids)
+        probes = self.client[ids].apply_sync(_probe_engine)
+        order = sorted(range(len(ids)), key=lambda i: (probes[i]["mpi_rank"] is None,
+                                                       probes[i]["mpi_rank"], i))
+        self.engine_ids = [ids[i] for i in order]
+        self.probes = [probes[i] for i in order]
+        self.pids = [p["pid"] for p in self.probes]
+        self.backend, self.backend_reason = choose_backend(self.probes, self.requested_backend)
+        hosts = [p["host"] for p in self.probes]
+        local_ranks = [hosts[:r].count(h) for r, h in enumerate(hosts)]
+        single_host = len(set(hosts)) == 1
+        if single_host:  # a file rendezvous: no listening socket at all
+            init = f"file://{self._store_dir}/store-{uuid.uuid4().hex}"
+        else:
+            host, port = self.client[self.engine_ids[0]].apply_sync(_free_port_and_host)
+            init = f"tcp://{host}:{port}"
+        self.view = self.client[self.engine_ids]
+        self.view.block = False
+        calls = [self.client[e].apply_async(_setup_engine, r, self.n, local_ranks[r],
+                                            self.backend, init, self.pg_timeout, self.threads,
+                                            single_host)
+                 for r, e in enumerate(self.engine_ids)]
+        for ar in calls:
+            ar.get(timeout=self.pg_timeout + 10)
+        if _in_ipython():
+            self.view.activate()  # %px / %%px now target the ranks in order
+        self._broken = None
+
+    def _repair(self):
+        if self._broken == "engines":
+            self._ipp.restart_engines_sync()
+            self._wait_for_engines()
+        self._setup()
+
+    def _wait_for_engines(self, timeout=60):
+        deadline = time.monotonic() + timeout
+        while len(self.client.ids) < self.n:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"only {len(self.client.ids)} of {self.n} engines came up "
+                                   f"within {timeout}s")
+            time.sleep(0.1)
+
+    # -- running
+    def run(self, fn, *args, timeout=None, **kwargs):
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if self._broken:
+            self._repair()
+        return self._wait(self.view.apply_async(fn, *args, **kwargs), fn, timeout)
+
+    def _dead_ranks(self):
+        import psutil
+        return [r for r, pid in enumerate(self.pids)
+                if self.probes[r]["host"] == socket.gethostname()
+                and (not psutil.pid_exists(pid)
+                     or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)]
+
+    def _pending(self, ar):
+        return [r for r, m in enumerate(ar.msg_ids) if m in self.client.outstanding]
+
+    def _wait(self, ar, fn, timeout):
+        timeout = self.timeout if timeout is None else timeout
+        name = getattr(fn, "__qualname__", repr(fn))
+        deadline = time.monotonic() + timeout
+        while not ar.ready():
+            ar.wait(0.05)
+            dead = self._dead_ranks()
+            if dead:
+                self._interrupt(ar, self._pending(ar), engines_dead=True)
+                pids = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in dead)
+                raise EngineDied(f"{pids} died while running {name}; the next call restarts "
+                                 "the engines (their state is lost)")
+            if time.monotonic() > deadline and not ar.ready():
+                late = self._pending(ar)
+                killed = self._interrupt(ar, late)
+                then = (f"rank(s) {killed} ignored the interrupt (blocked in a native wait) "
+                        "and were killed; the next call restarts the engines") if killed else \
+                    "they were interrupted; the next call re-creates the process group"
+                raise ClusterTimeout(f"{name} did not finish within {timeout:g}s on rank(s) "
+                                     f"{late} of {self.n}; {then}")
+        try:
+            return ar.get()
+        except ipp.error.CompositeError as e:
+            errors = {self.engine_ids.index(info["engine_id"]): f"{ename}: {evalue}\n{tb or ''}"
+                      for ename, evalue, tb, info in e.elist}
+        except ipp.error.RemoteError as e:
+            errors = {self.engine_ids.index(e.engine_info["engine_id"]): f"{e.ename}: {e.evalue}"
+                      f"\n{e.traceback or ''}"}
+        errors = {r: re.sub(r"\x1b\[[0-9;]*m", "", text) for r, text in errors.items()}
+        self._broken = "pg"  # a collective may have been left half done
+        first = min(errors)
+        detail = "\n".join(f"--- rank {r}: {text}" for r, text in sorted(errors.items()))
+        raise RemoteError(f"{name} raised on rank(s) {sorted(errors)} of {self.n} (first: rank "
+                          f"{first}: {errors[first].splitlines()[0]})\n{detail}", errors)
+
+    def _interrupt(self, ar, ranks, engines_dead=False, grace=3.0):
+        """SIGINT ``ranks``; kill those still running after ``grace`` s. Returns the killed."""
+        if ranks:
+            self.client.send_signal(signal.SIGINT, targets=[self.engine_ids[r] for r in ranks],
+                                    block=False)
+        deadline = time.monotonic() + grace
+        while self._pending(ar) and time.monotonic() < deadline:
+            ar.wait(0.05)
+        stuck = self._pending(ar)
+        for r in stuck:  # deaf to SIGINT (blocked in a native wait): restarted by the next call
+            if not _signal_pid(self.pids[r], signal.SIGKILL, self.probes[r]["host"]):
+                self.client.send_signal(signal.SIGKILL, targets=[self.engine_ids[r]], block=False)
+        self._broken = "engines" if (stuck or engines_dead) else "pg"
+        return stuck
+
+    # -- the end
+    def stop(self):
+        """Stop the controller and every engine; returns once no process of it is left."""
+        if self._ipp is None:
+            return
+        try:
+            self.client.close()
+        finally:
+            _stop_and_reap(self._ipp, extra_pids=self.pids)
+            self._ipp = None
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def __repr__(self):
+        state = "stopped" if self._ipp is None else self.backend
+        return f"<Cluster n={self.n} {state}>"
+
+
+def _signal_pid(pid, sig, host):
+    """Signal a process on this host; False when it lives on another host."""
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return True
+
+
+# ---------------------------------------------------------------- starting and cleaning up
+def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=30, threads=1,
+                  **slurm):
+    """Start ``n`` engines and return a :class:`Cluster` whose ranks share a process group.
+
+    engines: "local" (processes on this machine), "mpi" (under ``mpiexec``, so mpi4py works on
+    them and rank == MPI rank) or "slurm" (an sbatch job; see :func:`slurm_config`).
+    timeout: default deadline of ``Cluster.run`` in seconds; pg_timeout: the process group's.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    clean_clusters()  # clusters whose notebook kernel was killed
+    from traitlets.config import Config
+    config = Config()
+    kwargs = dict(n=n, profile=PROFILE, log_level=40, config=config,
+                  cluster_id=f"{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if engines == "local":
+        kwargs.update(engines="local", controller_ip="127.0.0.1")
+        config.LocalEngineSetLauncher.environment = env
+    elif engines == "mpi":
+        mpiexec = shutil.which("mpiexec") or str(Path(sys.prefix, "bin", "mpiexec"))
+        if not Path(mpiexec).exists():
+            raise ClusterError("engines='mpi' needs mpiexec: pip install mpi4py mpich")
+        kwargs.update(engines="mpi", controller_ip="127.0.0.1")
+        config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
+        config.MPIEngineSetLauncher.environment = env
+    elif engines == "slurm":
+        kwargs.update(slurm_config(n, **slurm))
+        kwargs["config"].SlurmEngineSetLauncher.environment = env
+    else:
+        raise ValueError(f"engines must be 'local', 'mpi' or 'slurm', not {engines!r}")
+    ipp_cluster = ipp.Cluster(**kwargs)
+    try:
+        client = ipp_cluster.start_and_connect_sync(n=n, activate=False)
+        cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads)
+    except BaseException:
+        _stop_and_reap(ipp_cluster)
+        raise
+    return cluster
+
+
+def _in_ipython():
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return get_ipython() is not None

@@ -1,0 +1,119 @@
+"""What runs on each engine of a cluster: its rank, its process group, and small rank demos.
+
+Introduced in notebooks/00_welcome_and_cluster.ipynb. ``course_lib.cluster`` calls
+``_probe_engine`` and ``_setup_engine`` on every engine; the rest are functions a notebook sends
+to the ranks with ``cluster.run(...)`` to see ranks, backends and deadlines at work.
+"""
+
+import os
+import socket
+import time
+from datetime import timedelta
+
+ENGINE: dict = {}  # on an engine: this rank's identity, filled in by _setup_engine
+
+
+def _probe_engine():
+    """Report host, pid, GPUs and MPI rank (if any) so the client can assign ranks."""
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "gpus": 0, "nccl": False,
+            "mpi_rank": None}
+    if "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
+        info["mpi_rank"] = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")))
+    import torch
+    import torch.distributed as dist
+    if torch.cuda.is_available():
+        info["gpus"] = torch.cuda.device_count()
+        info["nccl"] = dist.is_nccl_available()
+    return info
+
+
+def _setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s, threads,
+                  loopback):
+    """Give this engine its rank and (re)create its process group. Runs on every engine."""
+    import torch
+    import torch.distributed as dist
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
+    if loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # Gloo's sockets listen on 127.0.0.1 only
+    torch.set_num_threads(threads)
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    ENGINE.update(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
+                  device=device, host=socket.gethostname(), pid=os.getpid())
+    return rank
+
+
+def engine_info():
+    """This engine's rank, world size, local rank, host, pid, backend and device."""
+    return dict(ENGINE)
+
+
+def hello():
+    """A greeting from this rank: who it is, where it runs, which backend it uses."""
+    e = ENGINE
+    return (f"hello from rank {e['rank']} of {e['world_size']} (local rank {e['local_rank']}, "
+            f"pid {e['pid']} on {e['host']}, {e['backend']} on {e['device']})")
+
+
+def allreduce_ranks():
+    """Sum every rank's number with the native allreduce: 0 + 1 + ... + (world_size - 1)."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([float(ENGINE["rank"])], device=ENGINE["device"])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def sleep_on(ranks, seconds):
+    """Sleep ``seconds`` on the given ranks (a slow rank, to watch a deadline fire)."""
+    if ENGINE["rank"] in ranks:
+        time.sleep(seconds)
+    return ENGINE["rank"]
+
+
+def skip_collective(rank):
+    """Every rank but ``rank`` joins an allreduce: the classic hang, bounded by deadlines."""
+    return allreduce_ranks() if ENGINE["rank"] != rank else None
+
+
+def exit_on(rank):
+    """The process of ``rank`` exits at once (an engine that dies mid-call)."""
+    if ENGINE["rank"] == rank:
+        os._exit(1)
+    time.sleep(30)
+
+
+def _free_port_and_host():
+    """Rank 0 of a multi-host cluster: a free TCP port on this host, for the rendezvous."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return socket.gethostbyname(socket.gethostname()), s.getsockname()[1]
+
+
+def choose_backend(probes, backend="auto"):
+    """Return (backend, reason): NCCL when every rank has its own GPU, else Gloo."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
+    per_host = {}
+    for p in probes:
+        per_host[p["host"]] = per_host.get(p["host"], 0) + 1
+    short = [h for h, k in per_host.items() if min(p["gpus"] for p in probes if p["host"] == h) < k]
+    own_gpu = not short and all(p["nccl"] for p in probes)
+    if backend == "nccl" and not own_gpu:
+        raise ValueError("backend='nccl' needs one GPU per rank and NCCL; hosts short of GPUs: "
+                         f"{short or 'none (NCCL unavailable)'}")
+    if backend == "gloo":
+        return "gloo", "Gloo, as asked"
+    if own_gpu:
+        return "nccl", "NCCL: every rank has a GPU of its own (pinned by local rank)"
+    gpus = sum(p["gpus"] for p in probes)
+    return "gloo", (f"Gloo: {len(probes)} ranks but {gpus} GPU(s) visible, so not every rank "
+                    "has a GPU of its own" if gpus else "Gloo: no GPU visible, CPU tensors")
+
+

@@ -1,0 +1,105 @@
+"""Launching and cleaning up clusters: SLURM job scripts, and the reaping of stray processes.
+
+Introduced in notebooks/00_welcome_and_cluster.ipynb (and notebooks/11_scaling_out.ipynb).
+``python -m course_lib cluster clean`` calls :func:`clean_clusters` to stop clusters whose
+notebook kernel was killed before it could stop them.
+"""
+
+import socket
+
+import ipyparallel as ipp
+
+PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches other clusters
+
+
+def slurm_batch_script(n, partition="", time_limit="00:30:00", account="", gpus_per_task=0,
+                       cpus_per_task=1, extra=()):
+    """The sbatch script that starts ``n`` engines as one job (``srun`` fills in the engine)."""
+    lines = ["#!/bin/sh", "#SBATCH --job-name=course-engines-{cluster_id}",
+             f"#SBATCH --ntasks={n}", f"#SBATCH --cpus-per-task={cpus_per_task}",
+             f"#SBATCH --time={time_limit}", "#SBATCH --output=engines-{cluster_id}.log"]
+    if partition:
+        lines.append(f"#SBATCH --partition={partition}")
+    if account:
+        lines.append(f"#SBATCH --account={account}")
+    if gpus_per_task:
+        lines.append(f"#SBATCH --gpus-per-task={gpus_per_task}")
+    lines += [f"#SBATCH {x}" for x in extra]
+    lines += [f"export OMP_NUM_THREADS={cpus_per_task}", "srun {program_and_args}", ""]
+    return "\n".join(lines)
+
+
+def slurm_config(n, partition="", time_limit="00:30:00", account="", gpus_per_task=0,
+                 cpus_per_task=1, extra=(), controller_ip="*"):
+    """ipyparallel settings for engines="slurm": controller here, engines in one sbatch job.
+
+    The controller listens on ``controller_ip`` ("*" = every interface) because compute nodes
+    must reach it; run this on a login node of a cluster you trust.
+    """
+    from traitlets.config import Config
+    config = Config()
+    config.SlurmEngineSetLauncher.batch_template = slurm_batch_script(
+        n, partition, time_limit, account, gpus_per_task, cpus_per_task, extra)
+    return dict(engines="slurm", controller_ip=controller_ip,
+                controller_location=socket.gethostname(), config=config)
+
+
+def _owner_alive(cluster_id):
+    owner = cluster_id.split("-", 1)[0]
+    if not owner.isdigit():
+        return False
+    import psutil
+    return psutil.pid_exists(int(owner))
+
+
+def clean_clusters(all=False):
+    """Stop clusters left behind by a killed notebook kernel (all of ours with ``all=True``).
+
+    Returns the ids of the clusters stopped. ``python -m course_lib cluster clean`` calls this.
+    """
+    stopped = []
+    manager = ipp.ClusterManager()
+    try:
+        clusters = manager.load_clusters(profile=PROFILE)
+    except Exception:  # noqa: BLE001 - no profile yet: nothing to clean
+        return stopped
+    for c in clusters.values():
+        if all or not _owner_alive(c.cluster_id):
+            try:
+                _stop_and_reap(c)
+            except Exception:  # noqa: BLE001 - already half gone: remove what is left
+                pass
+            c.remove_cluster_file()
+            stopped.append(c.cluster_id)
+    return stopped
+def _launcher_pids(ipp_cluster):
+    """Pids of the controller and engine launchers recorded by ipyparallel."""
+    launchers = [ipp_cluster.controller] if ipp_cluster.controller else []
+    for engine_set in (ipp_cluster.engines or {}).values():
+        launchers.append(engine_set)
+        launchers += list(getattr(engine_set, "launchers", {}).values())
+    return [p for p in (getattr(x, "pid", None) for x in launchers) if p and p > 0]
+
+
+def _stop_and_reap(ipp_cluster, extra_pids=(), timeout=10):
+    """Stop a cluster, then wait for (and if need be kill) every process of its tree."""
+    import psutil
+    procs = []
+    for pid in {*_launcher_pids(ipp_cluster), *extra_pids}:
+        try:
+            proc = psutil.Process(pid)
+            procs += [proc, *proc.children(recursive=True)]
+        except psutil.Error:
+            pass
+    try:
+        ipp_cluster.stop_cluster_sync()
+    finally:
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(alive, timeout=timeout)
+
+
