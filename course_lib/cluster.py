@@ -37,6 +37,7 @@ from course_lib.engine import (  # noqa: F401 - re-exported: the rank demos sit 
     engine_info,
     exit_on,
     hello,
+    mpi_hello,
     skip_collective,
     sleep_on,
 )
@@ -232,6 +233,8 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    if engines not in ("local", "mpi", "slurm"):
+        raise ValueError(f"engines must be 'local', 'mpi' or 'slurm', not {engines!r}")
     clean_clusters()  # clusters whose notebook kernel was killed
     from traitlets.config import Config
     config = Config()
@@ -251,8 +254,6 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
     elif engines == "slurm":
         kwargs.update(slurm_config(n, **slurm))
         kwargs["config"].SlurmEngineSetLauncher.environment = env
-    else:
-        raise ValueError(f"engines must be 'local', 'mpi' or 'slurm', not {engines!r}")
     ipp_cluster = ipp.Cluster(**kwargs)
     try:
         client = ipp_cluster.start_and_connect_sync(n=n, activate=False)

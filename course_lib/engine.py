@@ -50,8 +50,10 @@ def _setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s,
 
 
 def engine_info():
-    """This engine's rank, world size, local rank, host, pid, backend and device."""
-    return dict(ENGINE)
+    """This engine's rank, world size, local rank, host, pid, backend, device and threads."""
+    import torch
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return dict(ENGINE, threads=torch.get_num_threads(), env=env)
 
 
 def hello():
@@ -68,6 +70,14 @@ def allreduce_ranks():
     t = torch.tensor([float(ENGINE["rank"])], device=ENGINE["device"])
     dist.all_reduce(t)
     return t.item()
+
+
+def mpi_hello():
+    """The same ranks seen through MPI (engines started with engines="mpi")."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    return {"mpi_rank": comm.Get_rank(), "mpi_size": comm.Get_size(),
+            "sum_of_ranks": comm.allreduce(comm.Get_rank())}
 
 
 def sleep_on(ranks, seconds):

@@ -1,0 +1,187 @@
+"""The cluster: ranks by position, a working process group, bounded failures, no leftovers."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from course_lib import cluster as C
+from course_lib.launch import slurm_batch_script, slurm_config
+from course_lib.parallel_gd import check_full_gradient
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with C.start_cluster(n=3, timeout=30) as c:
+        yield c
+
+
+def _tree(pids):
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs += [p, *p.children(recursive=True)]
+        except psutil.Error:
+            pass
+    return procs
+
+
+def _cluster_pids(c):
+    return [p.pid for p in _tree(c.pids + [c._ipp.controller.pid])]
+
+
+def test_ranks_environment_and_threads(cluster):
+    infos = cluster.run(C.engine_info)
+    assert [i["rank"] for i in infos] == [0, 1, 2]
+    assert all(i["world_size"] == 3 and i["threads"] == 1 for i in infos)
+    assert [i["env"] for i in infos] == [
+        {"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r)} for r in range(3)]
+    assert len({i["pid"] for i in infos}) == 3
+
+
+def test_backend_auto_is_gloo_without_gpus(cluster):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs")
+    assert cluster.backend == "gloo" and "GPU" in cluster.backend_reason
+
+
+def test_native_allreduce_and_full_gradient(cluster):
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
+    error, results = check_full_gradient(cluster, n_samples=1000, n_features=5)
+    assert [r["n_local"] for r in results] == [334, 333, 333]
+    assert error < 1e-12
+
+
+def test_remote_error_names_the_rank_and_cluster_recovers(cluster):
+    with pytest.raises(C.RemoteError, match=r"rank\(s\) \[1\] of 3") as info:
+        cluster.run(C.sleep_on, [1], -1)
+    assert list(info.value.errors) == [1] and "ValueError" in info.value.errors[1]
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
+
+
+def test_timeout_interrupts_and_names_the_late_rank(cluster):
+    t = time.monotonic()
+    with pytest.raises(C.ClusterTimeout, match=r"within 1s on rank\(s\) \[2\] of 3"):
+        cluster.run(C.sleep_on, [2], 60, timeout=1)
+    assert time.monotonic() - t < 10
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
+
+
+def test_rank_missing_from_a_collective_times_out_then_cluster_is_usable(cluster):
+    t = time.monotonic()
+    with pytest.raises(C.ClusterTimeout, match=r"rank\(s\) \[0, 1\] of 3"):
+        cluster.run(C.skip_collective, 2, timeout=2)
+    assert time.monotonic() - t < 15
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
+    assert [i["rank"] for i in cluster.run(C.engine_info)] == [0, 1, 2]
+
+
+def test_engine_that_dies_is_named_within_seconds(cluster):
+    pid = cluster.pids[1]
+    t = time.monotonic()
+    with pytest.raises(C.EngineDied, match=f"rank 1 \\(pid {pid}\\) died"):
+        cluster.run(C.exit_on, 1)
+    assert time.monotonic() - t < 10
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]  # restarted, ranks kept
+    assert pid not in cluster.pids
+
+
+def test_every_listener_is_on_loopback(cluster):
+    pids = set(_cluster_pids(cluster))
+    listening = [c for c in psutil.net_connections("inet")
+                 if c.pid in pids and c.status == psutil.CONN_LISTEN]
+    assert listening, "expected the controller to listen somewhere"
+    assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::1"}, listening
+
+
+def test_stop_leaves_no_process_behind():
+    c = C.start_cluster(n=2)
+    procs = _tree(c.pids + [c._ipp.controller.pid])
+    assert len(procs) >= 3
+    c.stop()
+    assert [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    c.stop()  # stopping twice is harmless
+
+
+def test_clean_stops_the_cluster_of_a_killed_kernel(tmp_path):
+    script = ("import os, signal, json, psutil\n"
+              "from course_lib.cluster import start_cluster\n"
+              "c = start_cluster(n=2)\n"
+              "print(json.dumps([p.pid for p in psutil.Process().children(recursive=True)]),"
+              " flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    pids = json.loads(out.stdout.strip().splitlines()[-1])
+    assert any(psutil.pid_exists(p) for p in pids), "the killed kernel should leave engines"
+    done = subprocess.run([sys.executable, "-m", "course_lib", "cluster", "clean"],
+                          capture_output=True, text=True, timeout=120)
+    assert "stopped 1 cluster" in done.stdout, done.stdout + done.stderr
+    alive = [p for p in pids if psutil.pid_exists(p)
+             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None and
+                    not os.path.exists(os.path.join(sys.prefix, "bin", "mpiexec")),
+                    reason="no mpiexec (pip install mpi4py mpich)")
+def test_mpi_engines_rank_is_mpi_rank():
+    with C.start_cluster(n=2, engines="mpi") as c:
+        mpi = c.run(C.mpi_hello)
+        assert [m["mpi_rank"] for m in mpi] == [0, 1]
+        assert [m["sum_of_ranks"] for m in mpi] == [1, 1]
+        assert c.run(C.allreduce_ranks) == [1.0, 1.0]
+
+
+def test_slurm_script_and_config():
+    script = slurm_batch_script(8, partition="gpu", time_limit="01:00:00", account="proj",
+                                gpus_per_task=1, cpus_per_task=4, extra=["--mem=16G"])
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/sh"
+    for line in ["#SBATCH --ntasks=8", "#SBATCH --partition=gpu", "#SBATCH --account=proj",
+                 "#SBATCH --time=01:00:00", "#SBATCH --gpus-per-task=1",
+                 "#SBATCH --cpus-per-task=4", "#SBATCH --mem=16G",
+                 "export OMP_NUM_THREADS=4", "srun {program_and_args}"]:
+        assert line in lines
+    assert "partition" not in slurm_batch_script(2)
+    cfg = slurm_config(4, partition="cpu")
+    assert cfg["engines"] == "slurm" and cfg["controller_ip"] == "*"
+    assert "#SBATCH --ntasks=4" in cfg["config"].SlurmEngineSetLauncher.batch_template
+
+
+def test_choose_backend():
+    gpu = {"host": "a", "gpus": 2, "nccl": True}
+    assert C.choose_backend([gpu, gpu])[0] == "nccl"
+    assert C.choose_backend([gpu, gpu, gpu])[0] == "gloo"  # 3 ranks, 2 GPUs on host a
+    assert C.choose_backend([gpu, {**gpu, "host": "b", "gpus": 1}])[0] == "nccl"
+    assert C.choose_backend([gpu, gpu], "gloo")[0] == "gloo"
+    cpu = {"host": "a", "gpus": 0, "nccl": False}
+    assert C.choose_backend([cpu, cpu]) == ("gloo", "Gloo: no GPU visible, CPU tensors")
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        C.choose_backend([cpu], "nccl")
+    with pytest.raises(ValueError, match="backend must be"):
+        C.choose_backend([cpu], "mpi")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        C.start_cluster(n=0)
+    with pytest.raises(ValueError, match="engines must be"):
+        C.start_cluster(n=1, engines="kubernetes")
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_nccl_on_gpus():
+    import torch
+    n = torch.cuda.device_count()
+    with C.start_cluster(n=n) as c:
+        assert c.backend == "nccl"
+        assert c.run(C.allreduce_ranks) == [float(n * (n - 1) // 2)] * n
+        assert [i["device"] for i in c.run(C.engine_info)] == [f"cuda:{r}" for r in range(n)]
