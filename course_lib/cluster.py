@@ -96,7 +96,7 @@ class Cluster:
             host, port = self.client[self.engine_ids[0]].apply_sync(_free_port_and_host)
             init = f"tcp://{host}:{port}"
         self.view = self.client[self.engine_ids]
-        self.view.block = False
+        self.view.block = True  # %%px cells wait for and show every rank's output
         calls = [self.client[e].apply_async(_setup_engine, r, self.n, local_ranks[r],
                                             self.backend, init, self.pg_timeout, self.threads,
                                             single_host)

@@ -27,8 +27,8 @@ def _mpiexec():
         return None, "not found (pip install mpi4py mpich)"
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
-        first = next((" ".join(ln.split()) for ln in out.stdout.splitlines() if "Version" in ln), "")
-        return path, first or out.stdout.splitlines()[0]
+        lines = [" ".join(ln.split()) for ln in out.stdout.splitlines()]
+        return path, next((ln for ln in lines if "Version" in ln), lines[0])
     except (OSError, subprocess.TimeoutExpired, IndexError) as e:
         return path, f"does not run: {e}"
 

@@ -1,0 +1,313 @@
+"""The gradient descent family: batch GD, SGD and mini-batch SGD, learning-rate schedules,
+and two update rules that go beyond the plain step (momentum, Adagrad).
+
+The three methods differ only in how many samples feed each gradient:
+
+    batch_gd       all m samples        one update per epoch, smooth, expensive
+    sgd            one sample           m updates per epoch, cheap, noisy
+    minibatch_sgd  batch_size samples   the compromise used in practice (and on every GPU)
+
+Each takes a *problem* from `course_lib.models` (loss/grad on numpy arrays) and returns a
+`History` whose ``losses`` are the full-data loss after every update (initial loss first), so
+curves of different methods can be drawn on one epoch axis.
+
+    from course_lib import data, gd, models
+    X, y, _ = data.make_linear()
+    hist = gd.minibatch_sgd(models.LinearRegression(), X, y, theta0=[0.0, 0.0], lr=0.1,
+                            num_epochs=20, batch_size=32, schedule=gd.step_decay(0.1))
+    hist.final_theta, hist.final_loss
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# A run counts as diverged once the full loss is non-finite or this many times the start.
+DIVERGENCE_FACTOR = 1e10
+
+
+@dataclass
+class History:
+    """What a run recorded. ``losses``/``thetas``: full-data loss and parameters at the start
+    and after every update (length = updates + 1); ``lrs``/``epochs``: learning rate and epoch
+    index of each update (length = updates); ``batch_losses``: the loss on each mini-batch just
+    before its update (SGD / mini-batch only). ``thetas`` stays empty when
+    ``record_thetas=False``; ``diverged`` is True when the run stopped early because the loss
+    blew up (its last entry is then the non-finite or huge value).
+
+    Introduced in notebooks/01_gradient_descent.ipynb.
+    """
+
+    losses: list = field(default_factory=list)
+    thetas: list = field(default_factory=list)
+    lrs: list = field(default_factory=list)
+    epochs: list = field(default_factory=list)
+    batch_losses: list = field(default_factory=list)
+    diverged: bool = False
+    record_thetas: bool = True
+    last_theta: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def final_theta(self):
+        return self.last_theta
+
+    @property
+    def final_loss(self):
+        return self.losses[-1]
+
+    @property
+    def epochs_elapsed(self):
+        """Fractional epochs at each entry of ``losses`` (0 at the start), for a common x-axis."""
+        ep = np.asarray(self.epochs)
+        x = np.zeros(len(ep) + 1)
+        for e in np.unique(ep):
+            where = np.flatnonzero(ep == e)
+            x[where + 1] = e + np.arange(1, len(where) + 1) / len(where)
+        return x
+
+    def _record(self, theta, loss, lr=None, epoch=None):
+        self.losses.append(float(loss))
+        self.last_theta = theta.copy()
+        if self.record_thetas:
+            self.thetas.append(self.last_theta)
+        if lr is not None:
+            self.lrs.append(float(lr))
+            self.epochs.append(int(epoch))
+        bad = not math.isfinite(loss) or loss > DIVERGENCE_FACTOR * (abs(self.losses[0]) + 1.0)
+        self.diverged = bad
+        return bad
+
+
+# ---------------------------------------------------------------- learning-rate schedules
+def _check_lr(lr):
+    if not (isinstance(lr, (int, float, np.number)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"learning rate must be a finite number > 0, got {lr!r}")
+    return float(lr)
+
+
+def constant(lr):
+    """Schedule ``epoch -> lr``. Introduced in notebooks/01_gradient_descent.ipynb."""
+    lr = _check_lr(lr)
+    return lambda epoch: lr
+
+
+def step_decay(lr, drop=0.5, epochs_per_drop=10):
+    """Schedule ``epoch -> lr * drop ** (epoch // epochs_per_drop)``: a staircase.
+
+    Introduced in notebooks/01_gradient_descent.ipynb.
+    """
+    lr = _check_lr(lr)
+    if not 0 < drop <= 1 or epochs_per_drop < 1:
+        raise ValueError(f"need 0 < drop <= 1 and epochs_per_drop >= 1, got {drop}, "
+                         f"{epochs_per_drop}")
+    return lambda epoch: lr * drop ** (epoch // epochs_per_drop)
+
+
+def exponential_decay(lr, k):
+    """Schedule ``epoch -> lr * exp(-k * epoch)``. Introduced in
+    notebooks/01_gradient_descent.ipynb."""
+    lr = _check_lr(lr)
+    if k < 0:
+        raise ValueError(f"decay rate k must be >= 0, got {k}")
+    return lambda epoch: lr * math.exp(-k * epoch)
+
+
+def inverse_time_decay(lr, k):
+    """Schedule ``epoch -> lr / (1 + k * epoch)``, the classic 1/t annealing.
+
+    Introduced in notebooks/01_gradient_descent.ipynb.
+    """
+    lr = _check_lr(lr)
+    if k < 0:
+        raise ValueError(f"decay rate k must be >= 0, got {k}")
+    return lambda epoch: lr / (1.0 + k * epoch)
+
+
+# ---------------------------------------------------------------- update rules
+class SGD:
+    """The plain step ``theta - lr * grad`` (no state). Introduced in
+    notebooks/01_gradient_descent.ipynb."""
+
+    def reset(self):
+        pass
+
+    def step(self, theta, grad, lr):
+        return theta - lr * grad
+
+
+class Momentum:
+    """Heavy-ball momentum (Ruder's form): ``v <- beta * v + lr * grad``; ``theta <- theta - v``.
+
+    ``v`` starts at zero, so the first step equals plain SGD. (torch.optim.SGD keeps
+    ``v <- beta * v + grad`` and steps ``lr * v``: the same thing while lr is constant.)
+
+    Introduced in notebooks/01_gradient_descent.ipynb.
+    """
+
+    def __init__(self, beta=0.9):
+        if not 0 <= beta < 1:
+            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        self.beta = beta
+        self.reset()
+
+    def reset(self):
+        self.v = None
+
+    def step(self, theta, grad, lr):
+        self.v = lr * grad if self.v is None else self.beta * self.v + lr * grad
+        return theta - self.v
+
+
+class Adagrad:
+    """One learning rate per parameter: ``G <- G + grad**2``;
+    ``theta <- theta - lr * grad / (sqrt(G) + eps)`` (elementwise, as torch.optim.Adagrad).
+
+    Parameters with rarely non-zero (sparse) gradients keep a small G and so take large steps.
+
+    Introduced in notebooks/01_gradient_descent.ipynb.
+    """
+
+    def __init__(self, eps=1e-8):
+        self.eps = eps
+        self.reset()
+
+    def reset(self):
+        self.G = None
+
+    def step(self, theta, grad, lr):
+        self.G = grad**2 if self.G is None else self.G + grad**2
+        return theta - lr * grad / (np.sqrt(self.G) + self.eps)
+
+
+# ---------------------------------------------------------------- the three methods
+def _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas):
+    """Validate arguments, reset the optimizer, record the initial loss."""
+    _check_lr(lr)
+    if not isinstance(num_epochs, (int, np.integer)) or num_epochs < 0:
+        raise ValueError(f"num_epochs must be an integer >= 0, got {num_epochs!r}")
+    if X is not None and len(X) != len(y):
+        raise ValueError(f"X and y disagree on the number of samples: {len(X)} vs {len(y)}")
+    theta = np.array(theta0, dtype=np.float64)  # a copy: the caller's theta0 is never changed
+    hist = History(record_thetas=record_thetas)
+    hist._record(theta, problem.loss(theta, X, y))  # also checks theta against X
+    if optimizer is not None:
+        optimizer.reset()
+    return theta, hist
+
+
+def _lr_for(epoch, lr, schedule):
+    return _check_lr(schedule(epoch)) if schedule is not None else lr
+
+
+def _step(theta, g, lr, optimizer):
+    return theta - lr * g if optimizer is None else optimizer.step(theta, g, lr)
+
+
+def batch_gd(problem, X, y, theta0, lr, num_epochs, schedule=None, optimizer=None, *,
+             record_thetas=True):
+    """Batch gradient descent: each epoch is ONE update with the gradient over all of X.
+
+    ``theta <- theta - lr_e * problem.grad(theta, X, y)`` with ``lr_e = schedule(e)`` when a
+    schedule is given, else ``lr``; ``optimizer`` (e.g. ``Momentum()``) replaces the plain step.
+
+    Introduced in notebooks/01_gradient_descent.ipynb.
+    """
+    theta, hist = _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for epoch in range(num_epochs):
+            lr_e = _lr_for(epoch, lr, schedule)
+            theta = _step(theta, problem.grad(theta, X, y), lr_e, optimizer)
+            if hist._record(theta, problem.loss(theta, X, y), lr_e, epoch):
+                break
+    return hist
+
+
+def sgd(problem, X, y, theta0, lr, num_epochs, seed=0, schedule=None, optimizer=None, *,
+        record_thetas=True):
+    """Stochastic gradient descent: one sample per update, in a fresh random order each epoch.
+
+    ``rng = np.random.default_rng(seed)``; every epoch visits ``rng.permutation(len(X))`` and
+    for each index i steps with ``problem.grad(theta, X[i:i+1], y[i:i+1])``. This is the same
+    rng contract as ``minibatch_sgd``, so ``sgd`` == ``minibatch_sgd(batch_size=1)``.
+
+    Introduced in notebooks/01_gradient_descent.ipynb.
+    """
+    theta, hist = _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas)
+    rng = np.random.default_rng(seed)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for epoch in range(num_epochs):
+            lr_e = _lr_for(epoch, lr, schedule)
+            for i in rng.permutation(len(X)):
+                xi, yi = X[i:i + 1], y[i:i + 1]
+                hist.batch_losses.append(problem.loss(theta, xi, yi))
+                theta = _step(theta, problem.grad(theta, xi, yi), lr_e, optimizer)
+                if hist._record(theta, problem.loss(theta, X, y), lr_e, epoch):
+                    return hist
+    return hist
+
+
+def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=None, *,
+                        callback=None):
+    """One epoch of mini-batch SGD. Returns ``(theta, batch_losses)``.
+
+    The exact contract (lab 01 checks a student's version against this one):
+
+    1. ``order = rng.permutation(len(X))`` -- exactly one call on ``rng`` per epoch;
+    2. for ``start = 0, batch_size, 2 * batch_size, ...``: ``idx = order[start:start +
+       batch_size]`` (the last batch may be smaller), append
+       ``problem.loss(theta, X[idx], y[idx])`` to ``batch_losses``, then update
+       ``theta <- theta - lr * problem.grad(theta, X[idx], y[idx])``
+       (or ``optimizer.step(theta, grad, lr)`` when an optimizer is given).
+
+    The input ``theta`` is not modified. ``callback(theta)``, if given, is called after every
+    update; when it returns True the epoch stops early.
+
+    Introduced in notebooks/01_gradient_descent.ipynb.
+    """
+    lr = _check_lr(lr)
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if len(X) != len(y):
+        raise ValueError(f"X and y disagree on the number of samples: {len(X)} vs {len(y)}")
+    theta = np.array(theta, dtype=np.float64)
+    batch_losses = []
+    order = rng.permutation(len(X))
+    for start in range(0, len(X), batch_size):
+        idx = order[start:start + batch_size]
+        batch_losses.append(problem.loss(theta, X[idx], y[idx]))
+        theta = _step(theta, problem.grad(theta, X[idx], y[idx]), lr, optimizer)
+        if callback is not None and callback(theta):
+            break
+    return theta, batch_losses
+
+
+def minibatch_sgd(problem, X, y, theta0, lr, num_epochs, batch_size=32, seed=0, schedule=None,
+                  optimizer=None, *, record_thetas=True):
+    """Mini-batch SGD: ``num_epochs`` calls of ``minibatch_sgd_epoch`` with one shared
+    ``rng = np.random.default_rng(seed)`` and ``lr_e = schedule(e)`` (or ``lr``) in epoch e.
+
+    ``batch_size=1`` is SGD; ``batch_size >= len(X)`` is batch GD (the gradient then sums the
+    same rows, only in shuffled order).
+
+    Introduced in notebooks/01_gradient_descent.ipynb.
+    """
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    theta, hist = _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas)
+    rng = np.random.default_rng(seed)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for epoch in range(num_epochs):
+            lr_e = _lr_for(epoch, lr, schedule)
+
+            def record(th, lr_e=lr_e, epoch=epoch):
+                return hist._record(th, problem.loss(th, X, y), lr_e, epoch)
+
+            theta, batch_losses = minibatch_sgd_epoch(problem, X, y, theta, lr_e, batch_size,
+                                                      rng, optimizer, callback=record)
+            hist.batch_losses.extend(batch_losses)
+            if hist.diverged:
+                break
+    return hist

@@ -1,0 +1,149 @@
+"""Build the student lab notebooks from their solution sources, and spot stale ones.
+
+Each lab has one source, ``labs/solutions/NN_topic.ipynb``, in which the worked answers sit
+between nbgrader-style markers::
+
+    def minibatch_epoch(problem, X, y, theta, lr, batch_size, rng):
+        \"\"\"Docstring stays for the student.\"\"\"
+        ### BEGIN SOLUTION
+        ...
+        ### END SOLUTION
+
+The student version ``labs/NN_topic.ipynb`` replaces every marked block of a code cell with
+``raise NotImplementedError`` (at the indentation of the BEGIN marker, so a block inside a
+function body becomes the body) and tags the cell ``raises-exception`` so that nbval still runs
+the student notebook. In a markdown cell a marked block becomes ``*Your answer here.*``.
+Student notebooks are written without outputs and byte-for-byte reproducibly, so they can be
+committed and compared::
+
+    python -m course_lib labs build   # build_all(): regenerate labs/NN_*.ipynb
+    python -m course_lib labs check   # stale(): list student notebooks that need a rebuild
+
+``make_student(nb)`` is the pure transformation, used by both and by the tests.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import nbformat
+
+BEGIN = "### BEGIN SOLUTION"
+END = "### END SOLUTION"
+CODE_STUB = "raise NotImplementedError"
+MARKDOWN_STUB = "*Your answer here.*"
+RAISES_TAG = "raises-exception"
+PATTERN = "[0-9][0-9]_*.ipynb"
+
+
+def _default_root(root: str | Path | None) -> Path:
+    """The repository root: ``root`` if given, else the folder that holds ``course_lib``."""
+    return Path(root) if root is not None else Path(__file__).resolve().parents[1]
+
+
+def strip_solutions(source: str, stub: str, where: str = "cell") -> tuple[str, int]:
+    """Replace each BEGIN/END block in ``source`` by ``stub`` at the BEGIN marker's indentation.
+
+    Returns ``(new_source, number_of_blocks)``. Raises ``ValueError`` (naming ``where``) on a
+    nested BEGIN, an END without BEGIN, or a BEGIN that is never closed.
+    """
+    out: list[str] = []
+    begin_line = None
+    blocks = 0
+    for lineno, line in enumerate(source.splitlines(keepends=True), start=1):
+        if BEGIN in line:
+            if begin_line is not None:
+                raise ValueError(f"{where}: nested '{BEGIN}' on line {lineno} "
+                                 f"(the block opened on line {begin_line} is not closed)")
+            begin_line = lineno
+            indent = line[: len(line) - len(line.lstrip())]
+            newline = "\n" if line.endswith("\n") else ""
+            out.append(f"{indent}{stub}{newline}")
+        elif END in line:
+            if begin_line is None:
+                raise ValueError(f"{where}: '{END}' on line {lineno} without a '{BEGIN}'")
+            begin_line = None
+            blocks += 1
+            if not line.endswith("\n") and out:  # END was the last line: no trailing newline
+                out[-1] = out[-1].rstrip("\n")
+        elif begin_line is None:
+            out.append(line)
+    if begin_line is not None:
+        raise ValueError(f"{where}: '{BEGIN}' on line {begin_line} is never closed by '{END}'")
+    return "".join(out), blocks
+
+
+def make_student(nb: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
+    """Return the student version of solution notebook ``nb`` (``nb`` itself is not changed).
+
+    Solution blocks are replaced (see module docstring), code cells that had one get the
+    ``raises-exception`` tag, every output and execution count is dropped, and cells without an
+    id get a deterministic one. ``name`` only appears in error messages.
+    """
+    nb = copy.deepcopy(nb)
+    for index, cell in enumerate(nb.cells):
+        where = f"{name}, cell {index}"
+        source = cell.get("source", "")
+        if isinstance(source, list):  # tolerate the on-disk list-of-lines form
+            source = "".join(source)
+        if cell.cell_type == "code":
+            cell.source, blocks = strip_solutions(source, CODE_STUB, where)
+            cell.outputs = []
+            cell.execution_count = None
+            if blocks:
+                tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+                if RAISES_TAG not in tags:
+                    tags.append(RAISES_TAG)
+        else:
+            cell.source, _ = strip_solutions(source, MARKDOWN_STUB, where)
+        cell.get("metadata", {}).pop("execution", None)  # timing metadata from some frontends
+        if "id" not in cell:
+            cell["id"] = f"cell-{index}"
+    if (nb.nbformat, nb.nbformat_minor) < (4, 5):
+        nb.nbformat, nb.nbformat_minor = 4, 5
+    return nb
+
+
+def _pairs(root: Path) -> list[tuple[Path, Path]]:
+    """(solution, student) paths for every ``labs/solutions/NN_*.ipynb``."""
+    labs = root / "labs"
+    return [(src, labs / src.name) for src in sorted((labs / "solutions").glob(PATTERN))]
+
+
+def render(solution: Path) -> str:
+    """The exact text the student notebook built from ``solution`` must have."""
+    nb = nbformat.read(solution, as_version=4)
+    student = make_student(nb, name=solution.name)
+    student.metadata["course_lib"] = {
+        "generated_from": f"labs/solutions/{solution.name}",
+        "note": "Generated by `python -m course_lib labs build`; edit the solution source.",
+    }
+    nbformat.validate(student)
+    text = nbformat.writes(student)  # json with sorted keys, indent=1: deterministic
+    return text if text.endswith("\n") else text + "\n"
+
+
+def build_all(root: str | Path | None = None) -> list[Path]:
+    """Regenerate every student notebook under ``root/labs``; return their paths.
+
+    A file is rewritten only when its content changes, so a rebuild leaves clean files alone.
+    """
+    built = []
+    for solution, student in _pairs(_default_root(root)):
+        text = render(solution)
+        if not student.exists() or student.read_text(encoding="utf-8") != text:
+            student.write_text(text, encoding="utf-8")
+        built.append(student)
+    return built
+
+
+def stale(root: str | Path | None = None) -> list[Path]:
+    """Student notebooks that are missing, out of date, or left without a solution source."""
+    root = _default_root(root)
+    pairs = _pairs(root)
+    out = [student for solution, student in pairs
+           if not student.exists() or student.read_text(encoding="utf-8") != render(solution)]
+    expected = {student.name for _, student in pairs}
+    out += [p for p in sorted((root / "labs").glob(PATTERN)) if p.name not in expected]
+    return out
