@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[mpi,dev]'
+	-git rev-parse --git-dir >/dev/null 2>&1 && $(VENV)/bin/nbstripout --install
 	touch $(STAMP)
 
 demo: $(STAMP)            ## the headless tour: cluster, algorithms, summary table, figures
@@ -35,7 +36,7 @@ labs: $(STAMP)            ## regenerate the student labs from labs/solutions/
 	$(PY) -m course_lib labs build
 
 slides: $(STAMP)          ## a reveal.js deck per notebook, in slides/
-	$(VENV)/bin/jupyter nbconvert --to slides --output-dir slides notebooks/*.ipynb
+	$(VENV)/bin/jupyter nbconvert --to slides --execute --ExecutePreprocessor.timeout=600 --output-dir slides notebooks/*.ipynb
 
 images: $(STAMP)          ## regenerate the figures in images/
 	$(PY) -m course_lib images
