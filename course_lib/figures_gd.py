@@ -26,11 +26,11 @@ def _finish(fig, path):
 
 
 def _epoch_means(hist):
-    """Mean full-data loss over the updates of each epoch, at x = 1, 2, ... (start at x = 0)."""
+    """Mean full-data loss over the updates of each epoch, drawn mid-epoch (start at x = 0)."""
     ep = np.asarray(hist.epochs)
     loss = np.asarray(hist.losses[1:])
     means = [loss[ep == e].mean() for e in np.unique(ep)]
-    return np.arange(len(means) + 1), np.array([hist.losses[0], *means])
+    return np.r_[0.0, np.arange(len(means)) + 0.5], np.array([hist.losses[0], *means])
 
 
 def _curves(ax, histories, optimum=None):

@@ -12,7 +12,9 @@ between nbgrader-style markers::
 The student version ``labs/NN_topic.ipynb`` replaces every marked block of a code cell with
 ``raise NotImplementedError`` (at the indentation of the BEGIN marker, so a block inside a
 function body becomes the body) and tags the cell ``raises-exception`` so that nbval still runs
-the student notebook. In a markdown cell a marked block becomes ``*Your answer here.*``.
+the student notebook. In a markdown cell a marked block becomes ``*Your answer here.*``; there
+the markers may sit in HTML comments (``<!-- ### BEGIN SOLUTION -->``) so they stay invisible.
+A marker is any line that contains the marker text.
 Student notebooks are written without outputs and byte-for-byte reproducibly, so they can be
 committed and compared::
 
