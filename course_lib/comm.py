@@ -1,0 +1,263 @@
+"""Point-to-point messages between ranks, with a deadline on every wait.
+
+Introduced in notebooks/02_parallel_computing.ipynb; the collectives of
+notebooks/05_allreduce.ipynb are built on it. One interface, two transports::
+
+    comm = get_comm("torch")      # torch.distributed: Gloo on CPU tensors, NCCL on CUDA tensors
+    comm = get_comm("mpi")        # mpi4py: numpy arrays (or CPU tensors), sent as raw bytes
+    comm.sendrecv(x, (comm.rank + 1) % comm.world_size, y, (comm.rank - 1) % comm.world_size)
+
+``send``/``recv`` block, ``isend``/``irecv`` return a :class:`Request` to ``wait`` on, and
+``sendrecv`` posts its receive before its send, so a ring of them never deadlocks the way a ring
+of blocking sends does. When a wait passes its deadline it raises :class:`CommTimeout` naming the
+operation, this rank, the peer and the size, instead of hanging. Works on cluster engines (the
+process group ``start_cluster`` made), under ``torchrun`` and under ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import numpy as np
+
+DEFAULT_TIMEOUT = 30.0  # seconds; every wait in the course has a deadline
+
+
+class CommError(RuntimeError):
+    """A point-to-point operation failed (say, the peer's process exited); names op and ranks."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """A point-to-point wait passed its deadline; the message names op, ranks and size."""
+
+
+def describe(buf):
+    """'1024 x float32 (4096 bytes)': how error messages name a buffer."""
+    n = buf.numel() if hasattr(buf, "numel") else buf.size
+    dtype = str(buf.dtype).replace("torch.", "")
+    return f"{n} x {dtype} ({n * buf.itemsize} bytes)"
+
+
+class Request:
+    """A posted send or receive; ``wait()`` blocks until it is done or its deadline passes."""
+
+    def __init__(self, comm, op, kind, peer, buf, handle):
+        self.comm, self.op, self.kind, self.peer, self.buf = comm, op, kind, peer, buf
+        self.handle = handle
+        self.done = False
+
+    def wait(self, timeout=None):
+        """Block until complete; raise CommTimeout after ``timeout`` s (default: the comm's)."""
+        if not self.done:
+            c, timeout = self.comm, self.comm.timeout if timeout is None else timeout
+            where = "to" if self.kind == "send" else "from"
+            what = (f"rank {c.rank}: {self.op} {where} rank {self.peer} of {describe(self.buf)} "
+                    f"over {c.transport} (world size {c.world_size})")
+            try:
+                done = c._wait(self.handle, timeout)
+            except RuntimeError as e:
+                raise CommError(f"{what} failed: {str(e).splitlines()[0]}") from e
+            if not done:
+                raise CommTimeout(f"{what} did not complete within {timeout:g}s; is rank "
+                                  f"{self.peer} alive and calling the matching "
+                                  f"{'recv' if where == 'to' else 'send'}?")
+            self.done = True
+        return self.buf
+
+
+def wait_all(requests, timeout=None):
+    """Wait on every request, all under one deadline."""
+    if not requests:
+        return
+    timeout = requests[0].comm.timeout if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    for r in requests:
+        r.wait(max(deadline - time.monotonic(), 0.0))
+
+
+class Comm:
+    """What both transports share: rank, world size, deadline, and the blocking forms."""
+
+    transport = "?"
+
+    def __init__(self, rank, world_size, timeout=DEFAULT_TIMEOUT):
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+
+    def _peer(self, peer, op):
+        if not (isinstance(peer, (int, np.integer)) and 0 <= peer < self.world_size):
+            raise ValueError(f"rank {self.rank}: {op} peer must be a rank in "
+                             f"0..{self.world_size - 1}, not {peer!r}")
+        if peer == self.rank:
+            raise ValueError(f"rank {self.rank}: {op} to itself; copy the buffer instead")
+        return int(peer)
+
+    def send(self, buf, dst, tag=0, timeout=None):
+        """Send ``buf`` to rank ``dst``; returns once the buffer may be reused."""
+        self.isend(buf, dst, tag, _op="send").wait(timeout)
+
+    def recv(self, buf, src, tag=0, timeout=None):
+        """Receive from rank ``src`` into ``buf`` (in place); returns ``buf``."""
+        return self.irecv(buf, src, tag, _op="recv").wait(timeout)
+
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None):
+        """Send to ``dst`` and receive from ``src`` at once: the step of every ring."""
+        reqs = [self.irecv(recvbuf, src, tag, _op="sendrecv"),
+                self.isend(sendbuf, dst, tag, _op="sendrecv")]
+        wait_all(reqs, timeout)
+        return recvbuf
+
+    def __repr__(self):
+        return f"<{type(self).__name__} rank {self.rank} of {self.world_size}>"
+
+
+# ---------------------------------------------------------------- torch.distributed
+class TorchComm(Comm):
+    """Messages over torch.distributed: Gloo for CPU tensors, NCCL for CUDA tensors.
+
+    A Gloo wait that times out closes the connection to that peer, so the process group has to
+    be re-created afterwards (``Cluster.run`` does this on its next call).
+    """
+
+    transport = "torch"
+
+    def __init__(self, group=None, timeout=DEFAULT_TIMEOUT):
+        import torch.distributed as dist
+        self.dist, self.group = dist, group
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout)
+        self.backend = dist.get_backend(group)
+
+    @staticmethod
+    def _tensor(buf):
+        import torch
+        t = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
+        if not t.is_contiguous():
+            raise ValueError(f"buffers must be contiguous, got strides {tuple(t.stride())}")
+        return t
+
+    def isend(self, buf, dst, tag=0, _op="isend"):
+        dst = self._peer(dst, _op)
+        t = self._tensor(buf)
+        work = None if t.numel() == 0 else self.dist.isend(t, dst, group=self.group, tag=tag)
+        return Request(self, _op, "send", dst, buf, work)
+
+    def irecv(self, buf, src, tag=0, _op="irecv"):
+        src = self._peer(src, _op)
+        t = self._tensor(buf)
+        work = None if t.numel() == 0 else self.dist.irecv(t, src, group=self.group, tag=tag)
+        return Request(self, _op, "recv", src, buf, work)
+
+    def _wait(self, work, timeout):
+        if work is None:
+            return True
+        try:
+            work.wait(timedelta(seconds=max(timeout, 1e-3)))
+        except RuntimeError as e:
+            if "imed out" in str(e) or "timeout" in str(e).lower():
+                return False
+            raise
+        return True
+
+    def barrier(self, timeout=None):
+        """Every rank waits here until all have arrived (native barrier, with a deadline)."""
+        work = self.dist.barrier(group=self.group, async_op=True)
+        timeout = self.timeout if timeout is None else timeout
+        if not self._wait(work, timeout):
+            raise CommTimeout(f"rank {self.rank}: barrier over torch did not complete within "
+                              f"{timeout:g}s (world size {self.world_size}): a rank is missing")
+
+
+# ---------------------------------------------------------------- mpi4py
+class MpiComm(Comm):
+    """Messages over MPI: numpy arrays or CPU tensors, sent as bytes (any dtype, fp16 too).
+
+    Waits poll ``Test`` (MPI progresses inside MPI calls), so a deadline or a Ctrl-C can stop them.
+    """
+
+    transport = "mpi"
+
+    def __init__(self, mpi_comm=None, timeout=DEFAULT_TIMEOUT):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
+
+    def _bytes(self, buf):
+        if isinstance(buf, np.ndarray):
+            if not buf.flags.c_contiguous:
+                raise ValueError(f"buffers must be contiguous, got strides {buf.strides}")
+            return [buf.reshape(-1).view(np.uint8), self.MPI.BYTE]
+        import torch
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError("the mpi transport takes contiguous CPU buffers")
+        return [buf.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE]
+
+    def isend(self, buf, dst, tag=0, _op="isend"):
+        dst = self._peer(dst, _op)
+        return Request(self, _op, "send", dst, buf, self.mpi.Isend(self._bytes(buf), dst, tag))
+
+    def irecv(self, buf, src, tag=0, _op="irecv"):
+        src = self._peer(src, _op)
+        return Request(self, _op, "recv", src, buf, self.mpi.Irecv(self._bytes(buf), src, tag))
+
+    def _wait(self, req, timeout):
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while not req.Test():
+            spins += 1
+            if spins % 64 == 0:
+                if time.monotonic() > deadline:
+                    req.Cancel()
+                    return False
+                os.sched_yield()  # let a rank sharing this core run
+        return True
+
+    def barrier(self, timeout=None):
+        """Every rank waits here until all have arrived (``Ibarrier``, with a deadline)."""
+        timeout = self.timeout if timeout is None else timeout
+        if not self._wait(self.mpi.Ibarrier(), timeout):
+            raise CommTimeout(f"rank {self.rank}: barrier over mpi did not complete within "
+                              f"{timeout:g}s (world size {self.world_size}): a rank is missing")
+
+
+# ---------------------------------------------------------------- getting one
+def init_torch_from_launcher(backend="gloo", timeout=DEFAULT_TIMEOUT):
+    """Create the default process group under ``torchrun`` (env://) or ``mpiexec`` (MPI ranks).
+
+    Under mpiexec, rank 0 picks a free loopback port and MPI tells the others; listeners bind
+    127.0.0.1 unless ``MASTER_ADDR`` names another address.
+    """
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "MASTER_PORT" in os.environ:  # torchrun
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        return
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = None
+    if world.Get_rank() == 0:
+        import socket
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port, root=0)
+    if host == "127.0.0.1":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
+                            rank=world.Get_rank(), world_size=world.Get_size(),
+                            timeout=timedelta(seconds=timeout))
+
+
+def get_comm(transport="torch", timeout=DEFAULT_TIMEOUT):
+    """This rank's communicator over ``transport`` ("torch" or "mpi")."""
+    if transport == "torch":
+        import torch.distributed as dist
+        if not dist.is_initialized():
+            init_torch_from_launcher(timeout=timeout)
+        return TorchComm(timeout=timeout)
+    if transport == "mpi":
+        return MpiComm(timeout=timeout)
+    raise ValueError(f"transport must be 'torch' or 'mpi', not {transport!r}")
