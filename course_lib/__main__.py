@@ -2,6 +2,7 @@
 
     demo                 the headless tour (make demo)
     doctor               is this machine ready? versions, MPI, GPUs, a live 2-engine cluster
+    bench allreduce ...  nccl-tests style tables: each allreduce against the native one
     cluster clean [--all] stop clusters left behind by a killed notebook kernel
     labs build | check   regenerate the student labs / list the stale ones
     images               regenerate the figures in images/
@@ -12,6 +13,25 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# bench subcommands: name -> (module with <name>_arguments(parser) and <name>_main(args), help)
+BENCHMARKS = {
+    "allreduce": ("course_lib.bench", "every allreduce algorithm against the native one"),
+}
+
+
+def _bench_parsers(sub):
+    from importlib import import_module
+    bench = sub.add_parser("bench", help="benchmarks, measured side by side with native")
+    kinds = bench.add_subparsers(dest="benchmark", required=True)
+    for name, (module, text) in BENCHMARKS.items():
+        getattr(import_module(module), f"{name}_arguments")(kinds.add_parser(name, help=text))
+
+
+def _bench(args):
+    from importlib import import_module
+    module = import_module(BENCHMARKS[args.benchmark][0])
+    return getattr(module, f"{args.benchmark}_main")(args)
 
 
 def _images(out_dir):
@@ -49,6 +69,7 @@ def main(argv=None):
     demo.add_argument("-n", type=int, default=4, help="engines (default 4)")
     demo.add_argument("--out", default="demo_output", help="folder for the figures")
     sub.add_parser("doctor", help="check this machine")
+    _bench_parsers(sub)
     cluster = sub.add_parser("cluster", help="cluster housekeeping")
     cluster.add_argument("action", choices=["clean"])
     cluster.add_argument("--all", action="store_true", help="also clusters of live kernels")
@@ -63,6 +84,8 @@ def main(argv=None):
     if args.command == "doctor":
         from course_lib import doctor
         return doctor.main()
+    if args.command == "bench":
+        return _bench(args)
     if args.command == "cluster":
         return _clean(args.all)
     if args.command == "labs":

@@ -35,7 +35,19 @@ def full_gradient(cluster, out_dir):
              error < 1e-12)]
 
 
-PARTS = [gradient_descent, full_gradient]
+def allreduce(cluster, out_dir):
+    """Ring allreduce against the native one and the naive one, 4 MiB (notebook 05)."""
+    from course_lib.bench import allreduce_rank_bench, format_size
+    size = 4 * 2**20
+    rows = cluster.run(allreduce_rank_bench, "torch", ["native", "naive", "ring"], [size],
+                       "float32", iters=5, warmup=1)[0]
+    t = {r["algorithm"]: r["time_us"] for r in rows}
+    return [(f"ring allreduce {format_size(size)}, {cluster.n} ranks",
+             f"{t['native'] / t['ring']:.1f}x native, {t['naive'] / t['ring']:.1f}x naive",
+             all(r["wrong"] == 0 for r in rows))]
+
+
+PARTS = [gradient_descent, full_gradient, allreduce]
 
 
 def _plot_losses(runs, best, path):
