@@ -51,30 +51,32 @@ class Request:
     def wait(self, timeout=None):
         """Block until complete; raise CommTimeout after ``timeout`` s (default: the comm's)."""
         if not self.done:
-            c, timeout = self.comm, self.comm.timeout if timeout is None else timeout
-            where = "to" if self.kind == "send" else "from"
-            what = (f"rank {c.rank}: {self.op} {where} rank {self.peer} of {describe(self.buf)} "
-                    f"over {c.transport} (world size {c.world_size})")
+            timeout = self.comm.timeout if timeout is None else timeout
             try:
-                done = c._wait(self.handle, timeout)
+                done = self.comm._wait(self.handle, timeout)
             except RuntimeError as e:
-                raise CommError(f"{what} failed: {str(e).splitlines()[0]}") from e
+                raise CommError(f"{self._what()} failed: {str(e).splitlines()[0]}") from e
             if not done:
-                raise CommTimeout(f"{what} did not complete within {timeout:g}s; is rank "
-                                  f"{self.peer} alive and calling the matching "
-                                  f"{'recv' if where == 'to' else 'send'}?")
+                raise self._timed_out(timeout)
             self.done = True
         return self.buf
+
+    def _what(self):
+        c, where = self.comm, "to" if self.kind == "send" else "from"
+        return (f"rank {c.rank}: {self.op} {where} rank {self.peer} of {describe(self.buf)} "
+                f"over {c.transport} (world size {c.world_size})")
+
+    def _timed_out(self, timeout):
+        return CommTimeout(f"{self._what()} did not complete within {timeout:g}s; is rank "
+                           f"{self.peer} alive and calling the matching "
+                           f"{'recv' if self.kind == 'send' else 'send'}?")
 
 
 def wait_all(requests, timeout=None):
     """Wait on every request, all under one deadline."""
-    if not requests:
-        return
-    timeout = requests[0].comm.timeout if timeout is None else timeout
-    deadline = time.monotonic() + timeout
-    for r in requests:
-        r.wait(max(deadline - time.monotonic(), 0.0))
+    if requests:
+        comm = requests[0].comm
+        comm._wait_all(requests, comm.timeout if timeout is None else timeout)
 
 
 class Comm:
@@ -92,6 +94,11 @@ class Comm:
         if peer == self.rank:
             raise ValueError(f"rank {self.rank}: {op} to itself; copy the buffer instead")
         return int(peer)
+
+    def _wait_all(self, requests, timeout):
+        deadline = time.monotonic() + timeout
+        for r in requests:
+            r.wait(max(deadline - time.monotonic(), 0.0))
 
     def send(self, buf, dst, tag=0, timeout=None):
         """Send ``buf`` to rank ``dst``; returns once the buffer may be reused."""
@@ -191,6 +198,8 @@ class MpiComm(Comm):
         import torch
         if buf.device.type != "cpu" or not buf.is_contiguous():
             raise ValueError("the mpi transport takes contiguous CPU buffers")
+        if buf.numel() == 0:  # an empty tensor may have stride 0, which view(uint8) rejects
+            return [np.empty(0, np.uint8), self.MPI.BYTE]
         return [buf.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE]
 
     def isend(self, buf, dst, tag=0, _op="isend"):
@@ -208,10 +217,31 @@ class MpiComm(Comm):
             spins += 1
             if spins % 64 == 0:
                 if time.monotonic() > deadline:
-                    req.Cancel()
+                    try:
+                        req.Cancel()
+                    except self.MPI.Exception:  # an Ibarrier cannot be cancelled
+                        pass
                     return False
                 os.sched_yield()  # let a rank sharing this core run
         return True
+
+    def _wait_all(self, requests, timeout):
+        """One polling loop over all requests (``Testall``): a ring step pays one loop, not two."""
+        pending = [r for r in requests if not r.done]
+        handles = [r.handle for r in pending]
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while not self.MPI.Request.Testall(handles):
+            spins += 1
+            if spins % 64 == 0:
+                if time.monotonic() > deadline:
+                    for r in pending:
+                        if not r.handle.Test():
+                            r.handle.Cancel()
+                            raise r._timed_out(timeout)
+                os.sched_yield()
+        for r in pending:
+            r.done = True
 
     def barrier(self, timeout=None):
         """Every rank waits here until all have arrived (``Ibarrier``, with a deadline)."""

@@ -82,7 +82,8 @@ def _launcher_pids(ipp_cluster):
 
 
 def _stop_and_reap(ipp_cluster, extra_pids=(), timeout=10):
-    """Stop a cluster, then wait for (and if need be kill) every process of its tree."""
+    """Kill every process of a cluster's tree (engines hold nothing worth a graceful wait),
+    then let ipyparallel remove the cluster's files."""
     import psutil
     procs = []
     for pid in {*_launcher_pids(ipp_cluster), *extra_pids}:
@@ -91,15 +92,12 @@ def _stop_and_reap(ipp_cluster, extra_pids=(), timeout=10):
             procs += [proc, *proc.children(recursive=True)]
         except psutil.Error:
             pass
-    try:
-        ipp_cluster.stop_cluster_sync()
-    finally:
-        _, alive = psutil.wait_procs(procs, timeout=timeout)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=timeout)
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=timeout)
+    ipp_cluster.stop_cluster_sync()
 
 

@@ -42,3 +42,59 @@ def check_full_gradient(cluster, n_samples=1000, n_features=8, seed=0):
     expected = LinearRegression().grad(theta, X, y)
     error = max(float(np.max(np.abs(r["full"] - expected))) for r in results)
     return error, results
+
+
+# ---------------------------------------------------------------- with point-to-point messages
+def ring_pass(comm, value):
+    """Every rank's ``value`` on every rank, passed around the ring; a list in rank order.
+
+    In step ``s`` (``s = 0 .. world_size - 2``) each rank forwards the value it received last
+    to its right neighbour and receives the value of rank ``rank - s - 1`` from its left, with
+    ``comm.sendrecv`` so that no step can deadlock. Lab 02 asks for this function;
+    introduced in notebooks/02_parallel_computing.ipynb.
+    """
+    value = np.ascontiguousarray(value)
+    rank, world_size = comm.rank, comm.world_size
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    values = [None] * world_size
+    values[rank] = value.copy()
+    outgoing = values[rank]
+    for step in range(world_size - 1):
+        incoming = np.empty_like(value)  # a fresh buffer: the list keeps every one
+        comm.sendrecv(outgoing, right, incoming, left)
+        values[(rank - step - 1) % world_size] = incoming
+        outgoing = incoming
+    return values
+
+
+def global_gradient(comm, X_shard, y_shard, theta, n_total):
+    """The full-data gradient of ``J = 1/(2m) sum (x @ theta - y)^2`` on every rank.
+
+    Each rank sums the gradient over its own shard (possibly empty), :func:`ring_pass` brings
+    every partial sum to every rank, and each adds them in rank order and divides by
+    ``m = n_total``, so all ranks hold bit-identical results. Lab 02 asks for this function;
+    introduced in notebooks/02_parallel_computing.ipynb.
+    """
+    local = LinearRegression().grad_sum(theta, X_shard, y_shard)
+    return sum(ring_pass(comm, local)) / n_total
+
+
+def comm_shard_gradient(n_samples=1000, n_features=8, seed=0, timeout=10.0):
+    """On every cluster rank: :func:`global_gradient` over ``course_lib.comm`` (torch).
+
+    Same data and result layout as :func:`shard_gradient` (which uses the native allreduce),
+    so the two can be compared. Introduced in notebooks/02_parallel_computing.ipynb.
+    """
+    from course_lib.comm import get_comm
+    comm = get_comm("torch", timeout=timeout)
+    X, y, theta = _problem(n_samples, n_features, seed)
+    X_r, y_r = data.shard(X, y, comm.rank, comm.world_size)
+    full = global_gradient(comm, X_r, y_r, theta, n_samples)
+    return {"rank": comm.rank, "n_local": len(X_r),
+            "local": LinearRegression().grad_sum(theta, X_r, y_r), "full": full}
+
+
+def full_gradient(n_samples=1000, n_features=8, seed=0):
+    """The single-process gradient of the problem the two functions above split across ranks."""
+    X, y, theta = _problem(n_samples, n_features, seed)
+    return LinearRegression().grad(theta, X, y)
