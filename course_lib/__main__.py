@@ -34,10 +34,15 @@ def _bench(args):
     return getattr(module, f"{args.benchmark}_main")(args)
 
 
+# modules whose save_all(out_dir) draws the figures in images/
+FIGURES = ["course_lib.figures_gd", "course_lib.race", "course_lib.figures_allreduce"]
+
+
 def _images(out_dir):
-    from course_lib import figures_gd
+    from importlib import import_module
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures_gd.save_all(out_dir)
+    for module in FIGURES:
+        import_module(module).save_all(out_dir)
     print(f"figures written to {out_dir}/")
     return 0
 
