@@ -1,0 +1,348 @@
+"""Allreduce built from scratch on point-to-point messages: naive, binomial tree and ring.
+
+Introduced in notebooks/05_allreduce.ipynb. Every allreduce here reduces a contiguous torch
+tensor or numpy array (any shape, any dtype) IN PLACE over a :mod:`course_lib.comm` communicator
+and returns it, so the same call runs on cluster engines (Gloo / NCCL), under torchrun or mpiexec::
+
+    from course_lib.comm import get_comm
+    from course_lib.collectives import allreduce
+    comm = get_comm("mpi")                                    # or "torch"
+    allreduce(grads, comm, algorithm="ring", op="average")   # every rank now holds the mean
+
+Cost for n elements on N ranks (alpha-beta model: course_lib.costmodel)::
+
+    naive  2(N-1) steps at the root, each n elements: the root's link carries 2(N-1)n
+    tree   2 ceil(log2 N) steps, each n elements: few messages, but all of the buffer each time
+    ring   2(N-1) steps, each n/N elements: 2(N-1)n/N < 2n per rank whatever N (bandwidth optimal)
+
+Before any data moves, every collective checks that all ranks called it with the same shape,
+dtype, op and algorithm (:func:`check_agreement`): a mismatch raises ``ValueError`` on every
+rank instead of a wrong result or a hang. A rank that never calls makes the others raise
+``comm.CommTimeout`` naming it. ``op="average"`` sums and then divides by the world size; for
+integer dtypes that division rounds down (floor division). Each phase uses its own tag; NCCL
+ignores tags, which is fine because messages between two ranks arrive in the order sent.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import zlib
+
+import numpy as np
+
+from course_lib.comm import wait_all
+from course_lib.data import shard_bounds
+
+OPS = ("sum", "average", "max", "min")
+TAG_CHECK, TAG_NAIVE, TAG_TREE_UP, TAG_TREE_DOWN, TAG_RS, TAG_AG = 11, 12, 13, 14, 15, 16
+_NUMPY_OPS = {"sum": np.add, "average": np.add, "max": np.maximum, "min": np.minimum}
+_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32",
+           "int64", "bool", "complex64", "complex128")
+_NAMES = ("allreduce", "naive_allreduce", "tree_allreduce", "ring_allreduce",
+          "ring_allreduce_pipelined", "ring_reduce_scatter", "ring_allgather")
+_SCRATCH = threading.local()  # receive buffers, reused from call to call
+_META, _MAXDIM = 15, 8  # int64 slots exchanged by check_agreement; shape dims spelled out
+
+
+# ---------------------------------------------------------------- buffers and reductions
+def _is_numpy(buf):
+    return isinstance(buf, np.ndarray)
+
+
+@functools.lru_cache(maxsize=256)
+def _name(dtype):  # str() of a numpy dtype takes microseconds: cached
+    return str(dtype).replace("torch.", "")
+
+
+@functools.lru_cache(maxsize=256)
+def _crc(text):
+    return zlib.crc32(text.encode())
+
+
+def _flat(buf):
+    """A 1-D view of a contiguous buffer (no copy): what the algorithms index into."""
+    return buf.reshape(-1) if _is_numpy(buf) else buf.view(-1)
+
+
+def _scratch(like, n):
+    """A receive buffer of ``n`` elements like ``like``, kept from call to call (one per thread,
+    dtype and device): fresh memory costs a page fault per 4 KiB, which at megabytes takes
+    longer than the reduction itself. Gloo and NCCL keep their buffers for the same reason."""
+    key = (_is_numpy(like), like.dtype, None if _is_numpy(like) else like.device)
+    buf = _SCRATCH.__dict__.get(key)
+    if buf is None or buf.shape[0] < n:
+        buf = np.empty(n, like.dtype) if _is_numpy(like) else like.new_empty(n)
+        _SCRATCH.__dict__[key] = buf
+    return buf[:n]
+
+
+def _reduce_into(a, b, op):
+    """``a = a op b`` in place: no temporary the size of ``a`` is allocated."""
+    if _is_numpy(a):
+        return _NUMPY_OPS[op](a, b, out=a)
+    import torch
+    return {"max": torch.maximum, "min": torch.minimum}.get(op, torch.add)(a, b, out=a)
+
+
+def _divide(a, world_size):
+    """The second half of "average": divide in place; integer dtypes round down (floor)."""
+    if _is_numpy(a):
+        (np.floor_divide if a.dtype.kind in "iub" else np.divide)(a, world_size, out=a)
+    elif a.is_floating_point() or a.is_complex():
+        a.div_(world_size)
+    else:
+        a.div_(world_size, rounding_mode="floor")
+
+
+# ---------------------------------------------------------------- do all ranks agree?
+def _meta(buf, what, op, extra):
+    """This rank's record: ndim, dtype, what, op, contiguous, crc of dims past 8, extra, dims."""
+    shape, contiguous = tuple(buf.shape), (buf.flags.c_contiguous if _is_numpy(buf)
+                                           else buf.is_contiguous())
+    head = [len(shape), _crc(_name(buf.dtype)), _crc(what), _crc(str(op)), contiguous,
+            _crc(str(shape[_MAXDIM:])), extra]
+    dims = list(shape[:_MAXDIM])
+    return np.array(head + dims + [0] * (_MAXDIM - len(dims)), np.int64)
+
+
+def _describe(row, fields):
+    """'(1000,) float32' (and the op, collective, segment size when those differ)."""
+    decode = {_crc(str(v)): v for v in (*_DTYPES, *OPS, None, *_NAMES)}
+    ndim = int(row[0])
+    dims = [str(d) for d in row[7:7 + min(ndim, _MAXDIM)]] + ["..."] * (ndim > _MAXDIM)
+    text = f"({', '.join(dims)}{',' if ndim == 1 else ''}) {decode.get(row[1], '?')}"
+    extras = {"ops": f" op={decode.get(row[3], '?')!r}", "collectives": f" {decode.get(row[2])}",
+              "segment sizes": f" segment_bytes={row[6]}"}
+    return text + "".join(extras[f] for f in fields if f in extras)
+
+
+def check_agreement(buf, comm, what="allreduce", op=None, extra=0):
+    """Check, before any data moves, that every rank called ``what`` on a matching buffer.
+
+    Every rank sends a fixed-size int64 record (shape, dtype, ``what``, ``op``, contiguity,
+    ``extra``: an integer all must share, e.g. a segment size) straight to every other rank, so
+    a rank that never calls is named by the others' ``CommTimeout``. If any record differs, EVERY
+    rank raises the same ``ValueError`` naming the ranks and their shapes/dtypes; it also raises
+    for an op not in ``OPS`` or a non-contiguous buffer. World size 1: nothing is sent.
+    Introduced in notebooks/05_allreduce.ipynb.
+    """
+    mine = _meta(buf, what, op, extra)
+    table = np.empty((comm.world_size, _META), np.int64)
+    table[comm.rank] = mine
+    if comm.world_size > 1:
+        send, recv = mine, table
+        if not _is_numpy(buf):  # a tensor on the buffer's device: NCCL moves only CUDA tensors
+            import torch
+            send, recv = (torch.from_numpy(a).to(buf.device) for a in (mine, table))
+        recvs, sends = [], []
+        for p in (q for q in range(comm.world_size) if q != comm.rank):
+            if comm.rank < p:  # per pair the lower rank sends first (NCCL runs them in order)
+                sends.append(comm.isend(send, p, tag=TAG_CHECK))
+            recvs.append(comm.irecv(recv[p], p, tag=TAG_CHECK))
+            if comm.rank > p:
+                sends.append(comm.isend(send, p, tag=TAG_CHECK))
+        wait_all(recvs + sends)  # receives first, in rank order: a missing rank is named
+        table = recv if _is_numpy(recv) else recv.cpu().numpy()
+    same = table.tobytes() == mine.tobytes() * len(table)  # the common case, decided fast
+    differ = [] if same else [
+        name for name, cols in (("shapes/dtypes", [0, 1, 5, *range(7, _META)]), ("ops", [3]),
+                                ("collectives", [2]), ("segment sizes", [6]))
+        if (table[:, cols] != mine[cols]).any()]
+    if differ:
+        odd = [r for r in range(len(table)) if (table[r] != table[0]).any()]
+        shown = list(range(len(table))) if len(table) <= 8 else [0] + odd[:7]
+        ranks = ", ".join(f"rank {r}: {_describe(table[r], differ)}" for r in shown)
+        more = f" (and {len(odd) - 7} more)" if len(shown) <= len(odd) else ""
+        raise ValueError(f"{what}: {'/'.join(differ)} differ across ranks: {ranks}{more}")
+    if not (mine[4] if same else table[:, 4].all()):
+        raise ValueError(f"{what}: buffers must be contiguous, rank(s) "
+                         f"{np.flatnonzero(table[:, 4] == 0).tolist()[:8]} passed a strided view: "
+                         "pass x.contiguous() / np.ascontiguousarray(x)")
+    if op is not None and op not in OPS:
+        raise ValueError(f"{what}: op must be one of {OPS}, not {op!r}")
+
+
+# ---------------------------------------------------------------- naive and tree
+def naive_allreduce(buf, comm, op="sum"):
+    """Every rank sends its buffer to rank 0, which reduces and sends the result to every rank.
+
+    The root receives and sends N-1 full buffers one after another: 2(N-1) steps of n elements
+    through one link, so time grows linearly with N. Introduced in notebooks/05_allreduce.ipynb.
+    """
+    check_agreement(buf, comm, "naive_allreduce", op)
+    flat = _flat(buf)
+    if comm.world_size == 1 or flat.shape[0] == 0:
+        return buf
+    if comm.rank == 0:
+        tmp = _scratch(flat, flat.shape[0])
+        for src in range(1, comm.world_size):
+            _reduce_into(flat, comm.recv(tmp, src, tag=TAG_NAIVE), op)
+        if op == "average":
+            _divide(flat, comm.world_size)
+        wait_all([comm.isend(flat, dst, tag=TAG_NAIVE) for dst in range(1, comm.world_size)])
+    else:
+        comm.send(flat, 0, tag=TAG_NAIVE)
+        comm.recv(flat, 0, tag=TAG_NAIVE)
+    return buf
+
+
+def tree_allreduce(buf, comm, op="sum"):
+    """Binomial-tree reduce to rank 0, then binomial-tree broadcast back.
+
+    In round k (k = 0, 1, ...) rank r with bit k set sends its partial result to r - 2^k and
+    drops out; the broadcast retraces the tree. 2 ceil(log2 N) steps, each of n elements:
+    few messages (good for small buffers), but every step moves the whole buffer.
+    Introduced in notebooks/05_allreduce.ipynb.
+    """
+    check_agreement(buf, comm, "tree_allreduce", op)
+    rank, world_size, flat = comm.rank, comm.world_size, _flat(buf)
+    if world_size == 1 or flat.shape[0] == 0:
+        return buf
+    tmp = _scratch(flat, flat.shape[0])
+    mask = 1
+    while mask < world_size:  # reduce: leaves first, partial results flow towards rank 0
+        if rank & mask:
+            comm.send(flat, rank - mask, tag=TAG_TREE_UP)
+            break
+        if rank + mask < world_size:
+            _reduce_into(flat, comm.recv(tmp, rank + mask, tag=TAG_TREE_UP), op)
+        mask <<= 1
+    if rank == 0 and op == "average":
+        _divide(flat, world_size)
+    if rank != 0:  # broadcast: receive from the parent, then serve the subtree below
+        comm.recv(flat, rank - mask, tag=TAG_TREE_DOWN)
+    children = []
+    while mask > 1:
+        mask >>= 1
+        if rank + mask < world_size:
+            children.append(comm.isend(flat, rank + mask, tag=TAG_TREE_DOWN))
+    wait_all(children)
+    return buf
+
+
+# ---------------------------------------------------------------- ring
+def _segments(start, stop, size):
+    return [(a, min(a + size, stop)) for a in range(start, stop, size)]
+
+
+def _pipelined_step(flat, comm, op, send, recv, seg, tmp):
+    """One reduce-scatter step in segments of ``seg`` elements. Every segment's receive is
+    posted at once, each into its own slice of ``tmp``; a segment is reduced as soon as it has
+    landed, while the later ones are still on their way."""
+    right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
+
+    def post_sends():
+        return [comm.isend(flat[a:b], right, tag=TAG_RS) for a, b in _segments(*send, seg)]
+
+    sends = post_sends() if comm.rank < right else None  # one rank of a pair sends first:
+    receives = [(a, b, comm.irecv(tmp[a - recv[0]:b - recv[0]], left, tag=TAG_RS))
+                for a, b in _segments(*recv, seg)]  # NCCL runs a pair's operations in order
+    sends = post_sends() if sends is None else sends
+    for a, b, request in receives:
+        _reduce_into(flat[a:b], request.wait(), op)
+    wait_all(sends)
+
+
+def _ring_reduce_scatter(flat, comm, op, segment=0):
+    """N-1 steps: send chunk (r - step - 1) right, add chunk (r - step - 2) from the left into
+    place. ``segment`` > 0: in messages of that many elements (pipelined). Returns chunk r."""
+    rank, world_size = comm.rank, comm.world_size
+    chunks = [shard_bounds(flat.shape[0], c, world_size) for c in range(world_size)]
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    tmp = _scratch(flat, chunks[0][1] - chunks[0][0])  # one chunk (chunk 0 is a largest)
+    for step in range(world_size - 1):
+        send, recv = chunks[(rank - step - 1) % world_size], chunks[(rank - step - 2) % world_size]
+        if segment:
+            _pipelined_step(flat, comm, op, send, recv, segment, tmp)
+            continue
+        (s0, s1), (r0, r1) = send, recv
+        comm.sendrecv(flat[s0:s1], right, tmp[:r1 - r0], left, tag=TAG_RS)
+        _reduce_into(flat[r0:r1], tmp[:r1 - r0], op)
+    start, stop = chunks[rank]
+    if op == "average":  # divide only the chunk this rank owns: 1/N of the work
+        _divide(flat[start:stop], world_size)
+    return start, stop
+
+
+def _ring_allgather(flat, comm):
+    """N-1 steps: send chunk (r - step) right, receive chunk (r - step - 1) in place."""
+    rank, world_size = comm.rank, comm.world_size
+    chunks = [shard_bounds(flat.shape[0], c, world_size) for c in range(world_size)]
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for step in range(world_size - 1):
+        (s0, s1), (r0, r1) = chunks[(rank - step) % world_size], chunks[(left - step) % world_size]
+        comm.sendrecv(flat[s0:s1], right, flat[r0:r1], left, tag=TAG_AG)
+
+
+def ring_reduce_scatter(buf, comm, op="sum"):
+    """Ring reduce-scatter: N-1 steps; in each, send one chunk right and add the one from the left.
+
+    Returns ``(start, stop)``: on exit rank r holds the fully reduced chunk r, i.e.
+    ``buf.reshape(-1)[start:stop]`` with chunks from ``data.shard_bounds``; the other chunks
+    hold partial sums. Each step sends n/N elements. Introduced in notebooks/05_allreduce.ipynb.
+    """
+    check_agreement(buf, comm, "ring_reduce_scatter", op)
+    flat = _flat(buf)
+    if comm.world_size == 1 or flat.shape[0] == 0:
+        return shard_bounds(flat.shape[0], comm.rank, comm.world_size)
+    return _ring_reduce_scatter(flat, comm, op)
+
+
+def ring_allgather(buf, comm):
+    """Ring all-gather: N-1 steps; in each, pass the chunk received last step on to the right.
+
+    On entry rank r's chunk r (``data.shard_bounds``) is valid; on exit every chunk is on every
+    rank. Each step sends n/N elements. Introduced in notebooks/05_allreduce.ipynb.
+    """
+    check_agreement(buf, comm, "ring_allgather")
+    if comm.world_size > 1:
+        _ring_allgather(_flat(buf), comm)
+    return buf
+
+
+def ring_allreduce(buf, comm, op="sum"):
+    """Ring allreduce = ring reduce-scatter + ring all-gather (Baidu; Patarasuk & Yuan 2009).
+
+    2(N-1) steps, each sending n/N elements to the right neighbour and receiving n/N from the
+    left: each rank sends 2(N-1)n/N < 2n elements whatever N, which is bandwidth optimal.
+    Introduced in notebooks/05_allreduce.ipynb.
+    """
+    check_agreement(buf, comm, "ring_allreduce", op)
+    flat = _flat(buf)
+    if comm.world_size > 1 and flat.shape[0] > 0:
+        _ring_reduce_scatter(flat, comm, op)
+        _ring_allgather(flat, comm)
+    return buf
+
+
+def ring_allreduce_pipelined(buf, comm, op="sum", segment_bytes=1 << 20):
+    """The ring allreduce with each reduce-scatter step cut into segments of ``segment_bytes``.
+
+    The plain ring receives a whole chunk and only then reduces it, while the link sits idle.
+    Here all segments of a step are in flight at once and each is reduced as soon as it lands,
+    so reduction overlaps transfer (as in NCCL and Gloo). Same 2(N-1) steps of n/N elements,
+    each sent as ceil(n/N / segment) messages. Introduced in notebooks/05_allreduce.ipynb.
+    """
+    if not (isinstance(segment_bytes, (int, np.integer)) and segment_bytes > 0):
+        raise ValueError(f"segment_bytes must be a positive integer, not {segment_bytes!r}")
+    check_agreement(buf, comm, "ring_allreduce_pipelined", op, extra=segment_bytes)
+    flat = _flat(buf)
+    if comm.world_size > 1 and flat.shape[0] > 0:
+        _ring_reduce_scatter(flat, comm, op, segment=max(1, segment_bytes // flat.itemsize))
+        _ring_allgather(flat, comm)
+    return buf
+
+
+ALGORITHMS = {"naive": naive_allreduce, "tree": tree_allreduce, "ring": ring_allreduce,
+              "ring_pipelined": ring_allreduce_pipelined}
+
+
+def allreduce(buf, comm, algorithm="ring", op="sum"):
+    """Allreduce ``buf`` in place with one of ``ALGORITHMS``; returns ``buf``.
+
+    Introduced in notebooks/05_allreduce.ipynb.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, not {algorithm!r}")
+    return ALGORITHMS[algorithm](buf, comm, op=op)

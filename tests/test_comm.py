@@ -1,0 +1,131 @@
+"""Point-to-point messages: every operation over both transports, deadlines, and bad calls."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from course_lib import cluster as CL
+from course_lib import collectives_check as K
+from course_lib.comm import CommTimeout, describe, get_comm
+
+MPIEXEC = shutil.which("mpiexec") or os.path.join(sys.prefix, "bin", "mpiexec")
+needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC),
+                                   reason="no mpiexec (pip install mpi4py mpich)")
+
+# What every rank runs under mpiexec: the same checks as on the cluster, one JSON file per rank.
+SCRIPT = """
+import json, sys
+from course_lib import collectives_check as K
+transport, out = sys.argv[1], sys.argv[2]
+if transport == "torch":
+    from course_lib.comm import init_torch_from_launcher
+    init_torch_from_launcher(timeout=20)
+report = {"numpy": K.p2p_roundtrips(transport, kind="numpy"),
+          "torch": K.p2p_roundtrips(transport, kind="torch"),
+          "errors": K.p2p_errors(transport),
+          "recv_timeout": K.p2p_timeout(1, "recv", transport, timeout=1.0, linger=1.2)}
+if transport == "mpi":  # a Gloo timeout breaks the process group: one timeout is all it gets
+    report["barrier_timeout"] = K.p2p_timeout(0, "barrier", transport, timeout=1.0, linger=1.2)
+from course_lib.comm import get_comm
+with open(f"{out}/rank{get_comm(transport).rank}.json", "w") as f:
+    json.dump(report, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with CL.start_cluster(n=2, timeout=60) as c:
+        yield c
+
+
+def _check_errors(errors, rank, world_size):
+    assert errors["self"] == f"ValueError: rank {rank}: send to itself; copy the buffer instead"
+    assert errors["out of range"] == (f"ValueError: rank {rank}: recv peer must be a rank in "
+                                      f"0..{world_size - 1}, not {world_size}")
+    assert "isend peer must be a rank" in errors["negative"] and "not -1" in errors["negative"]
+    assert "irecv peer must be a rank" in errors["not an int"]
+    assert errors["non-contiguous"].startswith("ValueError") and "contiguous" in \
+        errors["non-contiguous"]
+
+
+def _check_timeout(result, rank, silent, transport, world_size, op="recv"):
+    message, seconds = result
+    if op == "recv":
+        assert message == (f"rank {rank}: recv from rank {silent} of 256 x float32 (1024 bytes) "
+                           f"over {transport} (world size {world_size}) did not complete within "
+                           f"1s; is rank {silent} alive and calling the matching send?")
+    else:
+        assert message.startswith(f"rank {rank}: barrier over {transport} did not complete "
+                                  "within 1s") and "a rank is missing" in message
+    assert 0.9 < seconds < 3.0
+
+
+# ---------------------------------------------------------------- torch.distributed on a cluster
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_every_operation_over_torch(cluster, kind):
+    assert cluster.run(K.p2p_roundtrips, "torch", kind=kind) == [[], []]
+
+
+def test_bad_calls_over_torch(cluster):
+    for rank, errors in enumerate(cluster.run(K.p2p_errors, "torch")):
+        _check_errors(errors, rank, 2)
+
+
+def test_timeout_over_torch_names_op_rank_peer_and_size(cluster):
+    t = time.monotonic()
+    with pytest.raises(CL.RemoteError) as info:  # comm timeout 1 s, no linger, let it raise
+        cluster.run(K.p2p_timeout, 1, "recv", "torch", 1.0, 0.0, False, timeout=20)
+    assert time.monotonic() - t < 6
+    assert sorted(info.value.errors) == [0]
+    assert info.value.errors[0].startswith(
+        "CommTimeout: rank 0: recv from rank 1 of 256 x float32 (1024 bytes) over torch (world "
+        "size 2) did not complete within 1s; is rank 1 alive"), info.value.errors[0]
+    assert cluster.run(K.p2p_roundtrips, "torch", big_bytes=1024) == [[], []]  # repaired
+
+
+# ---------------------------------------------------------------- under mpiexec
+def _launch(n, transport, tmp_path):
+    env = dict(os.environ, MPIEXEC_TIMEOUT="60", OMP_NUM_THREADS="1")
+    out = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, "-c", SCRIPT, transport,
+                          str(tmp_path)], capture_output=True, text=True, timeout=90, env=env)
+    files = sorted(tmp_path.glob("rank*.json"))
+    assert out.returncode == 0 and len(files) == n, out.stdout[-3000:] + out.stderr[-3000:]
+    return [json.loads(f.read_text()) for f in files]
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("transport, n", [("mpi", 3), ("torch", 3)])
+def test_every_operation_under_mpiexec(transport, n, tmp_path):
+    reports = _launch(n, transport, tmp_path)
+    for rank, report in enumerate(reports):
+        assert report["numpy"] == [] and report["torch"] == []
+        _check_errors(report["errors"], rank, n)
+        if rank == 1:
+            assert report["recv_timeout"] is None
+        else:
+            _check_timeout(report["recv_timeout"], rank, 1, transport, n)
+        if transport == "mpi" and rank != 0:
+            _check_timeout(report["barrier_timeout"], rank, 0, transport, n, op="barrier")
+
+
+# ---------------------------------------------------------------- no peer needed
+def test_describe_names_count_dtype_and_bytes():
+    import torch
+    assert describe(np.zeros(1024, np.float32)) == "1024 x float32 (4096 bytes)"
+    assert describe(torch.zeros(3, 2, dtype=torch.float16)) == "6 x float16 (12 bytes)"
+    assert describe(np.zeros(0)) == "0 x float64 (0 bytes)"
+
+
+def test_unknown_transport():
+    with pytest.raises(ValueError, match="transport must be 'torch' or 'mpi'"):
+        get_comm("tcp")
+
+
+def test_comm_timeout_is_a_timeout_error():
+    assert issubclass(CommTimeout, TimeoutError) and issubclass(CommTimeout, RuntimeError)
