@@ -131,19 +131,21 @@ def write_csv(rows, path, memcpy=None):
 
 # ---------------------------------------------------------------- what every rank runs
 def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10, warmup=2,
-                         timeout=30.0):
+                         timeout=30.0, check=True):
     """Time ``algorithms`` ("native" or keys of collectives.ALGORITHMS) at ``sizes`` (bytes).
 
     Runs on every rank (a cluster engine, or a process under mpiexec / torchrun); returns the
     same rows on every rank: dicts with the keys of :data:`COLUMNS` but memcpy (bandwidths in
     GB/s). ``timeout``: deadline of each point-to-point wait and barrier, in seconds.
+    ``check=False`` times the algorithms without their agreement round (native has none).
     """
     from course_lib.collectives import allreduce
     from course_lib.comm import get_comm
     comm = get_comm(transport, timeout=timeout)
     p, device, backend = comm.world_size, *_device(comm)
     ops = {name: _native(comm) if name == "native" else
-           (lambda buf, name=name: allreduce(buf, comm, algorithm=name)) for name in algorithms}
+           (lambda buf, name=name: allreduce(buf, comm, algorithm=name, check=check))
+           for name in algorithms}
     rows = []
     for size in sizes:
         src, buf, expected = _buffers(transport, dtype, device, size, comm.rank, p)
@@ -245,6 +247,8 @@ def allreduce_arguments(parser):
     a("--dtype", choices=DTYPES, default="float32")
     a("--iters", type=int, default=10, help="timed rounds (default 10)")
     a("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    a("--no-check", dest="check", action="store_false",
+      help="skip the agreement round (shapes, dtypes) that guards every from-scratch call")
     a("--csv", help="also write one row per world size, algorithm and size to this file")
     a("--launcher", choices=["cluster", "mpiexec", "torchrun", "inside"], default="cluster",
       help="how ranks start: a local ipyparallel cluster (default), mpiexec or torchrun; "
@@ -336,7 +340,7 @@ def _launched():
 
 def _bench_args(args):
     return (args.transport, args.algorithms, args.sizes, args.dtype, args.iters, args.warmup,
-            args.timeout)
+            args.timeout, args.check)
 
 
 def _on_cluster(args, world_size, memcpy):
@@ -358,6 +362,7 @@ def _launch(args, world_size, memcpy):
                  "--algorithms", ",".join(args.algorithms)]
         for opt in ("transport", "backend", "dtype", "iters", "warmup", "timeout"):
             inner += [f"--{opt}", str(getattr(args, opt))]
+        inner += [] if args.check else ["--no-check"]
         if args.launcher == "mpiexec":
             mpiexec = shutil.which("mpiexec") or os.path.join(sys.prefix, "bin", "mpiexec")
             cmd = [mpiexec, "-n", str(world_size), sys.executable, *inner]

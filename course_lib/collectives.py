@@ -163,14 +163,24 @@ def check_agreement(buf, comm, what="allreduce", op=None, extra=0):
         raise ValueError(f"{what}: op must be one of {OPS}, not {op!r}")
 
 
+def _begin(buf, comm, what, op, check, extra=0):
+    """Start of every collective: agree across ranks (``check=True``), else just validate op.
+    ``check=False`` saves one message round per call, for callers that already agreed (a
+    training loop whose gradient shapes never change)."""
+    if check:
+        check_agreement(buf, comm, what, op, extra)
+    elif op is not None and op not in OPS:
+        raise ValueError(f"{what}: op must be one of {OPS}, not {op!r}")
+
+
 # ---------------------------------------------------------------- naive and tree
-def naive_allreduce(buf, comm, op="sum"):
+def naive_allreduce(buf, comm, op="sum", check=True):
     """Every rank sends its buffer to rank 0, which reduces and sends the result to every rank.
 
     The root receives and sends N-1 full buffers one after another: 2(N-1) steps of n elements
     through one link, so time grows linearly with N. Introduced in notebooks/05_allreduce.ipynb.
     """
-    check_agreement(buf, comm, "naive_allreduce", op)
+    _begin(buf, comm, "naive_allreduce", op, check)
     flat = _flat(buf)
     if comm.world_size == 1 or flat.shape[0] == 0:
         return buf
@@ -187,7 +197,7 @@ def naive_allreduce(buf, comm, op="sum"):
     return buf
 
 
-def tree_allreduce(buf, comm, op="sum"):
+def tree_allreduce(buf, comm, op="sum", check=True):
     """Binomial-tree reduce to rank 0, then binomial-tree broadcast back.
 
     In round k (k = 0, 1, ...) rank r with bit k set sends its partial result to r - 2^k and
@@ -195,7 +205,7 @@ def tree_allreduce(buf, comm, op="sum"):
     few messages (good for small buffers), but every step moves the whole buffer.
     Introduced in notebooks/05_allreduce.ipynb.
     """
-    check_agreement(buf, comm, "tree_allreduce", op)
+    _begin(buf, comm, "tree_allreduce", op, check)
     rank, world_size, flat = comm.rank, comm.world_size, _flat(buf)
     if world_size == 1 or flat.shape[0] == 0:
         return buf
@@ -275,40 +285,40 @@ def _ring_allgather(flat, comm):
         comm.sendrecv(flat[s0:s1], right, flat[r0:r1], left, tag=TAG_AG)
 
 
-def ring_reduce_scatter(buf, comm, op="sum"):
+def ring_reduce_scatter(buf, comm, op="sum", check=True):
     """Ring reduce-scatter: N-1 steps; in each, send one chunk right and add the one from the left.
 
     Returns ``(start, stop)``: on exit rank r holds the fully reduced chunk r, i.e.
     ``buf.reshape(-1)[start:stop]`` with chunks from ``data.shard_bounds``; the other chunks
     hold partial sums. Each step sends n/N elements. Introduced in notebooks/05_allreduce.ipynb.
     """
-    check_agreement(buf, comm, "ring_reduce_scatter", op)
+    _begin(buf, comm, "ring_reduce_scatter", op, check)
     flat = _flat(buf)
     if comm.world_size == 1 or flat.shape[0] == 0:
         return shard_bounds(flat.shape[0], comm.rank, comm.world_size)
     return _ring_reduce_scatter(flat, comm, op)
 
 
-def ring_allgather(buf, comm):
+def ring_allgather(buf, comm, check=True):
     """Ring all-gather: N-1 steps; in each, pass the chunk received last step on to the right.
 
     On entry rank r's chunk r (``data.shard_bounds``) is valid; on exit every chunk is on every
     rank. Each step sends n/N elements. Introduced in notebooks/05_allreduce.ipynb.
     """
-    check_agreement(buf, comm, "ring_allgather")
+    _begin(buf, comm, "ring_allgather", None, check)
     if comm.world_size > 1:
         _ring_allgather(_flat(buf), comm)
     return buf
 
 
-def ring_allreduce(buf, comm, op="sum"):
+def ring_allreduce(buf, comm, op="sum", check=True):
     """Ring allreduce = ring reduce-scatter + ring all-gather (Baidu; Patarasuk & Yuan 2009).
 
     2(N-1) steps, each sending n/N elements to the right neighbour and receiving n/N from the
     left: each rank sends 2(N-1)n/N < 2n elements whatever N, which is bandwidth optimal.
     Introduced in notebooks/05_allreduce.ipynb.
     """
-    check_agreement(buf, comm, "ring_allreduce", op)
+    _begin(buf, comm, "ring_allreduce", op, check)
     flat = _flat(buf)
     if comm.world_size > 1 and flat.shape[0] > 0:
         _ring_reduce_scatter(flat, comm, op)
@@ -316,7 +326,7 @@ def ring_allreduce(buf, comm, op="sum"):
     return buf
 
 
-def ring_allreduce_pipelined(buf, comm, op="sum", segment_bytes=1 << 20):
+def ring_allreduce_pipelined(buf, comm, op="sum", segment_bytes=1 << 20, check=True):
     """The ring allreduce with each reduce-scatter step cut into segments of ``segment_bytes``.
 
     The plain ring receives a whole chunk and only then reduces it, while the link sits idle.
@@ -326,7 +336,7 @@ def ring_allreduce_pipelined(buf, comm, op="sum", segment_bytes=1 << 20):
     """
     if not (isinstance(segment_bytes, (int, np.integer)) and segment_bytes > 0):
         raise ValueError(f"segment_bytes must be a positive integer, not {segment_bytes!r}")
-    check_agreement(buf, comm, "ring_allreduce_pipelined", op, extra=segment_bytes)
+    _begin(buf, comm, "ring_allreduce_pipelined", op, check, extra=segment_bytes)
     flat = _flat(buf)
     if comm.world_size > 1 and flat.shape[0] > 0:
         _ring_reduce_scatter(flat, comm, op, segment=max(1, segment_bytes // flat.itemsize))
@@ -338,11 +348,13 @@ ALGORITHMS = {"naive": naive_allreduce, "tree": tree_allreduce, "ring": ring_all
               "ring_pipelined": ring_allreduce_pipelined}
 
 
-def allreduce(buf, comm, algorithm="ring", op="sum"):
+def allreduce(buf, comm, algorithm="ring", op="sum", check=True):
     """Allreduce ``buf`` in place with one of ``ALGORITHMS``; returns ``buf``.
+
+    ``check=False`` skips the agreement round (shapes, dtypes, op) that guards every call.
 
     Introduced in notebooks/05_allreduce.ipynb.
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, not {algorithm!r}")
-    return ALGORITHMS[algorithm](buf, comm, op=op)
+    return ALGORITHMS[algorithm](buf, comm, op=op, check=check)

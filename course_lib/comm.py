@@ -98,7 +98,10 @@ class Comm:
     def _wait_all(self, requests, timeout):
         deadline = time.monotonic() + timeout
         for r in requests:
-            r.wait(max(deadline - time.monotonic(), 0.0))
+            try:
+                r.wait(max(deadline - time.monotonic(), 0.0))
+            except CommTimeout:
+                raise r._timed_out(timeout) from None  # name the whole deadline
 
     def send(self, buf, dst, tag=0, timeout=None):
         """Send ``buf`` to rank ``dst``; returns once the buffer may be reused."""
@@ -154,6 +157,22 @@ class TorchComm(Comm):
         t = self._tensor(buf)
         work = None if t.numel() == 0 else self.dist.irecv(t, src, group=self.group, tag=tag)
         return Request(self, _op, "recv", src, buf, work)
+
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None):
+        """As :meth:`Comm.sendrecv`; on NCCL both go in one group (``batch_isend_irecv``), since
+        NCCL runs a pair of ranks' separate operations in order and two receives first deadlock."""
+        if self.backend != "nccl":
+            return super().sendrecv(sendbuf, dst, recvbuf, src, tag, timeout)
+        pairs = [(self.dist.irecv, self._tensor(recvbuf), self._peer(src, "sendrecv"), "recv",
+                  recvbuf),
+                 (self.dist.isend, self._tensor(sendbuf), self._peer(dst, "sendrecv"), "send",
+                  sendbuf)]
+        live = [self.dist.P2POp(op, t, peer, self.group, tag) for op, t, peer, _, _ in pairs
+                if t.numel()]
+        works = iter(self.dist.batch_isend_irecv(live) if live else ())
+        wait_all([Request(self, "sendrecv", kind, peer, buf, next(works) if t.numel() else None)
+                  for _, t, peer, kind, buf in pairs], timeout)
+        return recvbuf
 
     def _wait(self, work, timeout):
         if work is None:
