@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from course_lib.costmodel import algbw, busbw
+from course_lib.launch import kill_tree, launched_rank
 
 COLUMNS = ["world_size", "transport", "backend", "algorithm", "size", "count", "type", "time_us",
            "algbw", "busbw", "busbw_of_memcpy", "wrong", "vs_native", "memcpy", "iters", "warmup"]
@@ -289,7 +290,7 @@ def allreduce_main(args):
     try:
         if args.iters < 1 or args.warmup < 0:
             raise BenchError("--iters must be >= 1 and --warmup >= 0")
-        if args.launcher == "inside" or _launched():
+        if args.launcher == "inside" or launched_rank():
             return _inside(args)
         _check_backend(args, max(args.world_size))
         memcpy, rows = memcpy_bandwidth(), []
@@ -324,18 +325,6 @@ def _check_backend(args, gpus_needed):
     if found < gpus_needed:
         raise BenchError(f"--backend nccl needs one CUDA GPU per rank ({gpus_needed}); this "
                          f"machine has {found}. On CPU use --backend gloo.")
-
-
-def _launched():
-    """(rank, local rank) of a process started by torchrun or mpiexec, else None."""
-    env = os.environ
-    if "RANK" in env and "MASTER_PORT" in env:  # torchrun
-        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
-    for rank, local in [("PMI_RANK", "MPI_LOCALRANKID"),
-                        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")]:
-        if rank in env:
-            return int(env[rank]), int(env.get(local, env[rank]))
-    return None
 
 
 def _bench_args(args):
@@ -386,14 +375,7 @@ def _run(cmd, env, timeout, name):
     try:
         output = proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        import psutil
-        try:
-            tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            tree = []
-        proc.terminate()  # mpiexec and torchrun stop their ranks on SIGTERM
-        for p in psutil.wait_procs(tree, timeout=10)[1]:  # (torchrun's ranks have own sessions)
-            p.kill()
+        kill_tree([proc.pid])
         proc.communicate()
         raise BenchError(f"{name} did not finish within {timeout:g}s; its ranks were stopped "
                          "(raise --time-limit for large sizes)") from None
@@ -404,9 +386,9 @@ def _run(cmd, env, timeout, name):
 
 def _inside(args):
     """This process is one rank, started by mpiexec or torchrun: run; rank 0 reports."""
-    if _launched() is None:
+    if launched_rank() is None:
         raise BenchError("--launcher inside is for ranks started by mpiexec or torchrun")
-    rank, local_rank = _launched()
+    rank, local_rank = launched_rank()
     import torch
     torch.set_num_threads(1)
     memcpy = os.environ.get("COURSE_LIB_MEMCPY_GBS")

@@ -5,9 +5,8 @@ Introduced in notebooks/00_welcome_and_cluster.ipynb (and notebooks/11_scaling_o
 notebook kernel was killed before it could stop them.
 """
 
+import os
 import socket
-
-import ipyparallel as ipp
 
 PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches other clusters
 
@@ -58,6 +57,7 @@ def clean_clusters(all=False):
     Returns the ids of the clusters stopped. ``python -m course_lib cluster clean`` calls this.
     """
     stopped = []
+    import ipyparallel as ipp
     manager = ipp.ClusterManager()
     try:
         clusters = manager.load_clusters(profile=PROFILE)
@@ -81,12 +81,13 @@ def _launcher_pids(ipp_cluster):
     return [p for p in (getattr(x, "pid", None) for x in launchers) if p and p > 0]
 
 
-def _stop_and_reap(ipp_cluster, extra_pids=(), timeout=10):
-    """Kill every process of a cluster's tree (engines hold nothing worth a graceful wait),
-    then let ipyparallel remove the cluster's files."""
+def kill_tree(pids, timeout=5):
+    """SIGKILL processes and every descendant, then wait for them. The tree is read before the
+    first kill: mpiexec's hydra proxy and torchrun's ranks live in sessions of their own, so
+    neither a process group nor the parent's death reaches them."""
     import psutil
     procs = []
-    for pid in {*_launcher_pids(ipp_cluster), *extra_pids}:
+    for pid in pids:
         try:
             proc = psutil.Process(pid)
             procs += [proc, *proc.children(recursive=True)]
@@ -98,6 +99,22 @@ def _stop_and_reap(ipp_cluster, extra_pids=(), timeout=10):
         except psutil.Error:
             pass
     psutil.wait_procs(procs, timeout=timeout)
+
+
+def _stop_and_reap(ipp_cluster, extra_pids=()):
+    """Kill every process of a cluster's tree (engines hold nothing worth a graceful wait),
+    then let ipyparallel remove the cluster's files."""
+    kill_tree({*_launcher_pids(ipp_cluster), *extra_pids}, timeout=10)
     ipp_cluster.stop_cluster_sync()
 
 
+def launched_rank():
+    """(rank, local rank) of a process started by torchrun or mpiexec, else None."""
+    env = os.environ
+    if "RANK" in env and "MASTER_PORT" in env:  # torchrun
+        return int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
+    for rank, local in [("PMI_RANK", "MPI_LOCALRANKID"),
+                        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")]:
+        if rank in env:
+            return int(env[rank]), int(env.get(local, env[rank]))
+    return None

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from course_lib.launch import kill_tree
 
 MODES = ("send", "ssend", "sendrecv", "oddeven", "isend")
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,26 +146,6 @@ def mpiexec_path():
     return found
 
 
-def _kill_tree(proc):
-    """SIGKILL a still running mpiexec, its process group and all its descendants (hydra's
-    proxy calls setsid, so the ranks live in a session of their own: the tree finds them)."""
-    import psutil
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        tree = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(tree, timeout=5)
-
-
 def _json_objects(text):
     """Every JSON object in ``text`` (the ranks' reports), whatever else is around them."""
     decoder, pos = json.JSONDecoder(), text.find("{")
@@ -208,12 +189,12 @@ def run_cycle(sizes, mode="send", world_size=2, deadline=2.0, timeout=None, repe
     try:
         out, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+        kill_tree([proc.pid])
         out, err = proc.communicate()
         raise SendCycleError(f"mpiexec -n {world_size} ({mode}) did not finish within "
                              f"{limit:g}s and was killed\n{err[-2000:]}") from None
     except BaseException:  # Ctrl-C in the notebook: take the ranks down too
-        _kill_tree(proc)
+        kill_tree([proc.pid])
         proc.wait()
         raise
     done, stuck = {}, None
