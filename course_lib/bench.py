@@ -180,6 +180,52 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
     return rows
 
 
+def fusion_rank_bench(transport, algorithm="native", count=256, tensor_bytes=4096, iters=5,
+                      warmup=1, timeout=30.0):
+    """The tiny-allreduce problem, measured on every rank: ``count`` float32 tensors of
+    ``tensor_bytes`` each, allreduced one after another, against tensor fusion (copy them into
+    one buffer, one allreduce, copy back). Returns ``{"separate_s", "fused_s"}``: medians over
+    rounds of the slowest rank. Introduced in notebooks/05_allreduce.ipynb."""
+    from course_lib.collectives import allreduce
+    from course_lib.comm import get_comm
+    comm = get_comm(transport, timeout=timeout)
+    device = _device(comm)[0]
+    op = _native(comm) if algorithm == "native" else \
+        (lambda buf: allreduce(buf, comm, algorithm=algorithm))
+    n = max(tensor_bytes // 4, 1)
+    if transport == "mpi":
+        tensors, fused = [np.ones(n, np.float32) for _ in range(count)], np.empty(n * count,
+                                                                                  np.float32)
+    else:
+        import torch
+        tensors = [torch.ones(n, device=device) for _ in range(count)]
+        fused = torch.empty(n * count, device=device)
+
+    def separate():
+        for t in tensors:
+            op(t)
+
+    def fuse():
+        for i, t in enumerate(tensors):
+            _copy(fused[i * n:(i + 1) * n], t)
+        op(fused)
+        for i, t in enumerate(tensors):
+            _copy(t, fused[i * n:(i + 1) * n])
+
+    times = np.zeros((2, iters))
+    for it in range(-warmup, iters):
+        for k, fn in enumerate((separate, fuse)):
+            comm.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if it >= 0:
+                times[k, it] = time.perf_counter() - t0
+    separate_s, fused_s = np.median(_reduce(comm, times, "max"), axis=1)
+    return {"separate_s": float(separate_s), "fused_s": float(fused_s)}
+
+
 def _device(comm):
     """(device of the buffers, backend name) of a comm."""
     if getattr(comm, "backend", "") == "nccl":
