@@ -28,7 +28,6 @@ import csv
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ import time
 import numpy as np
 
 from course_lib.costmodel import algbw, busbw
-from course_lib.launch import kill_tree, launched_rank
+from course_lib.launch import launched_rank, run_ranks
 
 COLUMNS = ["world_size", "transport", "backend", "algorithm", "size", "count", "type", "time_us",
            "algbw", "busbw", "busbw_of_memcpy", "wrong", "vs_native", "memcpy", "iters", "warmup"]
@@ -388,7 +387,6 @@ def _on_cluster(args, world_size, memcpy):
 
 def _launch(args, world_size, memcpy):
     """Start ``world_size`` copies of this command under mpiexec or torchrun; rank 0's rows."""
-    import shutil
     with tempfile.TemporaryDirectory(prefix="course_lib-bench-") as tmp:
         out = os.path.join(tmp, "rows.json")
         inner = ["-m", "course_lib", "bench", "allreduce", "--launcher", "inside",
@@ -398,36 +396,11 @@ def _launch(args, world_size, memcpy):
         for opt in ("transport", "backend", "dtype", "iters", "warmup", "timeout"):
             inner += [f"--{opt}", str(getattr(args, opt))]
         inner += [] if args.check else ["--no-check"]
-        if args.launcher == "mpiexec":
-            mpiexec = shutil.which("mpiexec") or os.path.join(sys.prefix, "bin", "mpiexec")
-            cmd = [mpiexec, "-n", str(world_size), sys.executable, *inner]
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", str(world_size), *inner]
         env = dict(os.environ, MPIEXEC_TIMEOUT=str(int(args.time_limit)), OMP_NUM_THREADS="1",
                    COURSE_LIB_MEMCPY_GBS=repr(memcpy))
-        _run(cmd, env, args.time_limit * 1.1 + 5, args.launcher)
+        run_ranks(args.launcher, world_size, inner, env, args.time_limit)
         with open(out) as f:
             return json.load(f)
-
-
-def _run(cmd, env, timeout, name):
-    """Run a launcher; past the deadline stop it and every process it started."""
-    try:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-    except OSError as e:
-        raise BenchError(f"cannot start {name}: {e}") from None
-    try:
-        output = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        kill_tree([proc.pid])
-        proc.communicate()
-        raise BenchError(f"{name} did not finish within {timeout:g}s; its ranks were stopped "
-                         "(raise --time-limit for large sizes)") from None
-    if proc.returncode:
-        tail = "\n".join(output.strip().splitlines()[-15:])
-        raise BenchError(f"{name} exited with status {proc.returncode}:\n{tail}")
 
 
 def _inside(args):

@@ -20,11 +20,9 @@ import re
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import ipyparallel as ipp
 
@@ -41,7 +39,13 @@ from course_lib.engine import (  # noqa: F401 - re-exported: the rank demos sit 
     skip_collective,
     sleep_on,
 )
-from course_lib.launch import PROFILE, _stop_and_reap, clean_clusters, slurm_config
+from course_lib.launch import (
+    PROFILE,
+    _stop_and_reap,
+    clean_clusters,
+    mpiexec_path,
+    slurm_config,
+)
 
 
 class ClusterError(RuntimeError):
@@ -245,8 +249,8 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
         kwargs.update(engines="local", controller_ip="127.0.0.1")
         config.LocalEngineSetLauncher.environment = env
     elif engines == "mpi":
-        mpiexec = shutil.which("mpiexec") or str(Path(sys.prefix, "bin", "mpiexec"))
-        if not Path(mpiexec).exists():
+        mpiexec = mpiexec_path()
+        if mpiexec is None:
             raise ClusterError("engines='mpi' needs mpiexec: pip install mpi4py mpich")
         kwargs.update(engines="mpi", controller_ip="127.0.0.1")
         config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]

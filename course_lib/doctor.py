@@ -7,9 +7,7 @@ Ends with a one-line verdict; returns 0 when everything needed on a laptop works
 
 import os
 import platform
-import shutil
 import subprocess
-import sys
 import time
 from importlib import metadata
 
@@ -22,8 +20,9 @@ def _version(name):
 
 
 def _mpiexec():
-    path = shutil.which("mpiexec") or os.path.join(sys.prefix, "bin", "mpiexec")
-    if not os.path.exists(path):
+    from course_lib.launch import mpiexec_path
+    path = mpiexec_path()
+    if path is None:
         return None, "not found (pip install mpi4py mpich)"
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)

@@ -6,7 +6,11 @@ notebook kernel was killed before it could stop them.
 """
 
 import os
+import shutil
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches other clusters
 
@@ -118,3 +122,42 @@ def launched_rank():
         if rank in env:
             return int(env[rank]), int(env.get(local, env[rank]))
     return None
+
+
+def mpiexec_path():
+    """The ``mpiexec`` of this Python's environment (the mpich wheel's), else PATH's, else None."""
+    for candidate in (Path(sys.executable).parent / "mpiexec", Path(sys.prefix, "bin", "mpiexec")):
+        if candidate.exists():
+            return str(candidate)
+    return shutil.which("mpiexec")
+
+
+def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
+    """Run ``python *args`` as ``world_size`` ranks under "mpiexec" or "torchrun" (loopback
+    rendezvous), with a deadline: past it the launcher and every rank are killed. Returns the
+    combined output; raises RuntimeError naming the launcher when it fails or runs late."""
+    if launcher == "mpiexec":
+        if mpiexec_path() is None:
+            raise RuntimeError("mpiexec not found: pip install -c constraints.txt -e '.[mpi]'")
+        cmd = [mpiexec_path(), "-n", str(world_size), sys.executable, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(world_size), *args]
+    env = dict(os.environ if env is None else env)
+    env.setdefault("MPIEXEC_TIMEOUT", str(int(timeout)))
+    try:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    except OSError as e:
+        raise RuntimeError(f"cannot start {launcher}: {e}") from None
+    try:
+        output = proc.communicate(timeout=timeout * 1.1 + 5)[0]
+    except subprocess.TimeoutExpired:
+        kill_tree([proc.pid])
+        proc.communicate()
+        raise RuntimeError(f"{launcher} did not finish within {timeout:g}s; its ranks were "
+                           "stopped") from None
+    if proc.returncode:
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        raise RuntimeError(f"{launcher} exited with status {proc.returncode}:\n{tail}")
+    return output

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from course_lib import launch
 from course_lib.launch import kill_tree
 
 MODES = ("send", "ssend", "sendrecv", "oddeven", "isend")
@@ -136,11 +137,7 @@ class SendCycleError(RuntimeError):
 
 def mpiexec_path():
     """The ``mpiexec`` that belongs to this Python's mpi4py (the venv's first, then PATH)."""
-    import shutil
-    for candidate in (Path(sys.executable).parent / "mpiexec", Path(sys.prefix, "bin", "mpiexec")):
-        if candidate.exists():
-            return str(candidate)
-    found = shutil.which("mpiexec")
+    found = launch.mpiexec_path()
     if not found:
         raise SendCycleError("mpiexec not found: pip install -c constraints.txt -e '.[mpi]'")
     return found

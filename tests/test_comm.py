@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -13,8 +12,9 @@ import pytest
 from course_lib import cluster as CL
 from course_lib import collectives_check as K
 from course_lib.comm import CommTimeout, describe, get_comm
+from course_lib.launch import mpiexec_path
 
-MPIEXEC = shutil.which("mpiexec") or os.path.join(sys.prefix, "bin", "mpiexec")
+MPIEXEC = mpiexec_path() or "mpiexec"
 needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC),
                                    reason="no mpiexec (pip install mpi4py mpich)")
 
