@@ -17,6 +17,7 @@ arguments) and call ``run_check``; pass ``diagnose`` to turn a mismatch into a t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -285,3 +286,22 @@ def check_step_decay(student_fn: Callable, seed: int = 0) -> bool:
         lambda *a: _schedule_values(step_decay, *a),
         cases, rtol=1e-9, atol=1e-12, result_name="schedule", diagnose=_diagnose_step_decay,
         hint="return a function of epoch: lambda epoch: lr * drop ** (epoch // epochs_per_drop)")
+
+
+def pack_function(fn: Callable) -> bytes:
+    """A student's function as bytes that engines can load (``cloudpickle.loads``): by value,
+    with the globals it uses, unless it comes from course_lib or an installed package.
+    (ipyparallel's own pickling drops a notebook function's globals such as ``np``.)"""
+    import cloudpickle
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    file = getattr(module, "__file__", None) or ""
+    by_value = (module is not None and module.__name__ != "__main__"
+                and not module.__name__.startswith("course_lib")
+                and not file.startswith((sys.prefix, sys.base_prefix)))
+    if by_value:  # a module of the student's own: the engines may not be able to import it
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(fn)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)

@@ -26,7 +26,7 @@ import itertools
 
 import numpy as np
 
-from course_lib.checks import Case, CheckFailed, compare, not_implemented
+from course_lib.checks import Case, CheckFailed, compare, not_implemented, pack_function
 from course_lib.data import shard_bounds
 
 DEFAULT_TIMEOUT = 5.0  # seconds each point-to-point wait of the student's code may take
@@ -252,9 +252,8 @@ def _check_traffic(where, exercise, rank, N, n, itemsize, sent):
 
 
 def _check(name, exercise, student_fn, cluster, seed, timeout):
-    import cloudpickle
     try:
-        payload = cloudpickle.dumps(student_fn)
+        payload = pack_function(student_fn)
     except Exception as e:
         raise CheckFailed(f"{name}: your function cannot be sent to the engines ({e}).\nHint: "
                           "do not refer to the cluster or open files inside it.") from None
@@ -368,7 +367,6 @@ def time_allreduce(student_fn, cluster, sizes=(4096, 65536, 1 << 20), repeats=5)
 
     Returns one dict per size: size (bytes), yours_us and native_us (microseconds, median over
     ``repeats`` rounds of the slowest rank). A timing, not a check: it asserts nothing."""
-    import cloudpickle
-    medians = cluster.run(run_timed, cloudpickle.dumps(student_fn), list(sizes), repeats)[0]
+    medians = cluster.run(run_timed, pack_function(student_fn), list(sizes), repeats)[0]
     return [{"size": size, "yours_us": 1e6 * yours, "native_us": 1e6 * native}
             for size, (yours, native) in zip(sizes, medians, strict=True)]

@@ -18,13 +18,12 @@ instead of a hang. The conventions are those of ``course_lib.checks``: a pass li
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from course_lib.checks import CheckFailed, compare, not_implemented
+from course_lib.checks import CheckFailed, compare, not_implemented, pack_function
 
 DEADLOCK_HINT = (
     "the ranks waited for each other until the deadline: a blocking-send cycle. When every rank "
@@ -106,23 +105,6 @@ def _train_on_rank(fn_bytes, n_samples, n_features, lr, num_epochs, seed, timeou
 
 
 # ---------------------------------------------------------------- on the client
-def _dumps(fn):
-    """cloudpickle ``fn`` by value unless it comes from course_lib or an installed package."""
-    import cloudpickle
-    module = sys.modules.get(getattr(fn, "__module__", None) or "")
-    file = getattr(module, "__file__", None) or ""
-    by_value = (module is not None and module.__name__ != "__main__"
-                and not module.__name__.startswith("course_lib")
-                and not file.startswith((sys.prefix, sys.base_prefix)))
-    if by_value:  # a module of the student's own: the engines may not be able to import it
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return cloudpickle.dumps(fn)
-    finally:
-        if by_value:
-            cloudpickle.unregister_pickle_by_value(module)
-
-
 def _run_case(name, where, fn_bytes, cluster, case, timeout, hint):
     """One case on the cluster; returns the per-rank results, or None if not implemented."""
     from course_lib.cluster import ClusterError, ClusterTimeout, RemoteError
@@ -153,7 +135,7 @@ def _run_case(name, where, fn_bytes, cluster, case, timeout, hint):
 def _run_check(name, student_fn, cluster, cases, expected_fn, diagnose, hint, timeout):
     if cluster.n < 2:
         raise ValueError(f"{name} needs a cluster of at least 2 engines, this one has {cluster.n}")
-    fn_bytes = _dumps(student_fn)
+    fn_bytes = pack_function(student_fn)
     for number, case in enumerate(cases, start=1):
         where = f"{name}: case {number}/{len(cases)} ({case.label})"
         results = _run_case(name, where, fn_bytes, cluster, case, timeout, hint)
@@ -306,7 +288,7 @@ def train_on_cluster(student_fn: Callable, cluster, n_samples=200, n_features=3,
     computes the same gradient). Compare ``thetas`` with ``course_lib.gd.batch_gd`` on all the
     data (data from ``data.make_linear(n_samples, n_features, noise=0.5, seed=seed)``).
     """
-    per_rank = cluster.run(_train_on_rank, _dumps(student_fn), n_samples, n_features, lr,
+    per_rank = cluster.run(_train_on_rank, pack_function(student_fn), n_samples, n_features, lr,
                            num_epochs, seed, timeout, timeout=timeout + 30 + num_epochs)
     spread = max(float(np.max(np.abs(t - per_rank[0]))) for t in per_rank)
     return per_rank[0], spread
