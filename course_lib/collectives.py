@@ -16,48 +16,31 @@ Cost for n elements on N ranks (alpha-beta model: course_lib.costmodel)::
     ring   2(N-1) steps, each n/N elements: 2(N-1)n/N < 2n per rank whatever N (bandwidth optimal)
 
 Before any data moves, every collective checks that all ranks called it with the same shape,
-dtype, op and algorithm (:func:`check_agreement`): a mismatch raises ``ValueError`` on every
-rank instead of a wrong result or a hang. A rank that never calls makes the others raise
-``comm.CommTimeout`` naming it. ``op="average"`` sums and then divides by the world size; for
-integer dtypes that division rounds down (floor division). Each phase uses its own tag; NCCL
-ignores tags, which is fine because messages between two ranks arrive in the order sent.
+dtype, op and algorithm (:func:`course_lib.agreement.check_agreement`): a mismatch raises
+``ValueError`` on every rank instead of a wrong result or a hang. A rank that never calls makes
+the others raise ``comm.CommTimeout`` naming it. ``op="average"`` sums and then divides by the
+world size; for integer dtypes that division rounds down (floor division). Each phase uses its
+own tag; NCCL ignores tags, which is fine because messages between two ranks arrive in order.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-import zlib
 
 import numpy as np
 
+from course_lib.agreement import OPS, check_agreement
 from course_lib.comm import wait_all
 from course_lib.data import shard_bounds
 
-OPS = ("sum", "average", "max", "min")
-TAG_CHECK, TAG_NAIVE, TAG_TREE_UP, TAG_TREE_DOWN, TAG_RS, TAG_AG = 11, 12, 13, 14, 15, 16
+TAG_NAIVE, TAG_TREE_UP, TAG_TREE_DOWN, TAG_RS, TAG_AG = 12, 13, 14, 15, 16
 _NUMPY_OPS = {"sum": np.add, "average": np.add, "max": np.maximum, "min": np.minimum}
-_DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32",
-           "int64", "bool", "complex64", "complex128")
-_NAMES = ("allreduce", "naive_allreduce", "tree_allreduce", "ring_allreduce",
-          "ring_allreduce_pipelined", "ring_reduce_scatter", "ring_allgather")
 _SCRATCH = threading.local()  # receive buffers, reused from call to call
-_META, _MAXDIM = 15, 8  # int64 slots exchanged by check_agreement; shape dims spelled out
 
 
 # ---------------------------------------------------------------- buffers and reductions
 def _is_numpy(buf):
     return isinstance(buf, np.ndarray)
-
-
-@functools.lru_cache(maxsize=256)
-def _name(dtype):  # str() of a numpy dtype takes microseconds: cached
-    return str(dtype).replace("torch.", "")
-
-
-@functools.lru_cache(maxsize=256)
-def _crc(text):
-    return zlib.crc32(text.encode())
 
 
 def _flat(buf):
@@ -93,74 +76,6 @@ def _divide(a, world_size):
         a.div_(world_size)
     else:
         a.div_(world_size, rounding_mode="floor")
-
-
-# ---------------------------------------------------------------- do all ranks agree?
-def _meta(buf, what, op, extra):
-    """This rank's record: ndim, dtype, what, op, contiguous, crc of dims past 8, extra, dims."""
-    shape, contiguous = tuple(buf.shape), (buf.flags.c_contiguous if _is_numpy(buf)
-                                           else buf.is_contiguous())
-    head = [len(shape), _crc(_name(buf.dtype)), _crc(what), _crc(str(op)), contiguous,
-            _crc(str(shape[_MAXDIM:])), extra]
-    dims = list(shape[:_MAXDIM])
-    return np.array(head + dims + [0] * (_MAXDIM - len(dims)), np.int64)
-
-
-def _describe(row, fields):
-    """'(1000,) float32' (and the op, collective, segment size when those differ)."""
-    decode = {_crc(str(v)): v for v in (*_DTYPES, *OPS, None, *_NAMES)}
-    ndim = int(row[0])
-    dims = [str(d) for d in row[7:7 + min(ndim, _MAXDIM)]] + ["..."] * (ndim > _MAXDIM)
-    text = f"({', '.join(dims)}{',' if ndim == 1 else ''}) {decode.get(row[1], '?')}"
-    extras = {"ops": f" op={decode.get(row[3], '?')!r}", "collectives": f" {decode.get(row[2])}",
-              "segment sizes": f" segment_bytes={row[6]}"}
-    return text + "".join(extras[f] for f in fields if f in extras)
-
-
-def check_agreement(buf, comm, what="allreduce", op=None, extra=0):
-    """Check, before any data moves, that every rank called ``what`` on a matching buffer.
-
-    Every rank sends a fixed-size int64 record (shape, dtype, ``what``, ``op``, contiguity,
-    ``extra``: an integer all must share, e.g. a segment size) straight to every other rank, so
-    a rank that never calls is named by the others' ``CommTimeout``. If any record differs, EVERY
-    rank raises the same ``ValueError`` naming the ranks and their shapes/dtypes; it also raises
-    for an op not in ``OPS`` or a non-contiguous buffer. World size 1: nothing is sent.
-    Introduced in notebooks/05_allreduce.ipynb.
-    """
-    mine = _meta(buf, what, op, extra)
-    table = np.empty((comm.world_size, _META), np.int64)
-    table[comm.rank] = mine
-    if comm.world_size > 1:
-        send, recv = mine, table
-        if not _is_numpy(buf):  # a tensor on the buffer's device: NCCL moves only CUDA tensors
-            import torch
-            send, recv = (torch.from_numpy(a).to(buf.device) for a in (mine, table))
-        recvs, sends = [], []
-        for p in (q for q in range(comm.world_size) if q != comm.rank):
-            if comm.rank < p:  # per pair the lower rank sends first (NCCL runs them in order)
-                sends.append(comm.isend(send, p, tag=TAG_CHECK))
-            recvs.append(comm.irecv(recv[p], p, tag=TAG_CHECK))
-            if comm.rank > p:
-                sends.append(comm.isend(send, p, tag=TAG_CHECK))
-        wait_all(recvs + sends)  # receives first, in rank order: a missing rank is named
-        table = recv if _is_numpy(recv) else recv.cpu().numpy()
-    same = table.tobytes() == mine.tobytes() * len(table)  # the common case, decided fast
-    differ = [] if same else [
-        name for name, cols in (("shapes/dtypes", [0, 1, 5, *range(7, _META)]), ("ops", [3]),
-                                ("collectives", [2]), ("segment sizes", [6]))
-        if (table[:, cols] != mine[cols]).any()]
-    if differ:
-        odd = [r for r in range(len(table)) if (table[r] != table[0]).any()]
-        shown = list(range(len(table))) if len(table) <= 8 else [0] + odd[:7]
-        ranks = ", ".join(f"rank {r}: {_describe(table[r], differ)}" for r in shown)
-        more = f" (and {len(odd) - 7} more)" if len(shown) <= len(odd) else ""
-        raise ValueError(f"{what}: {'/'.join(differ)} differ across ranks: {ranks}{more}")
-    if not (mine[4] if same else table[:, 4].all()):
-        raise ValueError(f"{what}: buffers must be contiguous, rank(s) "
-                         f"{np.flatnonzero(table[:, 4] == 0).tolist()[:8]} passed a strided view: "
-                         "pass x.contiguous() / np.ascontiguousarray(x)")
-    if op is not None and op not in OPS:
-        raise ValueError(f"{what}: op must be one of {OPS}, not {op!r}")
 
 
 def _begin(buf, comm, what, op, check, extra=0):
