@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from course_lib import cluster as CL
-from course_lib import collectives_check as K
+from course_lib import comm_check as K
 from course_lib.comm import CommTimeout, describe, get_comm
 from course_lib.launch import mpiexec_path
 
@@ -21,7 +21,7 @@ needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC),
 # What every rank runs under mpiexec: the same checks as on the cluster, one JSON file per rank.
 SCRIPT = """
 import json, sys
-from course_lib import collectives_check as K
+from course_lib import comm_check as K
 transport, out = sys.argv[1], sys.argv[2]
 if transport == "torch":
     from course_lib.comm import init_torch_from_launcher
