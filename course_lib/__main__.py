@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # bench subcommands: name -> (module with <name>_arguments(parser) and <name>_main(args), help)
 BENCHMARKS = {
     "allreduce": ("course_lib.bench_cli", "every allreduce algorithm against the native one"),
+    "ps": ("course_lib.bench_ps", "parameter-server throughput vs servers, workers, sync/async"),
 }
 
 

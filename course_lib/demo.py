@@ -47,7 +47,28 @@ def allreduce(cluster, out_dir):
              all(r["wrong"] == 0 for r in rows))]
 
 
-PARTS = [gradient_descent, full_gradient, allreduce]
+def parameter_server(cluster, out_dir):
+    """Sync vs async parameter server, 1 server and the other ranks as workers (notebook 04)."""
+    from course_lib import data, gd, ps
+    from course_lib.models import LinearRegression
+    X, y, _ = data.make_linear(n_samples=600, n_features=8, noise=0.5, seed=0)
+    problem, theta0 = LinearRegression(), np.zeros(X.shape[1])
+    spec = ps.make_spec(1, cluster.n - 1, world_size=cluster.n)
+    kw = dict(lr=0.05, num_epochs=4, batch_size=32)
+    ref = gd.minibatch_sgd(problem, X, y, theta0, seed=0, **kw).final_theta
+    rows = []
+    for mode in ("sync", "async"):
+        r = ps.train(cluster, spec, problem, X, y, theta0, mode=mode, **kw)
+        loss = problem.loss(r.theta, X, y)
+        ok = (np.abs(r.theta - ref).max() < 1e-6 if mode == "sync"
+              else loss < 1.1 * problem.loss(ref, X, y))
+        rows.append((f"parameter server {mode}, 1 server + {cluster.n - 1} workers",
+                     f"loss {loss:.4f}, {r.pushes_per_s:.0f} pushes/s, mean staleness "
+                     f"{r.staleness.mean():.2f}", bool(ok)))
+    return rows
+
+
+PARTS = [gradient_descent, full_gradient, allreduce, parameter_server]
 
 
 def _plot_losses(runs, best, path):

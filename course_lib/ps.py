@@ -1,0 +1,215 @@
+"""The parameter server: servers hold the parameters, workers pull them, compute, push gradients.
+
+Introduced in notebooks/04_parameter_server.ipynb. Roles are given to a cluster's ranks by a
+mapping like TensorFlow's ClusterSpec; the flat float64 parameter vector is split into
+contiguous shards, one per server (``data.shard_bounds``)::
+
+    from course_lib import ps
+    spec = ps.make_spec(num_servers=1, num_workers=3)   # {"ps": [0], "worker": [1, 2, 3]}
+    result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, num_epochs=5,
+                      batch_size=64, mode="async", staleness_aware=True)
+    result.theta, result.staleness_histogram(), result.pushes_per_s
+
+Synchronous mode equals single-process mini-batch SGD on the global batch: every worker takes
+its slice (``shard_bounds``) of each global batch, pushes the gradient SUM and the sample count,
+and each server divides the summed sums by the global batch size. Asynchronous mode applies each
+push at once; its staleness (server version at apply minus the version the worker computed on)
+is recorded, and the staleness-aware step divides the learning rate by it (Zhang et al. 2016).
+The wire (ZeroMQ) and the server loop are in :mod:`course_lib.ps_transport`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from course_lib.data import shard_bounds
+from course_lib.engine import ENGINE
+from course_lib.ps_transport import PSError, ServerConnections, bind_server, serve
+
+__all__ = ["PSError", "PSResult", "apply_push", "make_spec", "run_role", "simulate_async",
+           "train", "worker_step"]
+
+
+def make_spec(num_servers=1, num_workers=3, world_size=None):
+    """A ClusterSpec-like role map: servers first, then workers, the remaining ranks idle."""
+    world_size = num_servers + num_workers if world_size is None else world_size
+    if num_servers < 1 or num_workers < 1 or num_servers + num_workers > world_size:
+        raise ValueError(f"need >= 1 server and >= 1 worker within {world_size} ranks, got "
+                         f"{num_servers} server(s) and {num_workers} worker(s)")
+    ranks = list(range(world_size))
+    return {"ps": ranks[:num_servers], "worker": ranks[num_servers:num_servers + num_workers],
+            "idle": ranks[num_servers + num_workers:]}
+
+
+def role_of(spec, rank):
+    """'ps', 'worker' or 'idle': the job of ``rank`` in ``spec``."""
+    found = [job for job, ranks in spec.items() if rank in ranks]
+    if len(found) > 1:
+        raise ValueError(f"rank {rank} has several roles in {spec}: {found}")
+    return found[0] if found else "idle"
+
+
+# ---------------------------------------------------------------- the two small pieces of logic
+def apply_push(theta, version, grad, pulled_version, lr, staleness_aware=False):
+    """Server side of one asynchronous push: return ``(new_theta, version + 1, staleness)``.
+
+    ``grad`` is a mean gradient computed by a worker on parameters of version
+    ``pulled_version``; ``staleness = version - pulled_version`` counts the updates applied
+    since. The staleness-aware step uses ``lr / max(staleness, 1)``. ``theta`` is not modified.
+    """
+    staleness = int(version - pulled_version)
+    step = lr / max(staleness, 1) if staleness_aware else lr
+    return theta - step * np.asarray(grad, dtype=np.float64), version + 1, staleness
+
+
+def worker_step(problem, pull, push, Xb, yb):
+    """One worker step: ``theta, version = pull()``; push the gradient SUM over the batch and its
+    size: ``push(grad_sum, len(Xb), version)``. Returns the batch loss sum at the pulled theta."""
+    theta, version = pull()
+    push(problem.grad_sum(theta, Xb, yb), len(Xb), version)
+    return problem.loss_sum(theta, Xb, yb)
+
+
+# ---------------------------------------------------------------- running on a cluster
+def _worker(spec, addresses, problem, X, y, theta0, cfg):
+    w, num_workers = spec["worker"].index(ENGINE["rank"]), len(spec["worker"])
+    conn = ServerConnections(addresses, len(theta0), 2 * cfg["timeout"] + 5)
+    rng, delay_rng = np.random.default_rng(cfg["seed"]), np.random.default_rng([cfg["seed"], w])
+    log = dict(worker=ENGINE["rank"], steps=0, rejected=0, loss_sums=[], counts=[], times=[])
+    try:
+        state = {}
+        state["theta"], state["versions"] = conn.init(theta0) if w == 0 else conn.pull()
+
+        def pull():
+            return state["theta"], state["versions"]
+
+        def push(grad_sum, count, versions):
+            if cfg["delay"]:
+                time.sleep(delay_rng.exponential(cfg["delay"]))
+            state["theta"], state["versions"], rejected = conn.push(grad_sum, count, versions)
+            log["rejected"] += rejected
+
+        t0 = time.monotonic()
+        for _ in range(cfg["num_epochs"]):
+            order = rng.permutation(len(X))
+            for start in range(0, len(X), cfg["batch_size"]):
+                batch = order[start:start + cfg["batch_size"]]
+                a, b = shard_bounds(len(batch), w, num_workers)
+                if log["steps"] == cfg["stop_after"].get(ENGINE["rank"], -1):
+                    conn.close(linger=0)  # this worker goes silent, as a crashed one would
+                    return dict(log, stopped=True, bytes=conn.bytes)
+                loss = worker_step(problem, pull, push, X[batch[a:b]], y[batch[a:b]])
+                log["loss_sums"].append(float(loss))
+                log["counts"].append(b - a)
+                log["times"].append(time.monotonic() - t0)
+                log["steps"] += 1
+        conn.done()
+        return dict(log, stopped=False, bytes=conn.bytes, theta=state["theta"])
+    finally:
+        conn.close()
+
+
+def run_role(spec, addresses, problem, X, y, theta0, cfg):
+    """Runs on every rank (``cluster.run``): serve, work, or stay idle, as ``spec`` says."""
+    role = role_of(spec, ENGINE["rank"])
+    if role == "ps":
+        return dict(serve(spec, len(theta0), cfg, apply_push), role="ps")
+    if role == "worker":
+        return dict(_worker(spec, addresses, problem, X, y, theta0, cfg), role="worker")
+    return {"role": "idle"}
+
+
+@dataclass
+class PSResult:
+    """What a parameter-server run returns: the final theta, per-server and per-worker stats."""
+
+    theta: np.ndarray
+    servers: list
+    workers: list
+    mode: str
+    elapsed: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def staleness(self):
+        return np.concatenate([np.asarray(s["staleness"], int) for s in self.servers])
+
+    def staleness_histogram(self):
+        """Counts of applied gradients by staleness 0, 1, 2, ... (all servers together)."""
+        return np.bincount(self.staleness) if len(self.staleness) else np.zeros(1, int)
+
+    @property
+    def pushes(self):
+        return sum(s["pushes"] for s in self.servers)
+
+    @property
+    def pushes_per_s(self):
+        """Worker pushes (one per worker step, counted once, not per server) per second."""
+        return sum(w["steps"] for w in self.workers) / self.elapsed
+
+    @property
+    def lost_workers(self):
+        return sorted({w for s in self.servers for w in s["lost"]})
+
+    def bytes_per_server(self):
+        return [s["bytes_in"] + s["bytes_out"] for s in self.servers]
+
+
+def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32, mode="sync",
+          staleness_aware=False, max_staleness=None, seed=0, timeout=10.0, time_limit=120.0,
+          delay=0.0, stop_after=None, host="127.0.0.1"):
+    """Train ``problem`` on (X, y) with the servers and workers of ``spec`` on ``cluster``.
+
+    ``mode`` 'sync' (equal to ``gd.minibatch_sgd`` with the same seed and global ``batch_size``)
+    or 'async'. ``delay``: mean of a random sleep (s) before each push, to make staleness.
+    ``stop_after={rank: steps}`` makes a worker go silent after that many steps (a crash).
+    Every wait has a deadline of ``timeout`` s; the whole run ``time_limit`` s.
+    """
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode must be 'sync' or 'async', not {mode!r}")
+    if set(spec["ps"]) & set(spec["worker"]) or max(spec["ps"] + spec["worker"]) >= cluster.n:
+        raise ValueError(f"spec {spec} needs distinct ranks below {cluster.n}")
+    cfg = dict(mode=mode, lr=lr, num_epochs=num_epochs, batch_size=batch_size, seed=seed,
+               staleness_aware=staleness_aware, max_staleness=max_staleness, timeout=timeout,
+               time_limit=time_limit, delay=delay, stop_after=dict(stop_after or {}))
+    addresses = [a for a in cluster.run(bind_server, spec, host) if a is not None]
+    t0 = time.perf_counter()
+    results = cluster.run(run_role, spec, addresses, problem, X, y,
+                          np.asarray(theta0, np.float64), cfg, timeout=time_limit + 30)
+    elapsed = time.perf_counter() - t0
+    servers = [r for r in results if r["role"] == "ps"]
+    workers = [r for r in results if r["role"] == "worker"]
+    theta = np.concatenate([s["theta"] for s in servers])
+    return PSResult(theta, servers, workers, mode, elapsed)
+
+
+# ---------------------------------------------------------------- in one process, for plots
+def simulate_async(problem, X, y, theta0, lr, num_workers, num_updates, batch_size=32,
+                   staleness_aware=False, seed=0):
+    """Asynchronous SGD simulated in one process: ``num_workers`` workers with random compute
+    times; each pushes a gradient computed on the parameters it last pulled, applied by
+    :func:`apply_push`. Staleness is about ``num_workers - 1`` on average. Returns
+    ``(losses, staleness)``: the full-data loss after every update and each update's staleness.
+    """
+    rng = np.random.default_rng(seed)
+    theta, version = np.asarray(theta0, np.float64).copy(), 0
+    # each worker: (finish time, worker id, pulled theta, pulled version)
+    queue = [(rng.exponential(), k, theta, version) for k in range(num_workers)]
+    heapq.heapify(queue)
+    losses, staleness = [problem.loss(theta, X, y)], []
+    for _ in range(num_updates):
+        finish, k, pulled, pulled_version = heapq.heappop(queue)
+        idx = rng.integers(0, len(X), batch_size)
+        grad = problem.grad(pulled, X[idx], y[idx])
+        theta, version, tau = apply_push(theta, version, grad, pulled_version, lr,
+                                         staleness_aware)
+        losses.append(problem.loss(theta, X, y))
+        staleness.append(tau)
+        if not np.isfinite(losses[-1]) or losses[-1] > 1e12:
+            break
+        heapq.heappush(queue, (finish + rng.exponential(), k, theta, version))
+    return np.array(losses), np.array(staleness)

@@ -1,0 +1,125 @@
+"""The parameter server: sync equals single-process mini-batch SGD, async converges, failures
+end in errors that name the worker, the staleness-aware step tames high staleness."""
+
+import numpy as np
+import pytest
+
+from course_lib import data, gd, ps
+from course_lib.cluster import RemoteError, start_cluster
+from course_lib.models import LinearRegression, SoftmaxRegression
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with start_cluster(n=4, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def linear():
+    X, y, _ = data.make_linear(n_samples=300, n_features=5, noise=0.3, seed=0)
+    return LinearRegression(), X, y, np.zeros(X.shape[1])
+
+
+def test_make_spec_and_roles():
+    spec = ps.make_spec(2, 1, world_size=4)
+    assert spec == {"ps": [0, 1], "worker": [2], "idle": [3]}
+    assert [ps.role_of(spec, r) for r in range(4)] == ["ps", "ps", "worker", "idle"]
+    with pytest.raises(ValueError, match="server"):
+        ps.make_spec(0, 3)
+
+
+def test_apply_push_staleness_and_aware_step():
+    theta = np.array([1.0, 2.0])
+    new, version, tau = ps.apply_push(theta, 7, np.array([1.0, 1.0]), 3, lr=0.4)
+    assert (version, tau) == (8, 4) and np.allclose(new, [0.6, 1.6])
+    new, _, _ = ps.apply_push(theta, 7, np.array([1.0, 1.0]), 3, lr=0.4, staleness_aware=True)
+    assert np.allclose(new, [0.9, 1.9]) and np.allclose(theta, [1.0, 2.0])
+    new, _, tau = ps.apply_push(theta, 5, np.array([1.0, 1.0]), 5, lr=0.4, staleness_aware=True)
+    assert tau == 0 and np.allclose(new, [0.6, 1.6])  # fresh gradient: full step
+
+
+@pytest.mark.parametrize("num_servers,num_workers", [(1, 1), (1, 3), (2, 2), (3, 1)])
+def test_sync_equals_single_process_minibatch_sgd(cluster, linear, num_servers, num_workers):
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(num_servers, num_workers, world_size=4)
+    result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, num_epochs=2, batch_size=32)
+    ref = gd.minibatch_sgd(problem, X, y, theta0, 0.1, 2, 32, seed=0).final_theta
+    assert np.abs(result.theta - ref).max() < 1e-6
+    assert set(result.staleness_histogram().nonzero()[0]) == {0}
+    steps = 2 * int(np.ceil(len(X) / 32))
+    assert all(s["version"] == steps for s in result.servers)
+    assert [w["steps"] for w in result.workers] == [steps] * num_workers
+    assert result.pushes == steps * num_workers * num_servers and result.pushes_per_s > 0
+
+
+def test_sync_softmax_uneven_shards(cluster):
+    X, y, _, _ = data.load_digits()
+    X, y = X[:200], y[:200]
+    problem = SoftmaxRegression(10)
+    theta0 = problem.init(X.shape[1], seed=1)
+    spec = ps.make_spec(3, 1, world_size=4)  # 650 parameters over 3 servers: unequal shards
+    result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.5, num_epochs=1, batch_size=50)
+    ref = gd.minibatch_sgd(problem, X, y, theta0, 0.5, 1, 50, seed=0).final_theta
+    assert np.abs(result.theta - ref).max() < 1e-6
+
+
+def test_async_converges_near_sync_and_measures_staleness(cluster, linear):
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(1, 3, world_size=4)
+    kw = dict(lr=0.05, num_epochs=8, batch_size=30)
+    sync = ps.train(cluster, spec, problem, X, y, theta0, **kw)
+    asyn = ps.train(cluster, spec, problem, X, y, theta0, mode="async", delay=0.002, **kw)
+    best = problem.loss(np.linalg.lstsq(X, y, rcond=None)[0], X, y)
+    assert problem.loss(asyn.theta, X, y) < max(1.1 * problem.loss(sync.theta, X, y), 1.05 * best)
+    hist = asyn.staleness_histogram()
+    assert hist.sum() == sum(w["steps"] for w in asyn.workers) and len(hist) > 1
+    assert [s["per_worker"] for s in asyn.servers][0] == {w["worker"]: w["steps"]
+                                                          for w in asyn.workers}
+
+
+def test_async_survives_a_silent_worker(cluster, linear):
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(1, 3, world_size=4)
+    result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=4, batch_size=30,
+                      mode="async", stop_after={2: 3}, timeout=2)
+    assert result.lost_workers == [2]
+    assert [w["steps"] for w in result.workers] == [40, 3, 40]
+    assert problem.loss(result.theta, X, y) < problem.loss(theta0, X, y) / 2
+
+
+def test_sync_names_the_missing_worker_within_the_deadline(cluster, linear):
+    import time
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(1, 3, world_size=4)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match=r"no gradient from worker rank\(s\) \[3\]"):
+        ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, num_epochs=1, batch_size=30,
+                 stop_after={3: 2}, timeout=2)
+    assert time.monotonic() - t0 < 20
+    again = ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, num_epochs=1, batch_size=30)
+    assert np.isfinite(again.theta).all()  # the cluster recovers
+
+
+def test_bounded_staleness_rejects_stale_pushes(cluster, linear):
+    problem, X, y, theta0 = linear
+    result = ps.train(cluster, ps.make_spec(1, 3, world_size=4), problem, X, y, theta0, lr=0.05,
+                      num_epochs=2, batch_size=30, mode="async", max_staleness=0, delay=0.003)
+    assert result.staleness.max() == 0
+    assert result.servers[0]["rejected"] == sum(w["rejected"] for w in result.workers) > 0
+
+
+def test_staleness_aware_step_tames_high_staleness():
+    X, y, _ = data.make_linear(n_samples=1000, n_features=8, noise=0.5, seed=0)
+    problem, theta0 = LinearRegression(), np.zeros(X.shape[1])
+    best = problem.loss(np.linalg.lstsq(X, y, rcond=None)[0], X, y)
+    finals = {}
+    for aware in (False, True):
+        finals[aware] = [ps.simulate_async(problem, X, y, theta0, lr=0.1, num_workers=16,
+                                           num_updates=600, staleness_aware=aware,
+                                           seed=seed)[0][-1] for seed in range(5)]
+    assert np.median(finals[True]) < 2 * best
+    assert np.median(finals[False]) > 10 * np.median(finals[True])
+    losses, staleness = ps.simulate_async(problem, X, y, theta0, lr=0.1, num_workers=1,
+                                          num_updates=50, seed=0)
+    assert staleness.max() == 0 and losses[-1] < losses[0]
