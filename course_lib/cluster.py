@@ -126,11 +126,16 @@ class Cluster:
             time.sleep(0.1)
 
     # -- running
-    def run(self, fn, *args, timeout=None, **kwargs):
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+    def run(self, fn, *args, timeout=None, allow_dead=False, **kwargs):
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        ``allow_dead=True``: an engine that dies does not stop the others; its result is the
+        :class:`EngineDied` error (returned, not raised), as an asynchronous job that must
+        survive a lost worker wants. Either way the next call restarts the dead engines.
+        """
         if self._broken:
             self._repair()
-        return self._wait(self.view.apply_async(fn, *args, **kwargs), fn, timeout)
+        return self._wait(self.view.apply_async(fn, *args, **kwargs), fn, timeout, allow_dead)
 
     def _dead_ranks(self):
         import psutil
@@ -142,20 +147,25 @@ class Cluster:
     def _pending(self, ar):
         return [r for r, m in enumerate(ar.msg_ids) if m in self.client.outstanding]
 
-    def _wait(self, ar, fn, timeout):
+    def _wait(self, ar, fn, timeout, allow_dead=False):
         timeout = self.timeout if timeout is None else timeout
         name = getattr(fn, "__qualname__", repr(fn))
         deadline = time.monotonic() + timeout
+        dead = []
         while not ar.ready():
             ar.wait(0.05)
             dead = self._dead_ranks()
-            if dead:
+            if dead and allow_dead:
+                self._broken = "engines"  # the next call restarts them
+                if set(self._pending(ar)) <= set(dead):
+                    return self._results_without(ar, dead, name)
+            elif dead:
                 self._interrupt(ar, self._pending(ar), engines_dead=True)
                 pids = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in dead)
                 raise EngineDied(f"{pids} died while running {name}; the next call restarts "
                                  "the engines (their state is lost)")
             if time.monotonic() > deadline and not ar.ready():
-                late = self._pending(ar)
+                late = [r for r in self._pending(ar) if r not in dead]
                 killed = self._interrupt(ar, late)
                 then = (f"rank(s) {killed} ignored the interrupt (blocked in a native wait) "
                         "and were killed; the next call restarts the engines") if killed else \
@@ -176,6 +186,25 @@ class Cluster:
         detail = "\n".join(f"--- rank {r}: {text}" for r, text in sorted(errors.items()))
         raise RemoteError(f"{name} raised on rank(s) {sorted(errors)} of {self.n} (first: rank "
                           f"{first}: {errors[first].splitlines()[0]})\n{detail}", errors)
+
+    def _results_without(self, ar, dead, name):
+        """Results in rank order, with an EngineDied error in place of each dead rank's."""
+        results, errors = [], {}
+        for r, msg_id in enumerate(ar.msg_ids):
+            if r in dead:
+                results.append(EngineDied(f"rank {r} (pid {self.pids[r]}) died while running "
+                                          f"{name}"))
+                continue
+            try:
+                results.append(self.client.get_result(msg_id, block=False).get(timeout=10))
+            except ipp.error.RemoteError as e:
+                errors[r] = f"{e.ename}: {e.evalue}\n{e.traceback or ''}"
+                results.append(None)
+        if errors:
+            detail = "\n".join(f"--- rank {r}: {text}" for r, text in sorted(errors.items()))
+            raise RemoteError(f"{name} raised on rank(s) {sorted(errors)} of {self.n} (and "
+                              f"rank(s) {dead} died)\n{detail}", errors)
+        return results
 
     def _interrupt(self, ar, ranks, engines_dead=False, grace=3.0):
         """SIGINT ``ranks``; kill those still running after ``grace`` s. Returns the killed."""

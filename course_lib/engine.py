@@ -92,11 +92,13 @@ def skip_collective(rank):
     return allreduce_ranks() if ENGINE["rank"] != rank else None
 
 
-def exit_on(rank):
-    """The process of ``rank`` exits at once (an engine that dies mid-call)."""
+def exit_on(rank, others_sleep=30.0):
+    """The process of ``rank`` exits at once (an engine that dies mid-call); the other ranks
+    sleep ``others_sleep`` seconds and return their rank."""
     if ENGINE["rank"] == rank:
         os._exit(1)
-    time.sleep(30)
+    time.sleep(others_sleep)
+    return ENGINE["rank"]
 
 
 def _free_port_and_host():

@@ -21,6 +21,7 @@ The wire (ZeroMQ) and the server loop are in :mod:`course_lib.ps_transport`.
 from __future__ import annotations
 
 import heapq
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -99,6 +100,8 @@ def _worker(spec, addresses, problem, X, y, theta0, cfg):
             for start in range(0, len(X), cfg["batch_size"]):
                 batch = order[start:start + cfg["batch_size"]]
                 a, b = shard_bounds(len(batch), w, num_workers)
+                if log["steps"] == cfg["crash_after"].get(ENGINE["rank"], -1):
+                    os._exit(1)  # this worker's process dies, mid-training
                 if log["steps"] == cfg["stop_after"].get(ENGINE["rank"], -1):
                     conn.close(linger=0)  # this worker goes silent, as a crashed one would
                     return dict(log, stopped=True, bytes=conn.bytes)
@@ -161,12 +164,14 @@ class PSResult:
 
 def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32, mode="sync",
           staleness_aware=False, max_staleness=None, seed=0, timeout=10.0, time_limit=120.0,
-          delay=0.0, stop_after=None, host="127.0.0.1"):
+          delay=0.0, stop_after=None, crash_after=None, host="127.0.0.1"):
     """Train ``problem`` on (X, y) with the servers and workers of ``spec`` on ``cluster``.
 
     ``mode`` 'sync' (equal to ``gd.minibatch_sgd`` with the same seed and global ``batch_size``)
     or 'async'. ``delay``: mean of a random sleep (s) before each push, to make staleness.
-    ``stop_after={rank: steps}`` makes a worker go silent after that many steps (a crash).
+    ``stop_after={rank: steps}`` makes a worker go silent after that many steps;
+    ``crash_after={rank: steps}`` makes its process exit. In async mode the others go on and the
+    lost worker is reported; in sync mode the step fails with an error naming it.
     Every wait has a deadline of ``timeout`` s; the whole run ``time_limit`` s.
     """
     if mode not in ("sync", "async"):
@@ -175,11 +180,15 @@ def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32,
         raise ValueError(f"spec {spec} needs distinct ranks below {cluster.n}")
     cfg = dict(mode=mode, lr=lr, num_epochs=num_epochs, batch_size=batch_size, seed=seed,
                staleness_aware=staleness_aware, max_staleness=max_staleness, timeout=timeout,
-               time_limit=time_limit, delay=delay, stop_after=dict(stop_after or {}))
+               time_limit=time_limit, delay=delay, stop_after=dict(stop_after or {}),
+               crash_after=dict(crash_after or {}))
     addresses = [a for a in cluster.run(bind_server, spec, host) if a is not None]
     t0 = time.perf_counter()
     results = cluster.run(run_role, spec, addresses, problem, X, y,
-                          np.asarray(theta0, np.float64), cfg, timeout=time_limit + 30)
+                          np.asarray(theta0, np.float64), cfg, timeout=time_limit + 30,
+                          allow_dead=mode == "async")
+    results = [{"role": "worker", "died": True, "steps": 0} if isinstance(r, Exception) else r
+               for r in results]  # async: a worker whose process died
     elapsed = time.perf_counter() - t0
     servers = [r for r in results if r["role"] == "ps"]
     workers = [r for r in results if r["role"] == "worker"]

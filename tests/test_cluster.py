@@ -93,6 +93,14 @@ def test_engine_that_dies_is_named_within_seconds(cluster):
     assert pid not in cluster.pids
 
 
+def test_allow_dead_lets_the_other_ranks_finish(cluster):
+    pid = cluster.pids[2]
+    results = cluster.run(C.exit_on, 2, 1.0, allow_dead=True)
+    assert results[:2] == [0, 1]
+    assert isinstance(results[2], C.EngineDied) and f"pid {pid}" in str(results[2])
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]  # restarted, ranks kept
+
+
 def test_every_listener_is_on_loopback(cluster):
     pids = set(_cluster_pids(cluster))
     listening = [c for c in psutil.net_connections("inet")

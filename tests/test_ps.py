@@ -88,6 +88,19 @@ def test_async_survives_a_silent_worker(cluster, linear):
     assert problem.loss(result.theta, X, y) < problem.loss(theta0, X, y) / 2
 
 
+def test_async_survives_a_worker_whose_process_dies(cluster, linear):
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(1, 3, world_size=4)
+    result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=4, batch_size=30,
+                      mode="async", crash_after={3: 3}, timeout=2)
+    assert result.lost_workers == [3]
+    assert [w.get("died", False) for w in result.workers] == [False, False, True]
+    assert [w["steps"] for w in result.workers[:2]] == [40, 40]
+    assert problem.loss(result.theta, X, y) < problem.loss(theta0, X, y) / 2
+    again = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=1, batch_size=30)
+    assert np.isfinite(again.theta).all()  # the next call restarted the dead engine
+
+
 def test_sync_names_the_missing_worker_within_the_deadline(cluster, linear):
     import time
     problem, X, y, theta0 = linear
