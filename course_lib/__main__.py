@@ -3,6 +3,8 @@
     demo                 the headless tour (make demo)
     doctor               is this machine ready? versions, MPI, GPUs, a live 2-engine cluster
     bench allreduce ...  nccl-tests style tables: each allreduce against the native one
+    bench hogwild ...    Hogwild! samples/s vs workers, lock-free vs locked, loss vs serial SGD
+    bench ps ...         parameter-server throughput vs servers and workers, sync vs async
     cluster clean [--all] stop clusters left behind by a killed notebook kernel
     labs build | check   regenerate the student labs / list the stale ones
     images               regenerate the figures in images/
@@ -18,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = {
     "allreduce": ("course_lib.bench_cli", "every allreduce algorithm against the native one"),
     "ps": ("course_lib.bench_ps", "parameter-server throughput vs servers, workers, sync/async"),
+    "hogwild": ("course_lib.bench_hogwild", "Hogwild samples/s vs workers, lock vs lock-free"),
 }
 
 

@@ -1,0 +1,378 @@
+"""Hogwild!: asynchronous SGD on parameters in shared memory, without a lock and with one.
+
+Introduced in notebooks/03_hogwild.ipynb (Niu, Recht, Re and Wright, NIPS 2011). Worker
+processes (spawned) share one parameter vector; each takes one sample at a time from its own
+shard, reads the parameters, computes the gradient and subtracts it in place. Nobody waits::
+
+    from course_lib import hogwild
+    data = hogwild.make_sparse_classification()             # RCV1-like density: 0.16 %
+    hogwild.run_sparse(data, num_workers=2)                  # lock-free
+    hogwild.run_sparse(data, num_workers=2, lock=True)       # the locked twin
+    hogwild.run_dense(num_workers=2)     # an MLP on digits: every update collides
+
+A **conflict** is a coordinate that another worker wrote between this worker's read of it and
+its own write. Each coordinate (each tensor, for the MLP, whose coordinates are all written at
+once) has a write counter in shared memory: a worker reads the counters with the parameters and
+compares them just before writing. The counters are bumped without a lock, so they can
+themselves lose a bump now and then: the counts are a lower bound. Every wait has a deadline; a
+worker that dies is named in a :class:`HogwildError` within a fraction of a second, and no
+process outlives the call.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+
+import numpy as np
+
+from course_lib.race import RaceError
+
+
+class HogwildError(RaceError):
+    """A worker died or missed its deadline; the message names it and its exit code."""
+
+
+@dataclass
+class SparseData:
+    """Rows in CSR form (``indptr``, ``indices``, ``values``), labels ``y`` in {-1, +1}."""
+
+    indptr: np.ndarray
+    indices: np.ndarray
+    values: np.ndarray
+    y: np.ndarray
+    n_features: int
+
+    def __len__(self):
+        return len(self.y)
+
+    def row(self, i):
+        a, b = self.indptr[i], self.indptr[i + 1]
+        return self.indices[a:b], self.values[a:b]
+
+
+@dataclass
+class HogwildResult:
+    """One run: throughput, loss per epoch (index 0 = start), conflicts, per-worker progress."""
+
+    problem: str
+    num_workers: int
+    lock: bool
+    seconds: float                 # slowest worker, from the common start to its last update
+    worker_samples: list
+    worker_seconds: list
+    losses: list
+    conflicts: int                 # coordinates written by another worker between read and write
+    conflicted_updates: int        # updates with at least one such coordinate
+    params: np.ndarray = field(repr=False)
+
+    @property
+    def samples(self):
+        return int(sum(self.worker_samples))
+
+    @property
+    def samples_per_s(self):
+        return self.samples / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def conflict_rate(self):
+        """Fraction of updates that collided with another worker's write."""
+        return self.conflicted_updates / max(self.samples, 1)
+
+    @property
+    def final_loss(self):
+        return self.losses[-1]
+
+
+# ---------------------------------------------------------------- the sparse problem
+def make_sparse_classification(n_samples=20_000, n_features=20_000, nnz=32, label_noise=0.05,
+                               seed=0):
+    """Sparse binary classification: each row has ``nnz`` distinct features drawn uniformly.
+
+    Density ``nnz / n_features`` = 0.16 % by default, as in RCV1 (47,236 features, about 76
+    non-zeros per document); values are positive with unit norm per row (like tf-idf), labels
+    are ``sign(x . w_true)`` with a fraction ``label_noise`` flipped. Notebook 03.
+    """
+    rng = np.random.default_rng(seed)
+    indices = np.empty(n_samples * nnz, dtype=np.int64)
+    for i in range(n_samples):
+        indices[i * nnz:(i + 1) * nnz] = np.sort(rng.choice(n_features, nnz, replace=False))
+    values = np.abs(rng.normal(size=(n_samples, nnz)))
+    values /= np.linalg.norm(values, axis=1, keepdims=True)
+    values = values.ravel()
+    w_true = rng.normal(size=n_features)
+    margin = np.add.reduceat(values * w_true[indices], np.arange(0, n_samples * nnz, nnz))
+    y = np.where(margin >= np.median(margin), 1.0, -1.0)
+    y[rng.random(n_samples) < label_noise] *= -1
+    indptr = np.arange(0, n_samples * nnz + 1, nnz, dtype=np.int64)
+    return SparseData(indptr, indices, values, y, n_features)
+
+
+def sparse_loss(w, data):
+    """Mean logistic loss ``log(1 + exp(-y x.w))`` over all rows."""
+    counts = np.diff(data.indptr)
+    margin = np.add.reduceat(data.values * w[data.indices], data.indptr[:-1]) * (counts > 0)
+    return float(np.mean(np.logaddexp(0.0, -data.y * margin)))
+
+
+def sparse_sgd_epoch(w, indptr, indices, values, y, order, lr):
+    """One pass of plain SGD over ``order``, updating ``w`` in place (the serial reference).
+
+    Per sample: read the touched coordinates ``w[idx]``, take the logistic gradient
+    ``-y sigma(-y x.w) x`` (non-zero only on ``idx``) and subtract ``lr`` times it there. Run
+    by many processes on one shared ``w`` this *is* the lock-free worker loop (lab 03).
+    """
+    for i in order:
+        a, b = indptr[i], indptr[i + 1]
+        idx, v = indices[a:b], values[a:b]
+        yi = y[i]
+        margin = float(w[idx] @ v)                       # read
+        scale = -yi / (1.0 + math.exp(min(yi * margin, 700.0)))
+        w[idx] -= (lr * scale) * v                       # write only the touched coordinates
+    return w
+
+
+def _sparse_loop(w, counts, rows, y, order, lr, lock):
+    """:func:`sparse_sgd_epoch` with conflict counting (and an optional lock around each step)."""
+    conflicts = conflicted = 0
+    for i in order:
+        idx, v = rows[i]
+        if lock is not None:
+            lock.acquire()
+        seen = counts[idx]                               # write counters at read time
+        yi = y[i]
+        margin = float(w[idx] @ v)                       # read
+        scale = -yi / (1.0 + math.exp(min(yi * margin, 700.0)))
+        changed = np.count_nonzero(counts[idx] != seen)  # written by someone else since the read
+        w[idx] -= (lr * scale) * v                       # write
+        counts[idx] += 1
+        if lock is not None:
+            lock.release()
+        if changed:
+            conflicts += changed
+            conflicted += 1
+    return conflicts, conflicted
+
+
+def serial_sgd(data, lr=0.5, num_epochs=3, seed=0):
+    """Serial SGD with the order one Hogwild worker would use: ``(w, losses per epoch)``."""
+    w = np.zeros(data.n_features)
+    losses = [sparse_loss(w, data)]
+    rng = np.random.default_rng([seed, 0])
+    for _ in range(num_epochs):
+        sparse_sgd_epoch(w, data.indptr, data.indices, data.values, data.y,
+                         rng.permutation(len(data)), lr)
+        losses.append(sparse_loss(w, data))
+    return w, losses
+
+
+def collision_probability(nnz, n_features):
+    """Chance that two rows with ``nnz`` uniform distinct features share at least one:
+    ``1 - C(d - nnz, nnz) / C(d, nnz)``, about ``nnz**2 / d`` when that is small."""
+    if 2 * nnz > n_features:
+        return 1.0
+    return 1.0 - math.exp(math.lgamma(n_features - nnz + 1) * 2 - math.lgamma(n_features + 1)
+                          - math.lgamma(n_features - 2 * nnz + 1))
+
+
+def measured_overlap(data, pairs=20_000, seed=0):
+    """Fraction of random pairs of distinct rows of ``data`` that share a feature."""
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for _ in range(pairs):
+        i, j = rng.choice(len(data), 2, replace=False)
+        hits += bool(np.intersect1d(data.row(i)[0], data.row(j)[0], assume_unique=True).size)
+    return hits / pairs
+
+
+# ---------------------------------------------------------------- the workers
+def _share(ctx, arr):
+    """A copy of ``arr`` in shared memory, as (raw buffer, dtype, shape): cheap to send to a
+    spawned worker (big arguments pickled into a dying child's pipe can block the parent)."""
+    arr = np.ascontiguousarray(arr)
+    raw = ctx.RawArray("b", max(arr.nbytes, 1))
+    np.frombuffer(raw, dtype=arr.dtype, count=arr.size)[:] = arr.ravel()
+    return raw, arr.dtype.str, arr.shape
+
+
+def _view(shared):
+    raw, dtype, shape = shared
+    return np.frombuffer(raw, dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+
+def _worker(problem, wid, spec, shared, lock, barrier, num_epochs, fail):
+    """One Hogwild worker: wait for the start, run its epochs, report its own timings."""
+    if fail:
+        os._exit(fail)  # a crash, for the tests: the parent must name this worker
+    w, counts, snaps = _view(shared["w"]), _view(shared["counts"]), _view(shared["snaps"])
+    stats = _view(shared["stats"])  # per worker: samples, seconds, conflicts, conflicted
+    step = _sparse_setup(spec, shared) if problem == "sparse" else _dense_setup(spec, shared, w)
+    rng = np.random.default_rng([spec["seed"], wid])
+    shard = spec["stop"] - spec["start"]
+    barrier.wait(timeout=60)  # everybody imported and set up: start together
+    began = time.perf_counter()
+    for epoch in range(num_epochs):
+        c, u = step(w, counts, rng, lock)
+        stats[wid, 0] += shard
+        stats[wid, 2] += c
+        stats[wid, 3] += u
+        barrier.wait(timeout=60)  # end of the epoch: worker 0 keeps a copy for the loss curve
+        if wid == 0:
+            snaps[epoch] = w
+    stats[wid, 1] = time.perf_counter() - began
+
+
+def _sparse_setup(spec, shared):
+    indptr, indices, values = (_view(shared[k]) for k in ("indptr", "indices", "values"))
+    start, stop = spec["start"], spec["stop"]
+    rows = [(indices[indptr[i]:indptr[i + 1]], values[indptr[i]:indptr[i + 1]])
+            for i in range(start, stop)]   # CSR rows split once: no slicing per sample
+    y, lr, n = _view(shared["y"])[start:stop].tolist(), spec["lr"], stop - start
+
+    def step(w, counts, rng, lock):
+        return _sparse_loop(w, counts, rows, y, rng.permutation(n), lr, lock)
+    return step
+
+
+def _dense_setup(spec, shared, w):
+    import torch
+    torch.set_num_threads(1)
+    from course_lib.models import mlp
+    X = torch.from_numpy(_view(shared["X"])[spec["start"]:spec["stop"]])
+    y = torch.from_numpy(_view(shared["y"])[spec["start"]:spec["stop"]])
+    model = mlp(X.shape[1], spec["hidden"], 10, seed=spec["seed"])
+    flat = torch.from_numpy(w)
+    offset, sizes = 0, []
+    for p in model.parameters():   # every parameter becomes a view of the shared vector
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        sizes.append(p.numel())
+    lr, batch_size, params = spec["lr"], spec["batch_size"], list(model.parameters())
+
+    def step(w, counts, rng, lock):
+        conflicts = conflicted = 0
+        order = torch.from_numpy(rng.permutation(len(y)))
+        for start in range(0, len(y), batch_size):
+            idx = order[start:start + batch_size]
+            if lock is not None:
+                lock.acquire()
+            seen = counts.copy()
+            loss = torch.nn.functional.cross_entropy(model(X[idx]), y[idx])   # read
+            grads = torch.autograd.grad(loss, params)
+            changed = [k for k in range(len(params)) if counts[k] != seen[k]]
+            with torch.no_grad():
+                for p, g in zip(params, grads, strict=True):
+                    p.sub_(g, alpha=lr)                                        # write
+            counts += 1
+            if lock is not None:
+                lock.release()
+            if changed:
+                conflicts += sum(sizes[k] for k in changed)
+                conflicted += 1
+        return conflicts, conflicted
+    return step
+
+
+def _run(problem, spec, arrays, w0, n_counters, num_workers, lock, num_epochs, timeout,
+         fail_worker):
+    ctx = mp.get_context("spawn")  # no fork of a process with threads (Jupyter, torch)
+    shared = {k: _share(ctx, a) for k, a in arrays.items()}
+    shared["w"] = _share(ctx, w0)
+    shared["counts"] = _share(ctx, np.zeros(n_counters, dtype=np.int64))
+    shared["snaps"] = _share(ctx, np.zeros((num_epochs, w0.size), dtype=w0.dtype))
+    shared["stats"] = _share(ctx, np.zeros((num_workers, 4)))
+    barrier = ctx.Barrier(num_workers)
+    the_lock = ctx.Lock() if lock else None
+    n, procs = len(arrays["y"]), []
+    for wid in range(num_workers):
+        start, stop = _bounds(n, wid, num_workers)
+        procs.append(ctx.Process(target=_worker, daemon=True, name=f"hogwild-worker-{wid}",
+                                 args=(problem, wid, dict(spec, start=start, stop=stop), shared,
+                                       the_lock, barrier, num_epochs,
+                                       3 if wid == fail_worker else 0)))
+    _supervise(procs, timeout, f"{problem} Hogwild ({'locked' if lock else 'lock-free'}, "
+                               f"{num_workers} workers)", barrier)
+    return _view(shared["stats"]).copy(), _view(shared["snaps"]).copy(), _view(shared["w"]).copy()
+
+
+def _bounds(n, wid, num_workers):
+    from course_lib.data import shard_bounds
+    return shard_bounds(n, wid, num_workers)
+
+
+def _supervise(procs, timeout, what, barrier):
+    """Start the workers, sleep until all finish or one dies or time runs out; reap them all."""
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            alive = [p.sentinel for p in procs if p.is_alive()]
+            if not alive or any(p.exitcode not in (None, 0) for p in procs):
+                break  # all done, or one died: the others would wait for it at a barrier
+            wait(alive, timeout=max(min(1.0, deadline - time.monotonic()), 0.0))
+        dead = [f"worker {w} (pid {p.pid}) exited with code {p.exitcode}"
+                for w, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        late = [w for w, p in enumerate(procs) if p.is_alive()]
+        if dead or late:
+            barrier.abort()
+            raise HogwildError(f"{what}: " + "; ".join(dead + (
+                [f"worker(s) {late} still running after {timeout:g}s were killed"]
+                if late and not dead else [])))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            if p.pid is not None:
+                p.join(5)
+
+
+def _result(problem, num_workers, lock, stats, losses, params):
+    return HogwildResult(problem, num_workers, lock, float(stats[:, 1].max()),
+                         [int(s) for s in stats[:, 0]], [float(s) for s in stats[:, 1]],
+                         losses, int(stats[:, 2].sum()), int(stats[:, 3].sum()), params)
+
+
+def run_sparse(data, num_workers=2, lock=False, lr=0.5, num_epochs=3, seed=0, timeout=60.0,
+               fail_worker=None):
+    """Hogwild (``lock=False``) or its locked twin on sparse logistic regression.
+
+    Worker ``k`` takes shard ``k`` of the rows (``data.shard_bounds``) and visits it in the
+    order of ``np.random.default_rng([seed, k])``, one permutation per epoch; so one worker
+    repeats :func:`serial_sgd` exactly. Returns a :class:`HogwildResult`. Notebook 03.
+    """
+    arrays = {"indptr": data.indptr, "indices": data.indices, "values": data.values, "y": data.y}
+    stats, snaps, w = _run("sparse", {"lr": lr, "seed": seed}, arrays, np.zeros(data.n_features),
+                           data.n_features, num_workers, lock, num_epochs, timeout, fail_worker)
+    losses = [sparse_loss(np.zeros(data.n_features), data)] + [sparse_loss(s, data)
+                                                               for s in snaps]
+    return _result("sparse", num_workers, lock, stats, losses, w)
+
+
+def run_dense(num_workers=2, lock=False, hidden=32, lr=0.02, batch_size=1, num_epochs=2, seed=0,
+              timeout=120.0, fail_worker=None):
+    """Hogwild on an MLP (``models.mlp``) classifying digits: every update writes every weight,
+    so concurrent updates always collide. Loss = mean cross-entropy on the training set."""
+    import torch
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    from course_lib.data import load_digits
+    from course_lib.models import mlp
+    X, y, _, _ = load_digits(seed=seed)
+    model = mlp(X.shape[1], hidden, 10, seed=seed)
+    w0 = parameters_to_vector(model.parameters()).detach().numpy().astype(np.float32)
+    spec = {"hidden": hidden, "lr": lr, "seed": seed, "batch_size": batch_size}
+    arrays = {"X": X.astype(np.float32), "y": y}
+    n_tensors = len(list(model.parameters()))
+    stats, snaps, w = _run("dense", spec, arrays, w0, n_tensors, num_workers, lock, num_epochs,
+                           timeout, fail_worker)
+    Xt, yt, losses = torch.from_numpy(X).float(), torch.from_numpy(y), []
+    for vec in [w0, *snaps]:
+        vector_to_parameters(torch.from_numpy(vec.copy()), model.parameters())
+        with torch.no_grad():
+            losses.append(float(torch.nn.functional.cross_entropy(model(Xt), yt)))
+    return _result("dense", num_workers, lock, stats, losses, w)
