@@ -15,6 +15,7 @@ Samples/s count every worker's samples over the slowest worker's time from the c
 import csv
 import statistics
 import sys
+import time
 
 from course_lib import hogwild
 
@@ -109,6 +110,26 @@ def hogwild_arguments(parser):
     a("--csv", help="also write one row per configuration to this file")
 
 
+def _spin(n):
+    t = time.perf_counter()
+    total = 0
+    for i in range(n):
+        total += i
+    return time.perf_counter() - t
+
+
+def python_ceiling(workers=2, n=3_000_000, repeats=3):
+    """The speed-up this machine gives ``workers`` interpreter-bound processes at once: a pure
+    Python loop timed alone, then in ``workers`` processes together (best of ``repeats``).
+    Hogwild's per-sample loop is interpreter-bound, so its speed-up cannot exceed this."""
+    import multiprocessing as mp
+    with mp.get_context("spawn").Pool(workers) as pool:
+        pool.map(_spin, [1000] * workers)  # the processes exist before timing starts
+        alone = min(_spin(n) for _ in range(repeats))
+        together = min(max(pool.map(_spin, [n] * workers, chunksize=1)) for _ in range(repeats))
+    return workers * alone / together
+
+
 def hogwild_main(args):
     try:
         rows, serial = measure(args.workers, args.repeats, args.samples, args.features,
@@ -117,6 +138,9 @@ def hogwild_main(args):
         print(f"bench hogwild: {err}", file=sys.stderr)
         return 1
     print(format_table(rows, serial, args.nnz, args.features))
+    ceiling = python_ceiling(max(args.workers))
+    print(f"# ceiling: {max(args.workers)} pure-Python processes run {ceiling:.2f}x as fast as "
+          "one on this machine (an interpreter-bound speed-up cannot beat it)")
     if args.csv:
         write_csv(rows, args.csv)
         print(f"# {len(rows)} rows written to {args.csv}")
