@@ -26,11 +26,10 @@ import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
 
 import numpy as np
 
-from course_lib.race import RaceError
+from course_lib.race import RaceError, supervise
 
 
 class HogwildError(RaceError):
@@ -294,41 +293,14 @@ def _run(problem, spec, arrays, w0, n_counters, num_workers, lock, num_epochs, t
                                  args=(problem, wid, dict(spec, start=start, stop=stop), shared,
                                        the_lock, barrier, num_epochs,
                                        3 if wid == fail_worker else 0)))
-    _supervise(procs, timeout, f"{problem} Hogwild ({'locked' if lock else 'lock-free'}, "
-                               f"{num_workers} workers)", barrier)
+    supervise(procs, timeout, f"{problem} Hogwild ({'locked' if lock else 'lock-free'}, "
+                              f"{num_workers} workers)", HogwildError, barrier)
     return _view(shared["stats"]).copy(), _view(shared["snaps"]).copy(), _view(shared["w"]).copy()
 
 
 def _bounds(n, wid, num_workers):
     from course_lib.data import shard_bounds
     return shard_bounds(n, wid, num_workers)
-
-
-def _supervise(procs, timeout, what, barrier):
-    """Start the workers, sleep until all finish or one dies or time runs out; reap them all."""
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            alive = [p.sentinel for p in procs if p.is_alive()]
-            if not alive or any(p.exitcode not in (None, 0) for p in procs):
-                break  # all done, or one died: the others would wait for it at a barrier
-            wait(alive, timeout=max(min(1.0, deadline - time.monotonic()), 0.0))
-        dead = [f"worker {w} (pid {p.pid}) exited with code {p.exitcode}"
-                for w, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        late = [w for w, p in enumerate(procs) if p.is_alive()]
-        if dead or late:
-            barrier.abort()
-            raise HogwildError(f"{what}: " + "; ".join(dead + (
-                [f"worker(s) {late} still running after {timeout:g}s were killed"]
-                if late and not dead else [])))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            if p.pid is not None:
-                p.join(5)
 
 
 def _result(problem, num_workers, lock, stats, losses, params):

@@ -78,6 +78,38 @@ def _add_worker(worker, total, partials, seconds, lock, barrier, start, stop, on
 
 
 # ---------------------------------------------------------------- from the notebook
+def supervise(procs, timeout, what, error=RaceError, barrier=None):
+    """Start worker processes and sleep until all finish, one dies, or ``timeout`` s pass.
+
+    A dead worker or a late one raises ``error`` naming it (worker index, pid, exit code); the
+    ``barrier`` the others may wait at is aborted; every process is killed and joined, so none
+    is left behind. Used by every module that spawns workers (notebooks 02 and 03)."""
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            alive = [p.sentinel for p in procs if p.is_alive()]
+            if not alive or any(p.exitcode not in (None, 0) for p in procs):
+                break  # all done, or one died: the others would wait for it in vain
+            wait(alive, timeout=max(min(0.1, deadline - time.monotonic()), 0.0))
+        dead = [f"worker {w} (pid {p.pid}) exited with code {p.exitcode}"
+                for w, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        late = [w for w, p in enumerate(procs) if p.is_alive()]
+        if dead or late:
+            if barrier is not None:
+                barrier.abort()
+            raise error(f"{what}: " + "; ".join(dead + (
+                [f"worker(s) {late} of {len(procs)} still running after {timeout:g}s were "
+                 "killed"] if late and not dead else [])))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            if p.pid is not None:
+                p.join(5)
+
+
 def _run(kind, ranges, ones, mode, window, timeout):
     """Spawn one process per range, wait with a deadline, and collect the total."""
     if mode not in MODES:
@@ -92,28 +124,7 @@ def _run(kind, ranges, ones, mode, window, timeout):
                          args=(w, total, partials, seconds, lock, barrier, start, stop, ones,
                                mode, window))
              for w, (start, stop) in enumerate(ranges)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            alive = [p.sentinel for p in procs if p.is_alive()]
-            if not alive or any(p.exitcode not in (None, 0) for p in procs):
-                break  # all done, or one died: the others would wait for it in vain
-            wait(alive, timeout=min(0.1, max(deadline - time.monotonic(), 0.0)))
-        dead = [f"worker {w} (pid {p.pid}) exited with code {p.exitcode}"
-                for w, p in enumerate(procs) if p.exitcode not in (None, 0)]
-        late = [w for w, p in enumerate(procs) if p.is_alive()]
-        if dead or late:
-            what = "; ".join(dead + ([f"worker(s) {late} of {n} still running after "
-                                      f"{timeout:g}s were killed"] if late else []))
-            raise RaceError(f"{kind}, mode {mode}: {what}")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            if p.pid is not None:
-                p.join(5)
+    supervise(procs, timeout, f"{kind}, mode {mode}")
     got = sum(partials) if mode == "reduction" else total.value
     expected = sum((stop - start) if ones else sum(range(start, stop)) for start, stop in ranges)
     return RaceResult(kind, mode, n, expected, int(got), max(seconds))
