@@ -1,0 +1,281 @@
+"""Tensor fusion and overlap: the gradient buckets inside DistributedDataParallel and Horovod.
+
+Introduced in notebooks/06_data_parallel_sgd.ipynb. A :class:`Reducer` owns the gradients of a
+model's parameters, grouped into buckets (flat fusion buffers), and averages them over the ranks
+in one backward pass. Hooks on the parameters (``register_post_accumulate_grad_hook``) tell it
+when each gradient is final; with ``strategy="overlap"`` the allreduce of a bucket is launched
+asynchronously right then, while backward computes the gradients of earlier layers, and
+``finish()`` waits for all of them with a deadline. :mod:`course_lib.ddp` builds the
+DDP-like wrapper and the Horovod-style optimizer on it.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from datetime import timedelta
+
+STRATEGIES = ("per_parameter", "flat", "bucketed", "overlap")
+ALGORITHMS = ("native", "ring")
+DEFAULT_TIMEOUT = 30.0
+_RING = {}  # the background thread that runs the course's ring, one per process
+
+
+class DDPError(RuntimeError):
+    """A gradient exchange failed or missed its deadline."""
+
+
+def dist_or_fail():
+    """``torch.distributed``, initialised, or a clear error."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise DDPError("torch.distributed is not initialised: run on a cluster's ranks "
+                       "(start_cluster) or under torchrun / mpiexec")
+    return dist
+
+
+def wait_work(work, timeout, what):
+    """Wait for a native collective with a deadline; :class:`DDPError` names rank and op."""
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise DDPError(f"rank {dist_or_fail().get_rank()}: {what} did not complete within "
+                       f"{timeout:g}s: {e}") from None
+
+
+def _check_choice(value, allowed, what):
+    if value not in allowed:
+        raise ValueError(f"{what} must be one of {allowed}, not {value!r}")
+    return value
+
+
+def assign_buckets(sizes, cap_bytes):
+    """Group parameters into buckets for tensor fusion; returns lists of indices into ``sizes``.
+
+    ``sizes`` are the parameters' sizes in bytes, in model order. Buckets are filled in REVERSE
+    order (backward produces the last layer's gradients first). A bucket is closed once it
+    holds ``cap_bytes``; a parameter that would push a non-empty bucket over the cap starts a
+    new one, so a parameter larger than the cap travels alone.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb.
+    """
+    if not cap_bytes > 0:
+        raise ValueError(f"the bucket cap must be > 0 bytes, got {cap_bytes}")
+    buckets, current, filled = [], [], 0
+    for i in reversed(range(len(sizes))):
+        if current and filled + sizes[i] > cap_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += sizes[i]
+        if filled >= cap_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    return buckets + ([current] if current else [])
+
+
+class Bucket:
+    """One fusion buffer: the gradients of ``params`` side by side in ``flat``."""
+
+    def __init__(self, index, params, names):
+        import torch
+        self.index, self.params, self.names = index, params, names
+        self.numels = [p.numel() for p in params]
+        self.flat = torch.zeros(sum(self.numels), dtype=params[0].dtype, device=params[0].device)
+        self.views = [v.view_as(p) for v, p in zip(self.flat.split(self.numels), params,
+                                                   strict=True)]
+        self.calls = 0
+        self.reset()
+
+    def reset(self):
+        self.ready, self.handle = set(), None
+
+    @property
+    def nbytes(self):
+        return self.flat.numel() * self.flat.element_size()
+
+    def describe(self):
+        return (f"bucket {self.index} ({len(self.params)} tensors, {self.flat.numel()} "
+                f"elements, {self.nbytes / 2**20:.2f} MiB)")
+
+
+class Handle:
+    """An allreduce in flight: ``wait`` returns once it is done or raises :class:`DDPError`."""
+
+    def __init__(self, bucket):
+        self.bucket, self.start, self.end = bucket, time.perf_counter(), None
+        self.work = self.future = None
+
+    def finished(self, *_):
+        self.end = time.perf_counter()
+
+    def wait(self, timeout):
+        what = f"allreduce of {self.bucket.describe()}"
+        if self.work is not None:
+            wait_work(self.work, timeout, what)
+        else:  # the course's ring, on the background thread
+            try:
+                self.future.result(timeout)
+            except FutureTimeout:
+                raise DDPError(f"rank {dist_or_fail().get_rank()}: {what} did not complete "
+                               f"within {timeout:g}s") from None
+        if self.end is None:
+            self.finished()
+
+
+class Reducer:
+    """Averages the gradients of ``named_params`` over all ranks with one of ``STRATEGIES``.
+
+    Hooks mark each gradient ready during backward; with ``strategy="overlap"`` a bucket's
+    allreduce starts as soon as its last gradient is ready. ``finish()`` launches what is left
+    (every bucket, for the other strategies, one after the other), waits with a deadline and
+    writes the averages into ``.grad``. ``on_first_grad`` is called at the first gradient of a
+    backward pass (the wrapper queues its end-of-backward callback there).
+    """
+
+    def __init__(self, named_params, strategy="overlap", bucket_cap_mb=25, algorithm="native",
+                 find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT,
+                 on_first_grad=None):
+        self.strategy = _check_choice(strategy, STRATEGIES, "strategy")
+        self.algorithm = _check_choice(algorithm, ALGORITHMS, "algorithm")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        seen, named = set(), []
+        for name, p in named_params:
+            if p.requires_grad and id(p) not in seen:  # frozen ones left out, tied ones once
+                seen.add(id(p))
+                named.append((name, p))
+        if not named:
+            raise ValueError("no parameter requires a gradient: nothing to average")
+        self.find_unused, self.timeline, self.timeout = find_unused_parameters, timeline, timeout
+        self.dist = dist_or_fail()
+        self.world_size, self.rank = self.dist.get_world_size(), self.dist.get_rank()
+        self.buckets = [Bucket(b, [named[i][1] for i in idx], [named[i][0] for i in idx])
+                        for b, idx in enumerate(self._groups(named, bucket_cap_mb))]
+        self.where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
+        self.on_first_grad, self.started, self.comm = on_first_grad, False, None
+        self.next_launch = 0  # buckets start strictly in order, so every rank's order agrees
+        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
+
+    def _groups(self, named, bucket_cap_mb):
+        if self.strategy == "per_parameter":
+            return [[i] for i in reversed(range(len(named)))]
+        cap = 2.0**62 if self.strategy == "flat" else bucket_cap_mb * 2**20
+        groups = []
+        for dtype in sorted({p.dtype for _, p in named}, key=str):  # one dtype per buffer
+            idx = [i for i, (_, p) in enumerate(named) if p.dtype == dtype]
+            sizes = [named[i][1].numel() * named[i][1].element_size() for i in idx]
+            groups += [[idx[k] for k in g] for g in assign_buckets(sizes, cap)]
+        return groups
+
+    # -- one backward pass
+    def _grad_ready(self, p):
+        if not self.started:
+            self.started = True
+            if self.on_first_grad is not None:
+                self.on_first_grad()
+        bucket, j = self.where[id(p)]
+        if j in bucket.ready:
+            raise DDPError(f"rank {self.rank}: the gradient of '{bucket.names[j]}' arrived twice "
+                           "in one backward pass: finish the exchange (step) between passes")
+        bucket.ready.add(j)
+        if self.strategy == "overlap":
+            self._copy_in(bucket, j)
+            while self.next_launch < len(self.buckets):
+                nxt = self.buckets[self.next_launch]
+                if len(nxt.ready) < len(nxt.params):
+                    break
+                self._launch(nxt)
+
+    def _copy_in(self, bucket, j):
+        import torch
+        grad = bucket.params[j].grad
+        if grad is None:
+            bucket.views[j].zero_()
+        else:  # divide on the way in: the sum of the ranks' parts is then the average
+            torch.div(grad, self.world_size, out=bucket.views[j])
+
+    def _launch(self, bucket):
+        self.next_launch += 1
+        handle = bucket.handle = Handle(bucket)
+        if self.algorithm == "native":
+            handle.work = self.dist.all_reduce(bucket.flat, async_op=True)
+            handle.work.get_future().add_done_callback(handle.finished)
+        else:
+            handle.future = _ring_thread().submit(self._ring, handle)
+
+    def _ring(self, handle):
+        from course_lib.collectives import allreduce
+        from course_lib.comm import TorchComm
+        if self.comm is None:
+            self.comm = TorchComm(timeout=self.timeout)
+        bucket = handle.bucket
+        allreduce(bucket.flat, self.comm, "ring_pipelined", op="sum", check=bucket.calls == 0)
+        bucket.calls += 1
+        handle.finished()
+
+    def finish(self):
+        """Complete the exchange of this backward pass: launch what is not launched, wait,
+        write the averages into ``.grad``. A no-op when no gradient arrived since the last."""
+        if not self.started:
+            return
+        missing = [b.names[j] for b in self.buckets for j in range(len(b.params))
+                   if j not in b.ready]
+        if missing and not self.find_unused:
+            raise DDPError(f"rank {self.rank}: parameters {missing[:8]} got no gradient in this "
+                           "backward pass; pass find_unused_parameters=True if the model does "
+                           "not use every parameter in every step")
+        t_wait = time.perf_counter()
+        for bucket in self.buckets[self.next_launch:]:
+            for j in range(len(bucket.params)):
+                if self.strategy != "overlap" or j not in bucket.ready:
+                    self._copy_in(bucket, j)
+            self._launch(bucket)
+            if self.strategy != "overlap":  # the synchronous versions: one exchange at a time
+                bucket.handle.wait(self.timeout)
+        used = self._used_everywhere() if self.find_unused else None  # after every bucket
+        for bucket in self.buckets:
+            bucket.handle.wait(self.timeout)
+            self._copy_out(bucket, used)
+        if self.timeline is not None:
+            self.timeline.add("wait", "wait", t_wait, time.perf_counter())
+        self.started, self.next_launch = False, 0
+
+    def _copy_out(self, bucket, used):
+        import torch
+        with torch.no_grad():
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if used is not None and not used[id(p)]:
+                    continue  # unused on every rank: grad stays None, as in torch DDP
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+        h = bucket.handle
+        if self.timeline is not None:
+            self.timeline.add(f"bucket {bucket.index}", "allreduce", h.start, h.end,
+                              bytes=bucket.nbytes, tensors=len(bucket.params))
+        bucket.reset()
+
+    def _used_everywhere(self):
+        """One small allreduce of a used-flag per parameter (torch DDP's local_used_map)."""
+        import torch
+        flags = torch.tensor([float(j in b.ready) for b in self.buckets
+                              for j in range(len(b.params))])
+        wait_work(self.dist.all_reduce(flags, async_op=True), self.timeout,
+                  f"allreduce of the {len(flags)} used-parameter flags")
+        params = [p for b in self.buckets for p in b.params]
+        return {id(p): f > 0 for p, f in zip(params, flags.tolist(), strict=True)}
+
+    def remove(self):
+        """Take the hooks off the parameters."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+def _ring_thread():
+    if "pool" not in _RING:
+        _RING["pool"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="course-ring")
+    return _RING["pool"]

@@ -1,0 +1,210 @@
+"""Synchronous data parallelism from scratch: what DistributedDataParallel and Horovod do inside.
+
+Introduced in notebooks/06_data_parallel_sgd.ipynb. Every rank holds a full copy of the model,
+computes the gradient of its slice of the global batch, and the ranks average their gradients
+before every step, so all copies stay equal and the run equals one process on the global batch.
+How the averaging is done is what makes it fast or slow; four strategies, side by side
+(the machinery is in :mod:`course_lib.buckets`):
+
+    per_parameter  one allreduce per parameter tensor after backward: many small messages,
+                   each paying the latency alpha (the teaching baseline)
+    flat           all gradients copied into one buffer, one allreduce (tensor fusion)
+    bucketed       buffers of at most ``bucket_cap_mb``, parameters in reverse order (the order
+                   in which backward produces their gradients), one after the other
+    overlap        bucketed, and each bucket's allreduce starts asynchronously from an autograd
+                   hook as soon as its last gradient is ready, while backward goes on; the
+                   waits happen at the end of backward (torch DDP) or in ``step`` (Horovod)
+
+The allreduce is the native one of the process group (``algorithm="native"``) or the course's
+own pipelined ring (``"ring"``, run on a background thread as Horovod runs its collectives).
+Gradients are divided by the world size before they are summed, as torch DDP's default
+communication hook does::
+
+    net = ddp.DistributedDataParallel(model, strategy="overlap")   # broadcasts rank 0's weights
+    loss_fn(net(x), y).backward()                                  # gradients averaged on return
+    opt.step()
+
+    opt = ddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())   # Horovod style
+    ddp.broadcast_parameters(model); ddp.broadcast_optimizer_state(opt)
+
+Frozen parameters (``requires_grad=False``) are left out; a tied parameter appears once; with
+``find_unused_parameters=True`` a parameter without a gradient on this rank contributes zeros,
+and one unused on every rank keeps ``grad = None``, as in torch DDP.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from course_lib.buckets import (
+    ALGORITHMS,
+    DEFAULT_TIMEOUT,
+    STRATEGIES,
+    DDPError,
+    Reducer,
+    assign_buckets,
+    dist_or_fail,
+    wait_work,
+)
+
+__all__ = ["ALGORITHMS", "STRATEGIES", "DDPError", "DistributedDataParallel",
+           "DistributedOptimizer", "Reducer", "assign_buckets", "average_gradients",
+           "broadcast_optimizer_state", "broadcast_parameters"]
+
+
+def _tensors(obj):
+    """Tensors of a module (parameters and buffers), or of an iterable of tensors / pairs."""
+    if isinstance(obj, torch.nn.Module):
+        return list(obj.parameters()) + list(obj.buffers())
+    return [t[1] if isinstance(t, tuple) else t for t in obj]
+
+
+def broadcast_parameters(params, root=0, timeout=DEFAULT_TIMEOUT):
+    """Copy rank ``root``'s parameters (and buffers, for a module) to every rank, in place:
+    one broadcast per dtype, of all tensors of that dtype flattened together.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb.
+    """
+    dist = dist_or_fail()
+    tensors = _tensors(params)
+    for dtype in sorted({t.dtype for t in tensors}, key=str):
+        group = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        wait_work(dist.broadcast(flat, src=root, async_op=True), timeout,
+                  f"broadcast of {len(group)} {dtype} tensors ({flat.numel()} elements) "
+                  f"from rank {root}")
+        with torch.no_grad():
+            for t, part in zip(group, flat.split([t.numel() for t in group]), strict=True):
+                t.copy_(part.view_as(t))
+
+
+def broadcast_optimizer_state(optimizer, root=0):
+    """Give every rank rank ``root``'s optimizer state (hyperparameters and buffers such as
+    momentum), so that a run restored from a checkpoint on one rank starts equal everywhere.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb.
+    """
+    dist = dist_or_fail()
+    state = [optimizer.state_dict() if dist.get_rank() == root else None]
+    dist.broadcast_object_list(state, src=root)
+    if dist.get_rank() != root:
+        optimizer.load_state_dict(state[0])
+
+
+def average_gradients(params, strategy="bucketed", bucket_cap_mb=25, algorithm="native",
+                      timeline=None, timeout=DEFAULT_TIMEOUT):
+    """After ``loss.backward()``: replace the ``.grad`` of every parameter in ``params`` by its
+    average over the ranks, with the strategy ``per_parameter``, ``flat`` or ``bucketed``.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb.
+    """
+    if strategy == "overlap":
+        raise ValueError("overlap starts during backward: use DistributedDataParallel or "
+                         "DistributedOptimizer for it")
+    params = [p for p in params if p.requires_grad]
+    reducer = Reducer([(f"param{i}", p) for i, p in enumerate(params)], strategy, bucket_cap_mb,
+                      algorithm, find_unused_parameters=True, timeline=timeline, timeout=timeout)
+    try:
+        for p in params:
+            if p.grad is not None:
+                reducer._grad_ready(p)
+        reducer.started = True
+        reducer.finish()
+    finally:
+        reducer.remove()
+    return params
+
+
+def _queue_at_end_of_backward(fn):
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """A from-scratch ``torch.nn.parallel.DistributedDataParallel``: broadcasts rank 0's
+    parameters on construction, and when ``loss.backward()`` returns every ``.grad`` holds the
+    average over the ranks. ``buckets`` lists the parameter names of each bucket.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb.
+    """
+
+    def __init__(self, module, strategy="overlap", bucket_cap_mb=25, algorithm="native",
+                 find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT):
+        super().__init__()
+        self.module, self.timeline = module, timeline
+        broadcast_parameters(module, timeout=timeout)
+        self.reducer = Reducer(module.named_parameters(), strategy, bucket_cap_mb, algorithm,
+                               find_unused_parameters, timeline, timeout,
+                               on_first_grad=lambda: _queue_at_end_of_backward(self._finish))
+        self._backward_start = None
+
+    @property
+    def buckets(self):
+        return [b.names for b in self.reducer.buckets]
+
+    def forward(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        if self.timeline is not None:
+            self.timeline.add("forward", "forward", start, time.perf_counter())
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(self._mark_backward_start)
+        return out
+
+    def _mark_backward_start(self, _grad):
+        self._backward_start = time.perf_counter()
+
+    def _finish(self):
+        if self.timeline is not None:
+            end = time.perf_counter()
+            self.timeline.add("backward", "backward", self._backward_start or end, end)
+        self._backward_start = None
+        self.reducer.finish()
+
+
+class DistributedOptimizer:
+    """Horovod's ``hvd.DistributedOptimizer``, from scratch: wraps an optimizer, starts the
+    gradient allreduces from hooks during backward, and waits for them in ``step()``.
+    Everything else (``param_groups``, ``state_dict``, ``zero_grad`` ...) is the wrapped one's.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb.
+    """
+
+    def __init__(self, optimizer, named_parameters=None, strategy="overlap", bucket_cap_mb=25,
+                 algorithm="native", find_unused_parameters=False, timeline=None,
+                 timeout=DEFAULT_TIMEOUT):
+        self.optimizer, self.timeline = optimizer, timeline
+        names = {id(p): n for n, p in (named_parameters or [])}
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.reducer = Reducer([(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)],
+                               strategy, bucket_cap_mb, algorithm, find_unused_parameters,
+                               timeline, timeout, on_first_grad=self._backward_started)
+        self._backward_start = None
+
+    def _backward_started(self):
+        self._backward_start = time.perf_counter()
+        if self.timeline is not None:
+            _queue_at_end_of_backward(self._backward_ended)
+
+    def _backward_ended(self):
+        self.timeline.add("backward", "backward", self._backward_start, time.perf_counter())
+
+    def synchronize(self):
+        """Wait until every gradient is averaged (Horovod's ``optimizer.synchronize()``)."""
+        self.reducer.finish()
+
+    def step(self, closure=None):
+        self.synchronize()
+        start = time.perf_counter()
+        result = self.optimizer.step(closure)
+        if self.timeline is not None:
+            self.timeline.add("step", "step", start, time.perf_counter())
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["optimizer"], name)
+
+    def __repr__(self):
+        return f"DistributedOptimizer({self.optimizer!r}, strategy={self.reducer.strategy!r})"

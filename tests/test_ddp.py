@@ -1,0 +1,102 @@
+"""From-scratch data parallelism against one process on the global batch and against torch DDP."""
+
+import numpy as np
+import pytest
+
+from course_lib import ddp, ddp_check, timeline
+from course_lib.buckets import assign_buckets
+from course_lib.cluster import RemoteError, start_cluster
+
+WRAPPED = [(s, w, a) for s in ddp.STRATEGIES for w in ("ddp", "optimizer", "functional")
+           for a in ddp.ALGORITHMS if not (s == "overlap" and w == "functional")]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with start_cluster(n=2, backend="gloo", timeout=60) as c:
+        yield c
+
+
+def test_buckets_fill_in_reverse_order_up_to_the_cap():
+    assert assign_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
+    assert assign_buckets([4, 4, 4], 10) == [[2, 1], [0]]
+    assert assign_buckets([2, 100, 2, 2], 8) == [[3, 2], [1], [0]]   # too big: alone
+    assert assign_buckets([100], 8) == [[0]]
+    assert assign_buckets([1, 2, 3], 1e9) == [[2, 1, 0]]
+    assert assign_buckets([], 8) == []
+    with pytest.raises(ValueError, match="cap"):
+        assign_buckets([1], 0)
+
+
+@pytest.mark.parametrize("strategy,wrapper,algorithm", WRAPPED)
+def test_n_ranks_equal_one_process_and_torch_ddp(cluster, strategy, wrapper, algorithm):
+    reference = ddp_check.single_process(steps=3, batch=65)
+    torch_ddp = cluster.run(ddp_check.train_on_rank, "torch", steps=3, batch=65)
+    runs = cluster.run(ddp_check.train_on_rank, strategy, algorithm, steps=3, batch=65,
+                       wrapper=wrapper)
+    assert ddp_check.max_difference(runs, reference) < 1e-10
+    assert ddp_check.max_difference(runs, torch_ddp[0]["params"]) < 1e-12
+    assert not np.allclose(runs[0]["params"][0], runs[0]["params"][-1])   # it did train
+
+
+def test_float32_equals_one_process_to_1e_5(cluster):
+    reference = ddp_check.single_process(steps=4, batch=63, dtype="float32")
+    for strategy in ("per_parameter", "overlap"):
+        runs = cluster.run(ddp_check.train_on_rank, strategy, steps=4, batch=63,
+                           dtype="float32")
+        assert ddp_check.max_difference(runs, reference) < 1e-5
+
+
+@pytest.mark.parametrize("variant", ["tied", "frozen", "unused"])
+@pytest.mark.parametrize("wrapper", ["ddp", "optimizer"])
+def test_corner_cases_equal_torch_ddp(cluster, variant, wrapper):
+    torch_ddp = cluster.run(ddp_check.train_on_rank, "torch", variant=variant)
+    runs = cluster.run(ddp_check.train_on_rank, "overlap", variant=variant, wrapper=wrapper)
+    assert ddp_check.max_difference(runs, torch_ddp[0]["params"]) < 1e-12
+    assert [r["no_grad"] for r in runs] == [r["no_grad"] for r in torch_ddp]
+    if variant == "unused":
+        assert runs[0]["no_grad"] == ["b.weight", "b.bias"]   # unused everywhere: grad None
+    if variant != "unused":
+        reference = ddp_check.single_process(variant=variant)
+        assert ddp_check.max_difference(runs, reference) < 1e-10
+
+
+def test_unused_parameters_need_the_flag(cluster):
+    with pytest.raises(RemoteError, match="spare.weight.*got no gradient.*find_unused"):
+        cluster.run(ddp_check.unused_without_flag)
+
+
+def test_overlap_is_real_and_bucketed_is_not(cluster):
+    kw = dict(steps=3, batch=64, hidden=(256, 256), dtype="float32", bucket_cap_mb=0.1,
+              record=True)
+    for strategy in ("overlap", "bucketed"):
+        tl = cluster.run(ddp_check.train_on_rank, strategy, **kw)[0]["timeline"]
+        backward = tl.of("backward")
+        buckets = tl.of("allreduce")
+        assert len(backward) == 3 and len(buckets) == 3 * 3    # 3 buckets of <= 0.1 MiB
+        launched_early = [b for b in buckets
+                          if any(w.start <= b.start < w.end for w in backward)]
+        if strategy == "overlap":
+            assert launched_early and timeline.overlap(tl, "backward", "allreduce") > 0
+        else:
+            assert not launched_early and timeline.overlap(tl, "backward", "allreduce") == 0
+
+
+def test_broadcasts_give_every_rank_rank_0s_state(cluster):
+    out = cluster.run(ddp_check.broadcasts_on_rank)
+    assert np.array_equal(out[0][0], out[1][0]) and np.array_equal(out[0][1], out[1][1])
+    assert out[1][2] == 0.25   # the learning rate travelled too
+
+
+def test_bad_arguments_are_clear(cluster):
+    with pytest.raises(RemoteError, match="strategy must be one of"):
+        cluster.run(ddp_check.train_on_rank, "fastest")
+    with pytest.raises(RemoteError, match="algorithm must be one of"):
+        cluster.run(ddp_check.train_on_rank, "overlap", "magic")
+
+
+def test_a_missing_rank_fails_with_a_deadline_naming_the_bucket(cluster):
+    (message, waited), _ = cluster.run(ddp_check.missing_rank, 2.0, timeout=30)
+    assert message is not None and "rank 0" in message and "bucket 0" in message
+    assert "MiB" in message and "within 2s" in message
+    assert waited < 15
