@@ -50,26 +50,24 @@ def _check_choice(value, allowed, what):
     return value
 
 
-def assign_buckets(sizes, cap_bytes):
+def assign_buckets(sizes, cap_bytes, first_cap_bytes=None):
     """Group parameters into buckets for tensor fusion; returns lists of indices into ``sizes``.
 
     ``sizes`` are the parameters' sizes in bytes, in model order. Buckets are filled in REVERSE
-    order (backward produces the last layer's gradients first). A bucket is closed once it
-    holds ``cap_bytes``; a parameter that would push a non-empty bucket over the cap starts a
-    new one, so a parameter larger than the cap travels alone.
+    order (backward produces the last layer's gradients first), and a bucket is closed as soon
+    as it holds at least ``cap_bytes`` (the first one: ``first_cap_bytes``, if given, kept small
+    so that the first allreduce starts early). This is torch DDP's rule.
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
-    if not cap_bytes > 0:
-        raise ValueError(f"the bucket cap must be > 0 bytes, got {cap_bytes}")
+    first_cap_bytes = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    if not (cap_bytes > 0 and first_cap_bytes > 0):
+        raise ValueError(f"bucket caps must be > 0 bytes, got {cap_bytes} and {first_cap_bytes}")
     buckets, current, filled = [], [], 0
     for i in reversed(range(len(sizes))):
-        if current and filled + sizes[i] > cap_bytes:
-            buckets.append(current)
-            current, filled = [], 0
         current.append(i)
         filled += sizes[i]
-        if filled >= cap_bytes:
+        if filled >= (cap_bytes if buckets else first_cap_bytes):
             buckets.append(current)
             current, filled = [], 0
     return buckets + ([current] if current else [])
@@ -131,12 +129,13 @@ class Reducer:
     allreduce starts as soon as its last gradient is ready. ``finish()`` launches what is left
     (every bucket, for the other strategies, one after the other), waits with a deadline and
     writes the averages into ``.grad``. ``on_first_grad`` is called at the first gradient of a
-    backward pass (the wrapper queues its end-of-backward callback there).
+    backward pass (the wrapper queues its end-of-backward callback there). ``first_bucket_mb``
+    caps the first bucket (default: ``bucket_cap_mb``).
     """
 
     def __init__(self, named_params, strategy="overlap", bucket_cap_mb=25, algorithm="native",
                  find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT,
-                 on_first_grad=None):
+                 on_first_grad=None, first_bucket_mb=None):
         self.strategy = _check_choice(strategy, STRATEGIES, "strategy")
         self.algorithm = _check_choice(algorithm, ALGORITHMS, "algorithm")
         if not bucket_cap_mb > 0:
@@ -151,22 +150,25 @@ class Reducer:
         self.find_unused, self.timeline, self.timeout = find_unused_parameters, timeline, timeout
         self.dist = dist_or_fail()
         self.world_size, self.rank = self.dist.get_world_size(), self.dist.get_rank()
+        groups = self._groups(named, bucket_cap_mb, first_bucket_mb)
         self.buckets = [Bucket(b, [named[i][1] for i in idx], [named[i][0] for i in idx])
-                        for b, idx in enumerate(self._groups(named, bucket_cap_mb))]
+                        for b, idx in enumerate(groups)]
         self.where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
         self.on_first_grad, self.started, self.comm = on_first_grad, False, None
         self.next_launch = 0  # buckets start strictly in order, so every rank's order agrees
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
 
-    def _groups(self, named, bucket_cap_mb):
+    def _groups(self, named, bucket_cap_mb, first_bucket_mb):
         if self.strategy == "per_parameter":
             return [[i] for i in reversed(range(len(named)))]
         cap = 2.0**62 if self.strategy == "flat" else bucket_cap_mb * 2**20
+        first = cap if first_bucket_mb is None or self.strategy == "flat" else \
+            first_bucket_mb * 2**20
         groups = []
         for dtype in sorted({p.dtype for _, p in named}, key=str):  # one dtype per buffer
             idx = [i for i, (_, p) in enumerate(named) if p.dtype == dtype]
             sizes = [named[i][1].numel() * named[i][1].element_size() for i in idx]
-            groups += [[idx[k] for k in g] for g in assign_buckets(sizes, cap)]
+            groups += [[idx[k] for k in g] for g in assign_buckets(sizes, cap, first)]
         return groups
 
     # -- one backward pass

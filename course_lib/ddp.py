@@ -50,6 +50,9 @@ from course_lib.buckets import (
     wait_work,
 )
 
+# Like torch DDP: a small first bucket (the last layers' gradients) starts communication early.
+FIRST_BUCKET_MB = 1.0
+
 __all__ = ["ALGORITHMS", "STRATEGIES", "DDPError", "DistributedDataParallel",
            "DistributedOptimizer", "Reducer", "assign_buckets", "average_gradients",
            "broadcast_optimizer_state", "broadcast_parameters"]
@@ -125,19 +128,22 @@ def _queue_at_end_of_backward(fn):
 class DistributedDataParallel(torch.nn.Module):
     """A from-scratch ``torch.nn.parallel.DistributedDataParallel``: broadcasts rank 0's
     parameters on construction, and when ``loss.backward()`` returns every ``.grad`` holds the
-    average over the ranks. ``buckets`` lists the parameter names of each bucket.
+    average over the ranks. ``buckets`` lists the parameter names of each bucket; the first
+    bucket holds about ``first_bucket_mb`` (as in torch DDP), the others ``bucket_cap_mb``.
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
 
     def __init__(self, module, strategy="overlap", bucket_cap_mb=25, algorithm="native",
-                 find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT):
+                 find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT,
+                 first_bucket_mb=FIRST_BUCKET_MB):
         super().__init__()
         self.module, self.timeline = module, timeline
         broadcast_parameters(module, timeout=timeout)
         self.reducer = Reducer(module.named_parameters(), strategy, bucket_cap_mb, algorithm,
                                find_unused_parameters, timeline, timeout,
-                               on_first_grad=lambda: _queue_at_end_of_backward(self._finish))
+                               on_first_grad=lambda: _queue_at_end_of_backward(self._finish),
+                               first_bucket_mb=first_bucket_mb)
         self._backward_start = None
 
     @property
@@ -174,13 +180,14 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer, named_parameters=None, strategy="overlap", bucket_cap_mb=25,
                  algorithm="native", find_unused_parameters=False, timeline=None,
-                 timeout=DEFAULT_TIMEOUT):
+                 timeout=DEFAULT_TIMEOUT, first_bucket_mb=FIRST_BUCKET_MB):
         self.optimizer, self.timeline = optimizer, timeline
         names = {id(p): n for n, p in (named_parameters or [])}
         params = [p for g in optimizer.param_groups for p in g["params"]]
         self.reducer = Reducer([(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)],
                                strategy, bucket_cap_mb, algorithm, find_unused_parameters,
-                               timeline, timeout, on_first_grad=self._backward_started)
+                               timeline, timeout, on_first_grad=self._backward_started,
+                               first_bucket_mb=first_bucket_mb)
         self._backward_start = None
 
     def _backward_started(self):

@@ -93,11 +93,13 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
                                                   find_unused_parameters=unused)
     elif wrapper == "ddp":
         net = ddp.DistributedDataParallel(model, strategy, bucket_cap_mb, algorithm,
-                                          find_unused_parameters=unused, timeline=tl)
+                                          find_unused_parameters=unused, timeline=tl,
+                                          first_bucket_mb=bucket_cap_mb)
     elif wrapper == "optimizer":
         ddp.broadcast_parameters(model)
         opt = ddp.DistributedOptimizer(opt, model.named_parameters(), strategy, bucket_cap_mb,
-                                       algorithm, find_unused_parameters=unused, timeline=tl)
+                                       algorithm, find_unused_parameters=unused, timeline=tl,
+                                       first_bucket_mb=bucket_cap_mb)
         ddp.broadcast_optimizer_state(opt)
     elif wrapper != "functional":
         raise ValueError(f"wrapper must be 'ddp', 'optimizer' or 'functional', not {wrapper!r}")

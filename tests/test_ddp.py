@@ -19,11 +19,12 @@ def cluster():
 
 def test_buckets_fill_in_reverse_order_up_to_the_cap():
     assert assign_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
-    assert assign_buckets([4, 4, 4], 10) == [[2, 1], [0]]
-    assert assign_buckets([2, 100, 2, 2], 8) == [[3, 2], [1], [0]]   # too big: alone
-    assert assign_buckets([100], 8) == [[0]]
+    assert assign_buckets([4, 4, 4], 10) == [[2, 1, 0]]
+    assert assign_buckets([2, 100, 2, 2], 8) == [[3, 2, 1], [0]]   # closed once it is full
+    assert assign_buckets([100, 2, 2], 8) == [[2, 1, 0]]
     assert assign_buckets([1, 2, 3], 1e9) == [[2, 1, 0]]
     assert assign_buckets([], 8) == []
+    assert assign_buckets([4, 4, 4, 4, 4], 8, first_cap_bytes=4) == [[4], [3, 2], [1, 0]]
     with pytest.raises(ValueError, match="cap"):
         assign_buckets([1], 0)
 
@@ -73,7 +74,7 @@ def test_overlap_is_real_and_bucketed_is_not(cluster):
         tl = cluster.run(ddp_check.train_on_rank, strategy, **kw)[0]["timeline"]
         backward = tl.of("backward")
         buckets = tl.of("allreduce")
-        assert len(backward) == 3 and len(buckets) == 3 * 3    # 3 buckets of <= 0.1 MiB
+        assert len(backward) == 3 and len(buckets) == 3 * 2    # closed once >= 0.1 MiB
         launched_early = [b for b in buckets
                           if any(w.start <= b.start < w.end for w in backward)]
         if strategy == "overlap":
