@@ -21,6 +21,7 @@ BENCHMARKS = {
     "allreduce": ("course_lib.bench_cli", "every allreduce algorithm against the native one"),
     "ps": ("course_lib.bench_ps", "parameter-server throughput vs servers, workers, sync/async"),
     "hogwild": ("course_lib.bench_hogwild", "Hogwild samples/s vs workers, lock vs lock-free"),
+    "ddp": ("course_lib.bench_ddp", "data-parallel step time: each strategy vs torch DDP"),
 }
 
 

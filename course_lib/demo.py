@@ -88,7 +88,21 @@ def hogwild(cluster, out_dir):
              f"vs serial {serial[-1]:.4f}, {free.conflict_rate:.2%} updates conflicted", close)]
 
 
-PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild]
+def data_parallel(cluster, out_dir):
+    """From-scratch DDP (buckets overlapped with backward) against torch's DDP: parameters after
+    3 steps on the digits, and the step time of each measured side by side (notebook 06)."""
+    from course_lib import bench_ddp, ddp_check
+    ours = cluster.run(ddp_check.train_on_rank, "overlap", steps=3)
+    reference = cluster.run(ddp_check.train_on_rank, "torch", steps=3)[0]["params"]
+    error = ddp_check.max_difference(ours, reference)
+    configs = [("overlap", 1, 1), (bench_ddp.TORCH, 1, 1)]
+    rows = cluster.run(bench_ddp.ddp_rank_bench, configs, 256, (256,) * 4, 10, 32, 2, 3)[0]
+    return [(f"from-scratch DDP vs torch DDP, {cluster.n} ranks",
+             f"parameters after 3 steps differ by {error:.1e}; step throughput "
+             f"{rows[0]['vs_torch']:.2f}x torch DDP's", error < 1e-10)]
+
+
+PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel]
 
 
 def _plot_losses(runs, best, path):
