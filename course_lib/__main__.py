@@ -5,6 +5,7 @@
     bench allreduce ...  nccl-tests style tables: each allreduce against the native one
     bench hogwild ...    Hogwild! samples/s vs workers, lock-free vs locked, loss vs serial SGD
     bench ps ...         parameter-server throughput vs servers and workers, sync vs async
+    bench ddp ...        data-parallel step time: each strategy vs torch DDP, bucket sweep
     cluster clean [--all] stop clusters left behind by a killed notebook kernel
     labs build | check   regenerate the student labs / list the stale ones
     images               regenerate the figures in images/
@@ -40,7 +41,8 @@ def _bench(args):
 
 
 # modules whose save_all(out_dir) draws the figures in images/
-FIGURES = ["course_lib.figures_gd", "course_lib.race", "course_lib.figures_allreduce"]
+FIGURES = ["course_lib.figures_gd", "course_lib.race", "course_lib.figures_allreduce",
+           "course_lib.figures_ddp"]
 
 
 def _images(out_dir):
