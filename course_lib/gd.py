@@ -126,6 +126,54 @@ def inverse_time_decay(lr, k):
     return lambda epoch: lr / (1.0 + k * epoch)
 
 
+def updates_per_epoch(n_samples, batch_size, drop_last=False):
+    """Mini-batch updates in one pass over ``n_samples``: ``ceil(n_samples / batch_size)`` (the
+    last batch may be smaller), or with ``drop_last`` only the full batches,
+    ``max(n_samples // batch_size, 1)`` (one batch of everything when batch_size > n_samples).
+
+    Introduced in notebooks/07_large_minibatch.ipynb.
+    """
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if drop_last:
+        return max(int(n_samples) // int(batch_size), 1)
+    return -(-int(n_samples) // int(batch_size))
+
+
+def linear_scaling_warmup(base_lr, batch_size, base_batch_size, warmup_epochs,
+                          updates_per_epoch):
+    """Per-update schedule ``update -> lr`` of Goyal et al. (2017): linear scaling + warmup.
+
+    The target rate follows the linear scaling rule, ``target = base_lr * batch_size /
+    base_batch_size``. Over the first ``W = warmup_epochs * updates_per_epoch`` updates
+    (counted from 0 over the whole run) the rate rises linearly from ``base_lr`` to it:
+    ``lr(u) = base_lr + (target - base_lr) * min(u / W, 1)``; ``warmup_epochs=0`` gives
+    ``target`` from the first update (linear scaling alone). ``W`` need not be an integer.
+    Use it as ``minibatch_sgd(..., update_schedule=...)``.
+
+    Introduced in notebooks/07_large_minibatch.ipynb.
+    """
+    base_lr = _check_lr(base_lr)
+    for name, value in (("batch_size", batch_size), ("base_batch_size", base_batch_size),
+                        ("updates_per_epoch", updates_per_epoch)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not (isinstance(warmup_epochs, (int, float, np.number)) and math.isfinite(warmup_epochs)
+            and warmup_epochs >= 0):
+        raise ValueError(f"warmup_epochs must be a finite number >= 0, got {warmup_epochs!r}")
+    target = base_lr * batch_size / base_batch_size
+    warmup_updates = float(warmup_epochs) * int(updates_per_epoch)
+
+    def schedule(update):
+        if not isinstance(update, (int, np.integer)) or update < 0:
+            raise ValueError(f"the update index must be an integer >= 0, got {update!r}")
+        if update >= warmup_updates:
+            return target
+        return base_lr + (target - base_lr) * (update / warmup_updates)
+
+    return schedule
+
+
 # ---------------------------------------------------------------- update rules
 class SGD:
     """The plain step ``theta - lr * grad`` (no state). Introduced in
@@ -250,7 +298,7 @@ def sgd(problem, X, y, theta0, lr, num_epochs, seed=0, schedule=None, optimizer=
 
 
 def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=None, *,
-                        callback=None):
+                        callback=None, lr_at=None):
     """One epoch of mini-batch SGD. Returns ``(theta, batch_losses)``.
 
     The exact contract (lab 01 checks a student's version against this one):
@@ -263,7 +311,8 @@ def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=Non
        (or ``optimizer.step(theta, grad, lr)`` when an optimizer is given).
 
     The input ``theta`` is not modified. ``callback(theta)``, if given, is called after every
-    update; when it returns True the epoch stops early.
+    update; when it returns True the epoch stops early. ``lr_at(i)``, if given, replaces ``lr``
+    for the i-th update of the epoch (a per-update schedule, notebook 07).
 
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
@@ -275,38 +324,48 @@ def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=Non
     theta = np.array(theta, dtype=np.float64)
     batch_losses = []
     order = rng.permutation(len(X))
-    for start in range(0, len(X), batch_size):
+    for i, start in enumerate(range(0, len(X), batch_size)):
         idx = order[start:start + batch_size]
         batch_losses.append(problem.loss(theta, X[idx], y[idx]))
-        theta = _step(theta, problem.grad(theta, X[idx], y[idx]), lr, optimizer)
+        lr_i = lr if lr_at is None else _check_lr(lr_at(i))
+        theta = _step(theta, problem.grad(theta, X[idx], y[idx]), lr_i, optimizer)
         if callback is not None and callback(theta):
             break
     return theta, batch_losses
 
 
 def minibatch_sgd(problem, X, y, theta0, lr, num_epochs, batch_size=32, seed=0, schedule=None,
-                  optimizer=None, *, record_thetas=True):
+                  optimizer=None, *, record_thetas=True, update_schedule=None):
     """Mini-batch SGD: ``num_epochs`` calls of ``minibatch_sgd_epoch`` with one shared
     ``rng = np.random.default_rng(seed)`` and ``lr_e = schedule(e)`` (or ``lr``) in epoch e.
 
     ``batch_size=1`` is SGD; ``batch_size >= len(X)`` is batch GD (the gradient then sums the
-    same rows, only in shuffled order).
+    same rows, only in shuffled order). ``update_schedule(u)``, if given, is the rate of update
+    u (counted from 0 over the whole run) instead, e.g. ``linear_scaling_warmup`` (notebook 07).
 
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if schedule is not None and update_schedule is not None:
+        raise ValueError("give schedule (per epoch) or update_schedule (per update), not both")
     theta, hist = _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas)
     rng = np.random.default_rng(seed)
     with np.errstate(over="ignore", invalid="ignore"):
         for epoch in range(num_epochs):
             lr_e = _lr_for(epoch, lr, schedule)
+            first, lr_at = len(hist.lrs), None
+            if update_schedule is not None:
+                def lr_at(i, first=first):
+                    return update_schedule(first + i)
 
-            def record(th, lr_e=lr_e, epoch=epoch):
-                return hist._record(th, problem.loss(th, X, y), lr_e, epoch)
+            def record(th, lr_e=lr_e, epoch=epoch, lr_at=lr_at, first=first):
+                lr_u = lr_e if lr_at is None else lr_at(len(hist.lrs) - first)
+                return hist._record(th, problem.loss(th, X, y), lr_u, epoch)
 
             theta, batch_losses = minibatch_sgd_epoch(problem, X, y, theta, lr_e, batch_size,
-                                                      rng, optimizer, callback=record)
+                                                      rng, optimizer, callback=record,
+                                                      lr_at=lr_at)
             hist.batch_losses.extend(batch_losses)
             if hist.diverged:
                 break

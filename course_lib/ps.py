@@ -15,6 +15,8 @@ its slice (``shard_bounds``) of each global batch, pushes the gradient SUM and t
 and each server divides the summed sums by the global batch size. Asynchronous mode applies each
 push at once; its staleness (server version at apply minus the version the worker computed on)
 is recorded, and the staleness-aware step divides the learning rate by it (Zhang et al. 2016).
+With ``backup_workers=b`` (notebook 07) a sync step goes on with the first N - b gradients and
+drops late ones (Chen et al. 2016); ``slow={rank: seconds}`` makes stragglers.
 The wire (ZeroMQ) and the server loop are in :mod:`course_lib.ps_transport`.
 """
 
@@ -80,7 +82,9 @@ def _worker(spec, addresses, problem, X, y, theta0, cfg):
     w, num_workers = spec["worker"].index(ENGINE["rank"]), len(spec["worker"])
     conn = ServerConnections(addresses, len(theta0), 2 * cfg["timeout"] + 5)
     rng, delay_rng = np.random.default_rng(cfg["seed"]), np.random.default_rng([cfg["seed"], w])
-    log = dict(worker=ENGINE["rank"], steps=0, rejected=0, loss_sums=[], counts=[], times=[])
+    log = dict(worker=ENGINE["rank"], steps=0, rejected=0, loss_sums=[], counts=[], times=[],
+               dropped=0, step_ids=[])
+    slow_s = cfg["slow"].get(ENGINE["rank"], 0.0)
     try:
         state = {}
         state["theta"], state["versions"] = conn.init(theta0) if w == 0 else conn.pull()
@@ -91,25 +95,34 @@ def _worker(spec, addresses, problem, X, y, theta0, cfg):
         def push(grad_sum, count, versions):
             if cfg["delay"]:
                 time.sleep(delay_rng.exponential(cfg["delay"]))
+            if slow_s:
+                time.sleep(slow_s)  # a straggler: this worker's step takes longer
             state["theta"], state["versions"], rejected = conn.push(grad_sum, count, versions)
             log["rejected"] += rejected
+            log["dropped"] += conn.dropped
 
         t0 = time.monotonic()
-        for _ in range(cfg["num_epochs"]):
-            order = rng.permutation(len(X))
-            for start in range(0, len(X), cfg["batch_size"]):
-                batch = order[start:start + cfg["batch_size"]]
-                a, b = shard_bounds(len(batch), w, num_workers)
-                if log["steps"] == cfg["crash_after"].get(ENGINE["rank"], -1):
-                    os._exit(1)  # this worker's process dies, mid-training
-                if log["steps"] == cfg["stop_after"].get(ENGINE["rank"], -1):
-                    conn.close(linger=0)  # this worker goes silent, as a crashed one would
-                    return dict(log, stopped=True, bytes=conn.bytes)
-                loss = worker_step(problem, pull, push, X[batch[a:b]], y[batch[a:b]])
-                log["loss_sums"].append(float(loss))
-                log["counts"].append(b - a)
-                log["times"].append(time.monotonic() - t0)
-                log["steps"] += 1
+        per_epoch = -(-len(X) // cfg["batch_size"])
+        total, epoch, order = cfg["num_epochs"] * per_epoch, -1, None
+        step = state["versions"][0] if cfg["backup_workers"] else 0  # a late starter skips
+        while step < total:  # global steps; with backup workers a late worker skips ahead
+            while epoch < step // per_epoch:
+                order, epoch = rng.permutation(len(X)), epoch + 1
+            start = (step % per_epoch) * cfg["batch_size"]
+            batch = order[start:start + cfg["batch_size"]]
+            a, b = shard_bounds(len(batch), w, num_workers)
+            if log["steps"] == cfg["crash_after"].get(ENGINE["rank"], -1):
+                os._exit(1)  # this worker's process dies, mid-training
+            if log["steps"] == cfg["stop_after"].get(ENGINE["rank"], -1):
+                conn.close(linger=0)  # this worker goes silent, as a crashed one would
+                return dict(log, stopped=True, bytes=conn.bytes)
+            loss = worker_step(problem, pull, push, X[batch[a:b]], y[batch[a:b]])
+            log["loss_sums"].append(float(loss))
+            log["counts"].append(b - a)
+            log["times"].append(time.monotonic() - t0)
+            log["step_ids"].append(step)
+            log["steps"] += 1
+            step = state["versions"][0] if cfg["backup_workers"] else step + 1
         conn.done()
         return dict(log, stopped=False, bytes=conn.bytes, theta=state["theta"])
     finally:
@@ -155,6 +168,12 @@ class PSResult:
         return sum(w["steps"] for w in self.workers) / self.elapsed
 
     @property
+    def step_rate(self):
+        """Sync steps per second between the first and the last step the servers applied."""
+        ends = self.servers[0]["step_ends"]
+        return (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 else float("nan")
+
+    @property
     def lost_workers(self):
         return sorted({w for s in self.servers for w in s["lost"]})
 
@@ -164,7 +183,8 @@ class PSResult:
 
 def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32, mode="sync",
           staleness_aware=False, max_staleness=None, seed=0, timeout=10.0, time_limit=120.0,
-          delay=0.0, stop_after=None, crash_after=None, host="127.0.0.1"):
+          delay=0.0, stop_after=None, crash_after=None, host="127.0.0.1", backup_workers=0,
+          slow=None):
     """Train ``problem`` on (X, y) with the servers and workers of ``spec`` on ``cluster``.
 
     ``mode`` 'sync' (equal to ``gd.minibatch_sgd`` with the same seed and global ``batch_size``)
@@ -172,16 +192,28 @@ def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32,
     ``stop_after={rank: steps}`` makes a worker go silent after that many steps;
     ``crash_after={rank: steps}`` makes its process exit. In async mode the others go on and the
     lost worker is reported; in sync mode the step fails with an error naming it.
-    Every wait has a deadline of ``timeout`` s; the whole run ``time_limit`` s.
+    ``slow={rank: seconds}`` adds that sleep to every step of those workers (stragglers).
+    ``backup_workers=b`` (sync, one server; notebook 07): each step averages the first
+    N - b gradients; late ones are dropped (``servers[0]["dropped"]``, ``["used"]``) and a
+    late worker goes on with the server's current step. Every wait has a deadline of
+    ``timeout`` s; the whole run ``time_limit`` s.
     """
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', not {mode!r}")
+    if not isinstance(backup_workers, (int, np.integer)) or backup_workers < 0:
+        raise ValueError(f"backup_workers must be an integer >= 0, got {backup_workers!r}")
+    if backup_workers and (mode != "sync" or len(spec["ps"]) != 1
+                           or backup_workers >= len(spec["worker"])):
+        raise ValueError(f"backup_workers={backup_workers} needs mode='sync', one server (each "
+                         f"shard would pick its own first gradients) and more workers than "
+                         f"backups; got mode={mode!r}, spec {spec}")
     if set(spec["ps"]) & set(spec["worker"]) or max(spec["ps"] + spec["worker"]) >= cluster.n:
         raise ValueError(f"spec {spec} needs distinct ranks below {cluster.n}")
     cfg = dict(mode=mode, lr=lr, num_epochs=num_epochs, batch_size=batch_size, seed=seed,
                staleness_aware=staleness_aware, max_staleness=max_staleness, timeout=timeout,
                time_limit=time_limit, delay=delay, stop_after=dict(stop_after or {}),
-               crash_after=dict(crash_after or {}))
+               crash_after=dict(crash_after or {}), backup_workers=int(backup_workers),
+               slow={int(r): float(s) for r, s in (slow or {}).items()})
     addresses = [a for a in cluster.run(bind_server, spec, host) if a is not None]
     t0 = time.perf_counter()
     results = cluster.run(run_role, spec, addresses, problem, X, y,

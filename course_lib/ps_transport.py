@@ -70,17 +70,22 @@ def serve(spec, n_params, cfg, apply_push):
     """Serve this rank's shard until every worker said done (or went silent in async mode).
 
     Sync: wait for one push from every worker still running, apply ``lr * sum / count`` once,
-    answer them all. Async: apply each push at once with ``apply_push`` (staleness-aware if
-    asked; pushes staler than ``max_staleness`` are rejected). Returns the statistics.
+    answer them all. With ``backup_workers = b > 0`` the step goes on with the first N - b
+    gradients of the current version; a later push of an old version is dropped and answered
+    with the current parameters (Chen et al. 2016). Async: apply each push at once with
+    ``apply_push`` (staleness-aware if asked; pushes staler than ``max_staleness`` are
+    rejected). Returns the statistics.
     """
     from course_lib.data import shard_bounds
     sock = _BOUND["sock"]
     s = spec["ps"].index(ENGINE["rank"])
     start, stop = shard_bounds(n_params, s, len(spec["ps"]))
     workers, timeout, sync = list(spec["worker"]), cfg["timeout"], cfg["mode"] == "sync"
+    backup = cfg.get("backup_workers", 0)
     theta, version, waiting_init = None, 0, []
     stats = dict(server=ENGINE["rank"], shard=(start, stop), staleness=[], pushes=0, pulls=0,
-                 bytes_in=0, bytes_out=0, rejected=0, lost=[], per_worker={w: 0 for w in workers})
+                 bytes_in=0, bytes_out=0, rejected=0, lost=[], per_worker={w: 0 for w in workers},
+                 used=[], step_ends=[], dropped=[])
     done, heard = set(), {w: time.monotonic() for w in workers}
     pending = {}  # sync: worker -> (identity, grad_sum, count) of the current step
     step_started = time.monotonic()
@@ -104,7 +109,7 @@ def serve(spec, n_params, cfg, apply_push):
             missing = sorted(set(workers) - done - set(pending))
             fail(f"server rank {ENGINE['rank']}, sync step {version}: no gradient from worker "
                  f"rank(s) {missing} within {timeout:g}s (got {sorted(pending)})")
-        if not sync:  # a worker silent for longer than the deadline is lost; the rest go on
+        if not sync or backup:  # a worker silent past the deadline is lost; the rest go on
             stats["lost"] += [w for w in workers if w not in done and w not in stats["lost"]
                               and now - heard[w] > timeout]
         if not sock.poll(100):
@@ -133,6 +138,10 @@ def serve(spec, n_params, cfg, apply_push):
             grad, count = np.frombuffer(payload, np.float64), header["count"]
             stats["pushes"] += 1
             stats["per_worker"][w] += 1
+            if sync and backup and header["version"] != version:  # late: the step went on
+                stats["dropped"].append((w, header["version"]))
+                reply(identity, dropped=True)
+                continue
             if sync:
                 if not pending:
                     step_started = time.monotonic()
@@ -149,12 +158,18 @@ def serve(spec, n_params, cfg, apply_push):
                         cfg["staleness_aware"])
                     stats["staleness"].append(staleness)
                 reply(identity)
-        if sync and pending and set(pending) >= set(workers) - done:
+        running = set(workers) - done
+        if sync and pending and (len(pending) >= min(len(workers) - backup, len(running))
+                                 if backup else set(pending) >= running):
             total = sum(c for _, _, c in pending.values())
             if total:
                 grad = sum(g for _, g, _ in pending.values())
                 theta, version = theta - cfg["lr"] * (grad / total), version + 1
                 stats["staleness"] += [0] * len(pending)
+            elif backup:  # the first gradients held no sample: an empty step, still a step
+                version += 1
+            stats["used"].append(sorted(pending))
+            stats["step_ends"].append(time.monotonic() - t0)
             for identity, _, _ in pending.values():
                 reply(identity)
             pending = {}
@@ -191,7 +206,7 @@ class ServerConnections:
             extra = {k: (v[s] if isinstance(v, list) else v) for k, v in header.items()}
             self.bytes += _send(sock, dict(op=op, worker=self.rank, **extra),
                                 None if vectors is None else vectors[a:b])
-        theta, versions, rejected = np.empty(self.n_params), [], False
+        theta, versions, rejected, self.dropped = np.empty(self.n_params), [], False, False
         for s, sock in enumerate(self.socks):
             _, reply, payload = _recv(sock, self.timeout,
                                       f"{op} sent by worker rank {self.rank} to server {s}")
@@ -201,6 +216,7 @@ class ServerConnections:
             theta[a:b] = np.frombuffer(payload, np.float64)
             versions.append(reply["version"])
             rejected |= bool(reply.get("rejected"))
+            self.dropped |= bool(reply.get("dropped"))
         return theta, versions, rejected
 
     def init(self, theta0):

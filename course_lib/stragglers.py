@@ -1,0 +1,193 @@
+"""Stragglers in synchronous training, and backup workers: measured on the cluster, then modelled.
+
+Introduced in notebooks/07_large_minibatch.ipynb. A synchronous step ends when the LAST rank's
+gradient is in, so one slow rank (a straggler: a busy machine, a slow disk, a noisy neighbour)
+sets everyone's pace. Three views of it::
+
+    from course_lib import stragglers
+    rows = stragglers.straggler_experiment(cluster, delays=(0.0, 0.2))   # measured, per rank
+    stragglers.expected_step_time(num_workers=64, backup=2, mean_delay=1.0)  # order statistics
+    stragglers.backup_worker_runs(cluster, problem, X, y, theta0, lr=0.5, slow={3: 0.1})
+
+``straggler_steps`` runs on every rank: a compute phase of fixed length (a sleep, so ranks that
+share a core do not slow each other), then ``dist.all_reduce`` of a gradient, with a deadline.
+The time a rank spends inside the allreduce is mostly *waiting* for the slowest rank.
+Backup workers (Chen et al. 2016) live in the parameter server: ``ps.train(...,
+backup_workers=b)`` steps with the first N - b gradients and drops the late ones.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import numpy as np
+
+from course_lib.engine import ENGINE
+
+
+# ---------------------------------------------------------------- measured on the cluster
+def _allreduce_with_deadline(tensor, timeout, what):
+    import torch.distributed as dist
+    work = dist.all_reduce(tensor, async_op=True)
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as err:
+        raise TimeoutError(f"rank {ENGINE.get('rank')}: {what} did not complete within "
+                           f"{timeout:g}s: {err}") from None
+
+
+def straggler_steps(num_steps, n_params, compute_s, slow=None, jitter=0.0, seed=0,
+                    timeout=10.0):
+    """Runs on every rank: ``num_steps`` synchronous steps of compute, then allreduce.
+
+    Compute is ``time.sleep(compute_s + slow.get(rank, 0) + Exp(jitter))`` (``jitter`` = mean
+    of a random extra delay, 0 for none); the gradient is ``n_params`` float32 ones, summed by
+    ``dist.all_reduce`` (checked: every entry must equal the world size). Returns this rank's
+    ``compute``, ``wait`` (time inside the allreduce) and ``step`` times, one per step.
+    """
+    import torch
+    rank, world = ENGINE["rank"], ENGINE["world_size"]
+    extra = float((slow or {}).get(rank, 0.0))
+    rng = np.random.default_rng([seed, rank])
+    grad = torch.ones(n_params, device=ENGINE.get("device", "cpu"))
+    what = f"all_reduce of {n_params} float32 ({4 * n_params} bytes) over {world} ranks"
+    _allreduce_with_deadline(grad, timeout, f"warm-up {what}")  # connect, and line ranks up
+    out = {"rank": rank, "compute": [], "wait": [], "step": []}
+    for step in range(num_steps):
+        grad.fill_(1.0)
+        t0 = time.perf_counter()
+        time.sleep(compute_s + extra + (rng.exponential(jitter) if jitter > 0 else 0.0))
+        t1 = time.perf_counter()
+        _allreduce_with_deadline(grad, timeout, f"step {step}: {what}")
+        t2 = time.perf_counter()
+        if float(grad[0]) != world or float(grad[-1]) != world:
+            raise RuntimeError(f"rank {rank}: step {step}: allreduce gave {float(grad[0])}, "
+                               f"expected {world}")
+        out["compute"].append(t1 - t0)
+        out["wait"].append(t2 - t1)
+        out["step"].append(t2 - t0)
+    return out
+
+
+def straggler_experiment(cluster, delays=(0.0, 0.2), slow_rank=None, num_steps=5,
+                         compute_s=0.05, n_params=100_000, jitter=0.0, seed=0, timeout=10.0):
+    """Run :func:`straggler_steps` once per straggler delay in ``delays`` (0 = none) with rank
+    ``slow_rank`` (default: the last) slowed by it. Returns one row per (delay, rank): mean
+    ``compute_s``, ``wait_s`` and ``step_s`` over the steps, and whether the rank was slowed."""
+    slow_rank = cluster.n - 1 if slow_rank is None else slow_rank
+    if not 0 <= slow_rank < cluster.n:
+        raise ValueError(f"slow_rank must be a rank of the cluster (0..{cluster.n - 1}), "
+                         f"got {slow_rank}")
+    if num_steps < 1 or compute_s < 0 or min(delays) < 0 or jitter < 0:
+        raise ValueError("need num_steps >= 1 and non-negative compute_s, delays and jitter")
+    rows = []
+    for delay in delays:
+        deadline = timeout + num_steps * (compute_s + delay + 10 * jitter + timeout)
+        results = cluster.run(straggler_steps, num_steps, n_params, compute_s,
+                              {slow_rank: delay}, jitter, seed, timeout, timeout=deadline)
+        for r in results:
+            rows.append(dict(delay=delay, rank=r["rank"],
+                             slowed=bool(delay) and r["rank"] == slow_rank,
+                             compute_s=float(np.mean(r["compute"])),
+                             wait_s=float(np.mean(r["wait"])), step_s=float(np.mean(r["step"]))))
+    return rows
+
+
+def format_straggler_table(rows):
+    """The rows of :func:`straggler_experiment` as an aligned table (times in ms)."""
+    lines = [f"{'straggler':>10}{'rank':>6}{'compute':>10}{'wait':>10}{'step':>10}  (ms)"]
+    for r in rows:
+        mark = " <- slowed" if r["slowed"] else ""
+        lines.append(f"{r['delay'] * 1e3:>8.0f}ms{r['rank']:>6d}{r['compute_s'] * 1e3:>10.1f}"
+                     f"{r['wait_s'] * 1e3:>10.1f}{r['step_s'] * 1e3:>10.1f}{mark}")
+    return "\n".join(lines)
+
+
+def plot_straggler_table(rows, ax=None):
+    """Stacked bars per rank: compute (dark) and time waiting in the allreduce (light)."""
+    import matplotlib.pyplot as plt
+    ax = ax or plt.subplots(figsize=(7, 3))[1]
+    delays = sorted({r["delay"] for r in rows})
+    labels = []
+    for i, r in enumerate(rows):
+        x = i + delays.index(r["delay"])  # a gap between the groups
+        ax.bar(x, r["compute_s"] * 1e3, color="tab:blue" if not r["slowed"] else "tab:red",
+               label="compute" if i == 0 else None)
+        ax.bar(x, r["wait_s"] * 1e3, bottom=r["compute_s"] * 1e3, color="lightgray",
+               label="waiting in all_reduce" if i == 0 else None)
+        group = f"straggler +{r['delay'] * 1e3:.0f} ms" if r["delay"] else "no straggler"
+        labels.append((x, f"r{r['rank']}\n{group}" if r["rank"] == 0 else f"r{r['rank']}"))
+    ax.set_xticks([x for x, _ in labels], [t for _, t in labels], fontsize=8)
+    ax.set(ylabel="ms per step", title="One slow rank sets every rank's step time")
+    ax.legend(fontsize=8)
+    return ax
+
+
+# ---------------------------------------------------------------- order statistics
+def harmonic(n):
+    """H_n = 1 + 1/2 + ... + 1/n (H_0 = 0)."""
+    return float(np.sum(1.0 / np.arange(1, int(n) + 1))) if n > 0 else 0.0
+
+
+def expected_step_time(num_workers, backup=0, mean_delay=1.0, compute_s=0.0):
+    """Expected step time when each of N workers takes ``compute_s + Exp(mean_delay)`` and the
+    step waits for the first ``N - backup`` of them: the (N-b)-th order statistic,
+    ``compute_s + mean_delay * (H_N - H_b)`` (exact for exponential delays). With b = 0 it is
+    the expected maximum, which grows like ``log N``: more workers, slower steps."""
+    if not 0 <= backup < num_workers:
+        raise ValueError(f"need 0 <= backup < num_workers, got backup={backup}, "
+                         f"num_workers={num_workers}")
+    return compute_s + mean_delay * (harmonic(num_workers) - harmonic(backup))
+
+
+def simulate_step_times(num_workers, backup=0, mean_delay=1.0, compute_s=0.0, num_steps=10_000,
+                        seed=0):
+    """Monte Carlo of the same: ``num_steps`` steps, each the (N-b)-th smallest of N draws of
+    ``compute_s + Exp(mean_delay)``. Returns the array of step times."""
+    if not 0 <= backup < num_workers:
+        raise ValueError(f"need 0 <= backup < num_workers, got {backup}, {num_workers}")
+    draws = compute_s + np.random.default_rng(seed).exponential(mean_delay,
+                                                                (num_steps, num_workers))
+    return np.sort(draws, axis=1)[:, num_workers - backup - 1]
+
+
+def plot_order_statistics(workers=(1, 2, 4, 8, 16, 32, 64, 128, 256), backups=(0, 1, 2, 4),
+                          mean_delay=1.0, num_steps=2000, ax=None):
+    """Expected step time vs workers for several numbers of backups: formula (lines) and
+    simulation (dots)."""
+    import matplotlib.pyplot as plt
+    ax = ax or plt.subplots(figsize=(6, 3.5))[1]
+    for b in backups:
+        ns = [n for n in workers if n > b]
+        ax.plot(ns, [expected_step_time(n, b, mean_delay) for n in ns], label=f"b = {b}")
+        ax.plot(ns, [simulate_step_times(n, b, mean_delay, num_steps=num_steps).mean()
+                     for n in ns], "k.", ms=4)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="workers N", ylabel="expected wait / mean delay",
+           title="Waiting for the slowest: E[(N-b)-th of N], Exp delays")
+    ax.legend(title="backups (dots: simulated)", fontsize=8)
+    return ax
+
+
+# ---------------------------------------------------------------- backup workers on the PS
+def backup_worker_runs(cluster, problem, X, y, theta0, lr, slow, backups=(0, 1), num_epochs=1,
+                       batch_size=128, seed=0, timeout=10.0):
+    """Train with the synchronous parameter server (1 server, the other ranks workers) once per
+    number of backup workers in ``backups``, with the workers in ``slow={rank: seconds}``
+    slowed. Returns one row per run: steps, steps per second, mean gradients used per step,
+    gradients dropped, and the final full-data loss."""
+    from course_lib import ps
+    spec = ps.make_spec(1, cluster.n - 1, world_size=cluster.n)
+    rows = []
+    for b in backups:
+        result = ps.train(cluster, spec, problem, X, y, theta0, lr=lr, num_epochs=num_epochs,
+                          batch_size=batch_size, seed=seed, timeout=timeout,
+                          backup_workers=b, slow=slow)
+        server = result.servers[0]
+        rows.append(dict(backup=b, steps=server["version"], step_rate=result.step_rate,
+                         used=float(np.mean([len(u) for u in server["used"]])),
+                         dropped=len(server["dropped"]),
+                         dropped_by={w["worker"]: w["dropped"] for w in result.workers},
+                         loss=float(problem.loss(result.theta, X, y)), theta=result.theta))
+    return rows

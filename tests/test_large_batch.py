@@ -1,0 +1,199 @@
+"""Large mini-batches: the warmup + linear-scaling schedule gives its exact values, mini-batch SGD
+follows a per-update schedule, the numpy network's gradient equals torch's, and the experiment
+shows what the rule and warmup do (and where they stop working); lab 07's checks."""
+
+import numpy as np
+import pytest
+
+from course_lib import checks_large_batch, data, gd, large_batch, models
+from course_lib.checks import CheckFailed
+
+
+# ---------------------------------------------------------------- the schedule
+def test_warmup_schedule_exact_values():
+    sched = gd.linear_scaling_warmup(0.1, 1024, 32, warmup_epochs=3, updates_per_epoch=10)
+    assert sched(0) == 0.1                                 # starts at the base rate
+    assert sched(15) == pytest.approx(0.1 + 3.1 * 15 / 30, rel=1e-12)   # halfway: linear
+    assert sched(29) == pytest.approx(0.1 + 3.1 * 29 / 30, rel=1e-12)
+    assert sched(30) == sched(31) == sched(10**9) == pytest.approx(3.2, rel=1e-12)
+    rates = [sched(u) for u in range(31)]
+    np.testing.assert_allclose(np.diff(rates), 3.1 / 30, rtol=1e-9)  # per update, not per epoch
+
+
+def test_warmup_schedule_edge_cases():
+    assert [gd.linear_scaling_warmup(0.2, 64, 32, 0, 5)(u) for u in (0, 7)] == [0.4, 0.4]
+    flat = gd.linear_scaling_warmup(0.05, 256, 256, 2, 7)
+    assert {flat(u) for u in range(20)} == {0.05}
+    frac = gd.linear_scaling_warmup(0.1, 512, 32, 0.5, 7)  # W = 3.5 updates
+    assert frac(3) == pytest.approx(0.1 + 1.5 * 3 / 3.5) and frac(4) == pytest.approx(1.6)
+    down = gd.linear_scaling_warmup(0.4, 16, 64, 1, 4)     # k = 1/4 ramps down
+    assert down(0) == 0.4 and down(2) == pytest.approx(0.25) and down(4) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("args", [(0, 64, 32, 1, 5), (0.1, 0, 32, 1, 5), (0.1, 64, 32, -1, 5),
+                                  (0.1, 64, 32, 1, 0), (0.1, 64.0, 32, 1, 5),
+                                  (float("nan"), 64, 32, 1, 5)])
+def test_warmup_schedule_rejects_bad_input(args):
+    with pytest.raises(ValueError):
+        gd.linear_scaling_warmup(*args)
+
+
+def test_schedule_rejects_bad_update_and_updates_per_epoch():
+    with pytest.raises(ValueError, match="update index"):
+        gd.linear_scaling_warmup(0.1, 64, 32, 1, 5)(-1)
+    assert gd.updates_per_epoch(1347, 32) == 43
+    assert gd.updates_per_epoch(1347, 32, drop_last=True) == 42
+    assert gd.updates_per_epoch(100, 1000, drop_last=True) == 1
+    with pytest.raises(ValueError):
+        gd.updates_per_epoch(100, 0)
+
+
+# ---------------------------------------------------------------- mini-batch SGD per update
+@pytest.fixture
+def linear():
+    X, y, _ = data.make_linear(n_samples=37, n_features=2, seed=3)
+    return models.LinearRegression(), X, y, np.zeros(3)
+
+
+def test_constant_update_schedule_is_bit_for_bit_plain_minibatch(linear):
+    problem, X, y, theta0 = linear
+    plain = gd.minibatch_sgd(problem, X, y, theta0, 0.05, 3, batch_size=10, seed=4)
+    per_update = gd.minibatch_sgd(problem, X, y, theta0, 0.05, 3, batch_size=10, seed=4,
+                                  update_schedule=lambda u: 0.05)
+    np.testing.assert_array_equal(plain.final_theta, per_update.final_theta)
+    assert plain.losses == per_update.losses and plain.lrs == per_update.lrs
+
+
+def test_update_schedule_is_applied_update_by_update(linear):
+    problem, X, y, theta0 = linear
+    sched = gd.linear_scaling_warmup(0.01, 20, 10, warmup_epochs=1.5, updates_per_epoch=2)
+    hist = gd.minibatch_sgd(problem, X, y, theta0, 0.01, 3, batch_size=20, seed=1,
+                            update_schedule=sched)
+    assert hist.lrs == [sched(u) for u in range(6)] and hist.epochs == [0, 0, 1, 1, 2, 2]
+    theta, rng, u = theta0.copy(), np.random.default_rng(1), 0   # the same loop by hand
+    for _ in range(3):
+        order = rng.permutation(len(X))
+        for start in range(0, len(X), 20):
+            idx = order[start:start + 20]
+            theta = theta - sched(u) * problem.grad(theta, X[idx], y[idx])
+            u += 1
+    np.testing.assert_allclose(hist.final_theta, theta, rtol=1e-12)
+    with pytest.raises(ValueError, match="not both"):
+        gd.minibatch_sgd(problem, X, y, theta0, 0.1, 1, schedule=gd.constant(0.1),
+                         update_schedule=sched)
+
+
+# ---------------------------------------------------------------- the numpy network
+def test_mlp_gradient_matches_torch_autograd():
+    import torch
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(13, 5)), rng.integers(0, 4, 13)
+    problem = large_batch.MLPClassifier(4, hidden=(6, 3), init_scale=1.4)
+    theta = problem.init(5, seed=2) + 0.1 * rng.normal(size=problem.n_params(5))
+    t = torch.tensor(theta, requires_grad=True)
+    z, i = torch.tensor(X), 0
+    for k, (a, b) in enumerate([(5, 6), (6, 3), (3, 4)]):
+        W, bias = t[i:i + a * b].reshape(a, b), t[i + a * b:i + a * b + b]
+        z, i = z @ W + bias, i + a * b + b
+        z = torch.relu(z) if k < 2 else z
+    loss = torch.nn.functional.cross_entropy(z, torch.tensor(y), reduction="sum")
+    loss.backward()
+    assert problem.loss_sum(theta, X, y) == pytest.approx(loss.item(), rel=1e-12)
+    np.testing.assert_allclose(problem.grad_sum(theta, X, y), t.grad.numpy(), rtol=1e-10,
+                               atol=1e-12)
+    parts = sum(problem.grad_sum(theta, X[a:b], y[a:b]) for a, b in [(0, 4), (4, 9), (9, 13)])
+    np.testing.assert_allclose(parts / 13, problem.grad(theta, X, y), atol=1e-12)
+
+
+def test_mlp_rejects_bad_shapes():
+    problem = large_batch.MLPClassifier(3, hidden=4)
+    with pytest.raises(ValueError, match="theta"):
+        problem.loss(np.zeros(5), np.zeros((2, 3)), np.zeros(2, int))
+    with pytest.raises(ValueError, match="y has shape"):
+        problem.grad(problem.init(3), np.zeros((2, 3)), np.zeros(3, int))
+
+
+# ---------------------------------------------------------------- the experiment
+def test_scaling_keeps_accuracy_and_warmup_rescues_the_largest_batch():
+    rows = large_batch.accuracy_vs_batch((32, 256, 512, 1024), seeds=(0, 1, 2))
+    acc = {(r["batch_size"], r["variant"]): r["mean"] for r in rows}
+    base = acc[32, "fixed"]
+    assert base > 0.9 and acc[32, "scaled"] == acc[32, "warmup"] == base
+    assert acc[256, "fixed"] < acc[256, "scaled"] - 0.03      # fewer updates: fixed lr loses
+    assert acc[256, "scaled"] > base - 0.02                    # the rule keeps accuracy
+    assert acc[512, "scaled"] < base - 0.1                     # scaling alone breaks ...
+    assert acc[512, "warmup"] > base - 0.02                    # ... warmup rescues it
+    assert acc[1024, "warmup"] < base - 0.2                    # 10 updates: nothing helps
+    updates = {r["batch_size"]: r["updates"] for r in rows}
+    assert updates == {32: 420, 256: 50, 512: 20, 1024: 10}    # full batches x 10 epochs
+    assert large_batch.largest_batch_within(rows, "warmup", 0.02) == 512
+    assert large_batch.largest_batch_within(rows, "fixed", 0.02) == 32
+    assert "warmup acc" in large_batch.format_table(rows)
+
+
+def test_largest_batch_within_and_bad_variant():
+    rows = [dict(batch_size=b, variant="v", mean=m) for b, m in
+            [(8, 0.90), (16, 0.895), (32, 0.85), (64, 0.891)]]
+    assert large_batch.largest_batch_within(rows, "v", 0.01) == 64   # largest, not first gap
+    assert large_batch.largest_batch_within(rows, "v", 0.001) == 8
+    with pytest.raises(ValueError, match="variant"):
+        large_batch.schedule_for("huge", 64, 0.1, 32, 1, 1000)
+    with pytest.raises(ValueError, match="unknown setting"):
+        large_batch.accuracy_vs_batch((32,), seeds=(0,), lr=0.1)
+
+
+def test_linear_scaling_is_a_worse_approximation_early_in_training():
+    problem = large_batch.MLPClassifier(10, (64, 64), 1.4)
+    start = problem.init(64, seed=0)
+    trained = large_batch.train_and_test(32, lambda u: 0.1, num_epochs=3)["theta"]
+    early = large_batch.linear_scaling_gap(start, 2, 32, 0.1)
+    late = large_batch.linear_scaling_gap(trained, 2, 32, 0.1)
+    assert early > 2 * late > 0
+    run = large_batch.train_and_test(64, lambda u: 0.1, num_epochs=5, target=0.8)
+    assert run["updates_to_target"] == run["updates"] < 5 * 21
+
+
+# ---------------------------------------------------------------- lab 07 checks
+def test_check_warmup_schedule_passes_reference_and_catches_mistakes():
+    assert checks_large_batch.check_warmup_schedule(gd.linear_scaling_warmup) is True
+
+    def per_epoch(base_lr, batch, base_batch, warmup_epochs, per_epoch_):
+        target = base_lr * batch / base_batch
+        ref = gd.linear_scaling_warmup(base_lr, batch, base_batch, warmup_epochs, per_epoch_)
+        return lambda u: ref((u // per_epoch_) * per_epoch_) if warmup_epochs else target
+
+    def from_zero(base_lr, batch, base_batch, warmup_epochs, per_epoch_):
+        target, w = base_lr * batch / base_batch, warmup_epochs * per_epoch_
+        return lambda u: target * min(u / w, 1.0) if w else target
+
+    def unscaled(base_lr, batch, base_batch, warmup_epochs, per_epoch_):
+        return lambda u: base_lr
+
+    for wrong, hint in [(per_epoch, "per UPDATE"), (from_zero, "not at 0"),
+                        (unscaled, "SCALED")]:
+        with pytest.raises(CheckFailed, match=hint):
+            checks_large_batch.check_warmup_schedule(wrong)
+
+    def not_written(*args):
+        raise NotImplementedError
+    assert checks_large_batch.check_warmup_schedule(not_written) is False
+
+
+def test_check_largest_batch_recomputes_with_the_reference():
+    n = len(data.load_digits()[0])
+
+    def search(make_schedule, batch_sizes, base_lr, warmup_epochs, seeds, tolerance):
+        acc = {}
+        for b in batch_sizes:
+            sched = make_schedule(base_lr, b, 32, warmup_epochs,
+                                  gd.updates_per_epoch(n, b, drop_last=True))
+            acc[b] = np.mean([large_batch.train_and_test(b, sched, seed=s)["accuracy"]
+                              for s in seeds])
+        return max(b for b in batch_sizes if acc[b] >= acc[batch_sizes[0]] - tolerance), acc
+
+    assert checks_large_batch.check_largest_batch(search) is True
+    answer, acc = checks_large_batch.reference_largest_batch()
+    with pytest.raises(CheckFailed, match=f"is {answer}, you returned"):
+        checks_large_batch.check_largest_batch(lambda *a: (2 * answer, search(*a)[1]))
+    with pytest.raises(CheckFailed, match="mean accuracy at batch"):
+        checks_large_batch.check_largest_batch(lambda *a: (answer, {b: 0.5 for b in acc}))
