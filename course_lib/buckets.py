@@ -12,6 +12,7 @@ DDP-like wrapper and the Horovod-style optimizer on it.
 from __future__ import annotations
 
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
@@ -42,6 +43,28 @@ def wait_work(work, timeout, what):
     except RuntimeError as e:
         raise DDPError(f"rank {dist_or_fail().get_rank()}: {what} did not complete within "
                        f"{timeout:g}s: {e}") from None
+
+
+def agree(record, what, timeout, device="cpu"):
+    """Check that every rank holds the same small int64 ``record`` (sizes, a checksum) before
+    a native collective whose sizes must match: a mismatch there can abort Gloo or return a
+    wrong sum. Raises :class:`DDPError` on every rank, naming each rank's record."""
+    import torch
+    dist = dist_or_fail()
+    mine = torch.tensor(record, dtype=torch.int64, device=device)
+    table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    wait_work(dist.all_gather(table, mine, async_op=True), timeout,
+              f"agreement on {what} ({len(record)} integers)")
+    rows = [t.tolist() for t in table]
+    if any(row != rows[0] for row in rows):
+        listed = ", ".join(f"rank {r}: {row}" for r, row in enumerate(rows[:8]))
+        raise DDPError(f"rank {dist.get_rank()}: the ranks disagree on {what}: {listed}")
+
+
+def layout(tensors):
+    """``[count, elements, checksum of shapes and dtypes]``: what ranks must agree on."""
+    text = ";".join(f"{tuple(t.shape)}{t.dtype}" for t in tensors)
+    return [len(tensors), sum(t.numel() for t in tensors), zlib.crc32(text.encode())]
 
 
 def _check_choice(value, allowed, what):
@@ -154,6 +177,9 @@ class Reducer:
         self.buckets = [Bucket(b, [named[i][1] for i in idx], [named[i][0] for i in idx])
                         for b, idx in enumerate(groups)]
         self.where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
+        agree(layout([b.flat for b in self.buckets]), "the gradient buckets [buckets, "
+              "elements, checksum]: are the models the same?", timeout, named[0][1].device)
+        self.enabled = True  # False inside no_sync(): gradients only accumulate locally
         self.on_first_grad, self.started, self.comm = on_first_grad, False, None
         self.next_launch = 0  # buckets start strictly in order, so every rank's order agrees
         self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
@@ -173,6 +199,8 @@ class Reducer:
 
     # -- one backward pass
     def _grad_ready(self, p):
+        if not self.enabled:
+            return
         if not self.started:
             self.started = True
             if self.on_first_grad is not None:

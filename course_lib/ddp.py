@@ -35,7 +35,9 @@ and one unused on every rank keeps ``grad = None``, as in torch DDP.
 
 from __future__ import annotations
 
+import io
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -45,8 +47,10 @@ from course_lib.buckets import (
     STRATEGIES,
     DDPError,
     Reducer,
+    agree,
     assign_buckets,
     dist_or_fail,
+    layout,
     wait_work,
 )
 
@@ -73,6 +77,8 @@ def broadcast_parameters(params, root=0, timeout=DEFAULT_TIMEOUT):
     """
     dist = dist_or_fail()
     tensors = _tensors(params)
+    agree(layout(tensors), "the tensors to broadcast [count, elements, checksum]", timeout,
+          tensors[0].device if tensors else "cpu")
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         group = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.detach().reshape(-1) for t in group])
@@ -84,17 +90,30 @@ def broadcast_parameters(params, root=0, timeout=DEFAULT_TIMEOUT):
                 t.copy_(part.view_as(t))
 
 
-def broadcast_optimizer_state(optimizer, root=0):
+def broadcast_optimizer_state(optimizer, root=0, timeout=DEFAULT_TIMEOUT):
     """Give every rank rank ``root``'s optimizer state (hyperparameters and buffers such as
     momentum), so that a run restored from a checkpoint on one rank starts equal everywhere.
+    The state travels serialised: its length, then its bytes, two broadcasts with deadlines.
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
     dist = dist_or_fail()
-    state = [optimizer.state_dict() if dist.get_rank() == root else None]
-    dist.broadcast_object_list(state, src=root)
-    if dist.get_rank() != root:
-        optimizer.load_state_dict(state[0])
+    device = optimizer.param_groups[0]["params"][0].device
+    payload = torch.zeros(0, dtype=torch.uint8)
+    if dist.get_rank() == root:
+        buffer = io.BytesIO()
+        torch.save(optimizer.state_dict(), buffer)
+        payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    wait_work(dist.broadcast(size, src=root, async_op=True), timeout,
+              f"broadcast of the optimizer state's size from rank {root}")
+    data = payload.to(device) if dist.get_rank() == root else \
+        torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    wait_work(dist.broadcast(data, src=root, async_op=True), timeout,
+              f"broadcast of the optimizer state ({int(size.item())} bytes) from rank {root}")
+    if dist.get_rank() != root:  # written by rank 0 of this same job a moment ago
+        state = torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False)
+        optimizer.load_state_dict(state)
 
 
 def average_gradients(params, strategy="bucketed", bucket_cap_mb=25, algorithm="native",
@@ -149,6 +168,16 @@ class DistributedDataParallel(torch.nn.Module):
     @property
     def buckets(self):
         return [b.names for b in self.reducer.buckets]
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate gradients locally; the first backward after
+        it averages the sum (gradient accumulation: a larger batch for the same messages)."""
+        self.reducer.enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.enabled = True
 
     def forward(self, *args, **kwargs):
         start = time.perf_counter()

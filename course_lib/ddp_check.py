@@ -18,6 +18,8 @@ corner cases: ``tied`` (one weight used twice), ``frozen`` (the first layer does
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -72,14 +74,15 @@ def _flat(model):
 
 def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hidden=(64,),
                   variant="mlp", dtype="float64", bucket_cap_mb=0.01, lr=0.1, momentum=0.9,
-                  wrapper="ddp", record=False, seed=0):
+                  wrapper="ddp", record=False, seed=0, accumulate=1):
     """Train on this rank's slices; returns ``{"params": [flat vector after each step],
     "no_grad": [trainable parameters whose grad was None at the last step], "timeline":
     Timeline or None}``.
 
     ``strategy`` is one of ``ddp.STRATEGIES`` or ``"torch"`` (torch's DDP); ``wrapper`` picks
     ``"ddp"`` (the DDP-like module), ``"optimizer"`` (Horovod style) or ``"functional"``
-    (``ddp.average_gradients`` after backward).
+    (``ddp.average_gradients`` after backward). ``accumulate=k`` cuts the rank's slice into k
+    micro-batches, all but the last backward inside ``no_sync()`` (gradient accumulation).
     """
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -106,8 +109,13 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
     params = []
     for idx in order:
         lo, hi = shard_bounds(batch, rank, world)
-        loss = F.cross_entropy(net(X[idx[lo:hi]]), y[idx[lo:hi]], reduction="sum")
-        (loss * (world / batch)).backward()
+        for m in range(accumulate):
+            a, b = shard_bounds(hi - lo, m, accumulate)
+            part = idx[lo + a:lo + b]
+            quiet = m < accumulate - 1 and hasattr(net, "no_sync")
+            with net.no_sync() if quiet else contextlib.nullcontext():
+                loss = F.cross_entropy(net(X[part]), y[part], reduction="sum")
+                (loss * (world / batch)).backward()
         if wrapper == "functional" and strategy != "torch":
             ddp.average_gradients(model.parameters(), strategy, bucket_cap_mb, algorithm)
         opt.step()
@@ -178,3 +186,15 @@ def broadcasts_on_rank():
     ddp.broadcast_optimizer_state(opt)
     mom = [opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()]
     return _flat(model), torch.cat(mom).numpy(), opt.param_groups[0]["lr"]
+
+
+def mismatched_models(where="wrapper"):
+    """Rank 1 builds a wider model than rank 0: the wrapper's first broadcast (``"wrapper"``)
+    or the gradient buckets (``"reducer"``) must raise a DDPError on every rank that lists
+    both layouts, before any gradient moves."""
+    import torch.distributed as dist
+    model = models.mlp(4, (16,) if dist.get_rank() == 0 else (17,), 2)
+    if where == "wrapper":
+        ddp.DistributedDataParallel(model, timeout=5.0)
+    model(torch.ones(1, 4)).sum().backward()
+    ddp.average_gradients(model.parameters(), timeout=5.0)

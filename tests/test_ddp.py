@@ -89,6 +89,22 @@ def test_broadcasts_give_every_rank_rank_0s_state(cluster):
     assert out[1][2] == 0.25   # the learning rate travelled too
 
 
+@pytest.mark.parametrize("strategy", ["torch", "overlap", "bucketed"])
+def test_gradient_accumulation_with_no_sync(cluster, strategy):
+    reference = ddp_check.single_process(steps=3, batch=64)
+    runs = cluster.run(ddp_check.train_on_rank, strategy, steps=3, batch=64, accumulate=3)
+    assert ddp_check.max_difference(runs, reference) < 1e-10
+
+
+@pytest.mark.parametrize("where,what,counts", [("wrapper", "tensors to broadcast", (4, 4)),
+                                               ("reducer", "gradient buckets", (1, 1))])
+def test_different_models_are_refused_before_any_gradient_moves(cluster, where, what, counts):
+    pattern = (rf"(?s)raised on rank\(s\) \[0, 1\].*disagree on the {what}.*"
+               rf"rank 0: \[{counts[0]}, 114, \d+\], rank 1: \[{counts[1]}, 121, \d+\]")
+    with pytest.raises(RemoteError, match=pattern):
+        cluster.run(ddp_check.mismatched_models, where)
+
+
 def test_bad_arguments_are_clear(cluster):
     with pytest.raises(RemoteError, match="strategy must be one of"):
         cluster.run(ddp_check.train_on_rank, "fastest")
