@@ -118,7 +118,11 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
                 (loss * (world / batch)).backward()
         if wrapper == "functional" and strategy != "torch":
             ddp.average_gradients(model.parameters(), strategy, bucket_cap_mb, algorithm)
-        opt.step()
+        if tl is not None and wrapper != "optimizer":  # the Horovod-style one records its own
+            with tl.span("step"):
+                opt.step()
+        else:
+            opt.step()
         no_grad = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
         opt.zero_grad()
         params.append(_flat(model))

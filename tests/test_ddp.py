@@ -75,6 +75,7 @@ def test_overlap_is_real_and_bucketed_is_not(cluster):
         backward = tl.of("backward")
         buckets = tl.of("allreduce")
         assert len(backward) == 3 and len(buckets) == 3 * 2    # closed once >= 0.1 MiB
+        assert len(tl.of("forward")) == len(tl.of("step")) == len(tl.of("wait")) == 3
         launched_early = [b for b in buckets
                           if any(w.start <= b.start < w.end for w in backward)]
         if strategy == "overlap":
