@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from course_lib.buckets import wait_work
+
 TORCH = "torch DDP"
 ONE_PROCESS = "1 process"
 COLUMNS = ["strategy", "bucket_mb", "buckets", "ranks", "batch", "params", "step_ms",
@@ -31,6 +33,7 @@ COLUMNS = ["strategy", "bucket_mb", "buckets", "ranks", "batch", "params", "step
 DEFAULT_HIDDEN = (1024,) * 8       # with 1024 inputs and 10 outputs: 8.4M parameters
 DEFAULT_BUCKETS = (1, 5, 25, 100)  # MB; 25 is torch DDP's default bucket_cap_mb
 TARGET = 0.95                      # the overlapped strategy against torch DDP
+WAIT_S = 120.0                     # deadline of a barrier (rank 0 may be timing alone)
 
 
 def make_configs(strategies, buckets=DEFAULT_BUCKETS, bucket_mb=25, world_size=2,
@@ -114,7 +117,8 @@ def ddp_rank_bench(configs, in_features=1024, hidden=DEFAULT_HIDDEN, out_feature
     times = np.zeros((len(runs), rounds))
     for it in range(-warmup, rounds):
         for k, run in enumerate(runs):  # interleaved: drift on the machine hits every config
-            dist.barrier()
+            wait_work(dist.barrier(async_op=True), WAIT_S,
+                      f"barrier before timing {run['strategy']} (round {it})")
             t0 = time.perf_counter()
             if rank == 0 or run["strategy"] != ONE_PROCESS:
                 for _ in range(steps):
@@ -122,7 +126,8 @@ def ddp_rank_bench(configs, in_features=1024, hidden=DEFAULT_HIDDEN, out_feature
             if it >= 0:
                 times[k, it] = (time.perf_counter() - t0) / steps
     slowest = torch.from_numpy(times)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # ONE_PROCESS: the others' time is ~0
+    wait_work(dist.all_reduce(slowest, op=dist.ReduceOp.MAX, async_op=True), WAIT_S,
+              f"allreduce of the {slowest.numel()} step times")  # ONE_PROCESS: others' ~0
     median = np.median(slowest.numpy(), axis=1)
     rows = []
     for k, run in enumerate(runs):

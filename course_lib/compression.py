@@ -263,11 +263,11 @@ def exchange_on_rank(name, n, ratio=0.01, repeats=5, trials=3, seed=0):
     best = (None, None)
     for _ in range(trials):
         comp.bytes_sent = 0.0
-        dist.barrier()
+        wait(dist.barrier(async_op=True), "barrier before counting")
         before, start = loopback_bytes(), time.perf_counter()
         for _ in range(repeats):
             comp.allreduce(grad)
-        dist.barrier()
+        wait(dist.barrier(async_op=True), "barrier after counting")
         after, took = loopback_bytes(), time.perf_counter() - start
         time.sleep(took)
         if before is not None and (best[0] is None or after - before < best[0]):
