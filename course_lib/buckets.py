@@ -117,8 +117,10 @@ class Bucket:
         return self.flat.numel() * self.flat.element_size()
 
     def describe(self):
-        return (f"bucket {self.index} ({len(self.params)} tensors, {self.flat.numel()} "
-                f"elements, {self.nbytes / 2**20:.2f} MiB)")
+        size = (f"{self.nbytes / 2**20:.2f} MiB" if self.nbytes >= 2**20
+                else f"{self.nbytes / 2**10:.1f} KiB")
+        return f"bucket {self.index} ({len(self.params)} tensors, {self.flat.numel()} " \
+               f"elements, {size})"
 
 
 class Handle:

@@ -116,5 +116,5 @@ def test_bad_arguments_are_clear(cluster):
 def test_a_missing_rank_fails_with_a_deadline_naming_the_bucket(cluster):
     (message, waited), _ = cluster.run(ddp_check.missing_rank, 2.0, timeout=30)
     assert message is not None and "rank 0" in message and "bucket 0" in message
-    assert "MiB" in message and "within 2s" in message
+    assert "elements, 4.7 KiB)" in message and "within 2s" in message
     assert waited < 15
