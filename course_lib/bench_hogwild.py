@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from course_lib import hogwild
+from course_lib import hogwild, sparse_problem
 
 COLUMNS = ["problem", "workers", "mode", "samples_per_s", "speedup_vs_1", "vs_locked",
            "conflict_rate", "conflicts_per_update", "final_loss", "loss_vs_serial", "repeats"]
@@ -26,8 +26,8 @@ COLUMNS = ["problem", "workers", "mode", "samples_per_s", "speedup_vs_1", "vs_lo
 def measure(workers=(1, 2), repeats=5, n_samples=20_000, n_features=20_000, nnz=32,
             num_epochs=3, lr=0.5, seed=0, timeout=120.0):
     """Run every (workers, lock) pair ``repeats`` times, interleaved; one row per pair."""
-    data = hogwild.make_sparse_classification(n_samples, n_features, nnz, seed=seed)
-    _, serial = hogwild.serial_sgd(data, lr=lr, num_epochs=num_epochs, seed=seed)
+    data = sparse_problem.make_sparse_classification(n_samples, n_features, nnz, seed=seed)
+    _, serial = sparse_problem.serial_sgd(data, lr=lr, num_epochs=num_epochs, seed=seed)
     configs = [(w, lock) for w in workers for lock in (False, True)]
     runs = {c: [] for c in configs}
     for _ in range(repeats):
@@ -57,7 +57,7 @@ def format_table(rows, serial_loss, nnz=32, n_features=20_000):
     line = "{:>8}  {:<9} {:>11} {:>8} {:>9} {:>9} {:>11} {:>10} {:>8}".format
     out = [f"# Hogwild on {rows[0]['problem']}: median of {rows[0]['repeats']} interleaved runs",
            f"# serial SGD final loss {serial_loss:.5f}; two rows share a feature with "
-           f"probability {hogwild.collision_probability(nnz, n_features):.3f}",
+           f"probability {sparse_problem.collision_probability(nnz, n_features):.3f}",
            "#" + line("workers", "mode", "samples/s", "vs 1", "vs locked", "conflicts",
                       "conflicts", "final", "loss /")[1:],
            "#" + line("", "", "", "worker", "", "/update", "coords/upd", "loss", "serial")[1:]]

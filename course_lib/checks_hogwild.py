@@ -7,9 +7,9 @@ Use in labs/03_hogwild.ipynb right under each exercise::
     checks_hogwild.check_collision_probability(collision_probability)
 
 The loop runs here, in this process, on seeded sparse data, against
-``course_lib.hogwild.sparse_sgd_epoch``: with one worker Hogwild is plain SGD, so the values must
-match exactly. The parameter vector it gets records which coordinates were written; a loop
-that writes a coordinate its samples do not touch (a dense update, or a copy of all the
+``course_lib.sparse_problem.sparse_sgd_epoch``: with one worker Hogwild is plain SGD, so the
+values must match exactly. The parameter vector it gets records which coordinates were written;
+a loop that writes a coordinate its samples do not touch (a dense update, or a copy of all the
 parameters written back) would, with other workers running, erase their updates, and fails.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from course_lib.checks import Case, CheckFailed, run_check
-from course_lib.hogwild import (
+from course_lib.sparse_problem import (
     collision_probability,
     make_sparse_classification,
     sparse_loss,
@@ -108,8 +108,8 @@ def check_lockfree_epoch(student_fn: Callable, seed: int = 0) -> bool:
     """Lab 03, exercise 1: ``student_fn(w, indptr, indices, values, y, order, lr)`` updates
     ``w`` in place, one sample at a time in ``order``, writing only the touched coordinates.
 
-    Must equal ``hogwild.sparse_sgd_epoch`` (one worker = serial SGD) on 3 seeded cases, write
-    no coordinate outside the rows it visits, and lower the loss.
+    Must equal ``sparse_problem.sparse_sgd_epoch`` (one worker = serial SGD) on 3 seeded cases,
+    write no coordinate outside the rows it visits, and lower the loss.
     """
     cases = _epoch_cases(seed)
 
@@ -155,7 +155,7 @@ def check_lockfree_epoch(student_fn: Callable, seed: int = 0) -> bool:
 
 def check_collision_probability(student_fn: Callable) -> bool:
     """Lab 03, exercise 2: ``student_fn(nnz, n_features)`` = chance that two rows with ``nnz``
-    distinct uniform features share at least one (``hogwild.collision_probability``)."""
+    distinct uniform features share at least one (``sparse_problem.collision_probability``)."""
     cases = [Case(f"nnz={k}, n_features={d}", lambda k=k, d=d: (k, d))
              for k, d in [(1, 10), (2, 10), (32, 20_000), (76, 47_236), (10, 15)]]
     return run_check(

@@ -72,8 +72,10 @@ def hogwild(cluster, out_dir):
     """Hogwild speed-up on sparse logistic regression: 2 lock-free workers vs 1 and vs locked
     (notebook 03). The engines are not used: these are worker processes on shared memory."""
     from course_lib import hogwild as hw
-    data = hw.make_sparse_classification(n_samples=10_000, n_features=10_000, nnz=16, seed=0)
-    _, serial = hw.serial_sgd(data, lr=0.5, num_epochs=2)
+    from course_lib import sparse_problem
+    data = sparse_problem.make_sparse_classification(n_samples=10_000, n_features=10_000,
+                                                     nnz=16, seed=0)
+    _, serial = sparse_problem.serial_sgd(data, lr=0.5, num_epochs=2)
     runs = {c: [] for c in [(1, False), (2, False), (2, True)]}
     for _ in range(3):  # interleaved, median
         for w, lock in runs:

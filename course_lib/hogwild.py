@@ -4,8 +4,8 @@ Introduced in notebooks/03_hogwild.ipynb (Niu, Recht, Re and Wright, NIPS 2011).
 processes (spawned) share one parameter vector; each takes one sample at a time from its own
 shard, reads the parameters, computes the gradient and subtracts it in place. Nobody waits::
 
-    from course_lib import hogwild
-    data = hogwild.make_sparse_classification()             # RCV1-like density: 0.16 %
+    from course_lib import hogwild, sparse_problem
+    data = sparse_problem.make_sparse_classification()      # RCV1-like density: 0.16 %
     hogwild.run_sparse(data, num_workers=2)                  # lock-free
     hogwild.run_sparse(data, num_workers=2, lock=True)       # the locked twin
     hogwild.run_dense(num_workers=2)     # an MLP on digits: every update collides
@@ -30,28 +30,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from course_lib.race import RaceError, supervise
+from course_lib.sparse_problem import sparse_loss
 
 
 class HogwildError(RaceError):
     """A worker died or missed its deadline; the message names it and its exit code."""
-
-
-@dataclass
-class SparseData:
-    """Rows in CSR form (``indptr``, ``indices``, ``values``), labels ``y`` in {-1, +1}."""
-
-    indptr: np.ndarray
-    indices: np.ndarray
-    values: np.ndarray
-    y: np.ndarray
-    n_features: int
-
-    def __len__(self):
-        return len(self.y)
-
-    def row(self, i):
-        a, b = self.indptr[i], self.indptr[i + 1]
-        return self.indices[a:b], self.values[a:b]
 
 
 @dataclass
@@ -87,56 +70,10 @@ class HogwildResult:
         return self.losses[-1]
 
 
-# ---------------------------------------------------------------- the sparse problem
-def make_sparse_classification(n_samples=20_000, n_features=20_000, nnz=32, label_noise=0.05,
-                               seed=0):
-    """Sparse binary classification: each row has ``nnz`` distinct features drawn uniformly.
-
-    Density ``nnz / n_features`` = 0.16 % by default, as in RCV1 (47,236 features, about 76
-    non-zeros per document); values are positive with unit norm per row (like tf-idf), labels
-    are ``sign(x . w_true)`` with a fraction ``label_noise`` flipped. Notebook 03.
-    """
-    rng = np.random.default_rng(seed)
-    indices = np.empty(n_samples * nnz, dtype=np.int64)
-    for i in range(n_samples):
-        indices[i * nnz:(i + 1) * nnz] = np.sort(rng.choice(n_features, nnz, replace=False))
-    values = np.abs(rng.normal(size=(n_samples, nnz)))
-    values /= np.linalg.norm(values, axis=1, keepdims=True)
-    values = values.ravel()
-    w_true = rng.normal(size=n_features)
-    margin = np.add.reduceat(values * w_true[indices], np.arange(0, n_samples * nnz, nnz))
-    y = np.where(margin >= np.median(margin), 1.0, -1.0)
-    y[rng.random(n_samples) < label_noise] *= -1
-    indptr = np.arange(0, n_samples * nnz + 1, nnz, dtype=np.int64)
-    return SparseData(indptr, indices, values, y, n_features)
-
-
-def sparse_loss(w, data):
-    """Mean logistic loss ``log(1 + exp(-y x.w))`` over all rows."""
-    counts = np.diff(data.indptr)
-    margin = np.add.reduceat(data.values * w[data.indices], data.indptr[:-1]) * (counts > 0)
-    return float(np.mean(np.logaddexp(0.0, -data.y * margin)))
-
-
-def sparse_sgd_epoch(w, indptr, indices, values, y, order, lr):
-    """One pass of plain SGD over ``order``, updating ``w`` in place (the serial reference).
-
-    Per sample: read the touched coordinates ``w[idx]``, take the logistic gradient
-    ``-y sigma(-y x.w) x`` (non-zero only on ``idx``) and subtract ``lr`` times it there. Run
-    by many processes on one shared ``w`` this *is* the lock-free worker loop (lab 03).
-    """
-    for i in order:
-        a, b = indptr[i], indptr[i + 1]
-        idx, v = indices[a:b], values[a:b]
-        yi = y[i]
-        margin = float(w[idx] @ v)                       # read
-        scale = -yi / (1.0 + math.exp(min(yi * margin, 700.0)))
-        w[idx] -= (lr * scale) * v                       # write only the touched coordinates
-    return w
-
-
+# ---------------------------------------------------------------- the worker loop
 def _sparse_loop(w, counts, rows, y, order, lr, lock):
-    """:func:`sparse_sgd_epoch` with conflict counting (and an optional lock around each step)."""
+    """:func:`sparse_problem.sparse_sgd_epoch` with conflict counting (and an optional lock
+    around each step)."""
     conflicts = conflicted = 0
     for i in order:
         idx, v = rows[i]
@@ -155,37 +92,6 @@ def _sparse_loop(w, counts, rows, y, order, lr, lock):
             conflicts += changed
             conflicted += 1
     return conflicts, conflicted
-
-
-def serial_sgd(data, lr=0.5, num_epochs=3, seed=0):
-    """Serial SGD with the order one Hogwild worker would use: ``(w, losses per epoch)``."""
-    w = np.zeros(data.n_features)
-    losses = [sparse_loss(w, data)]
-    rng = np.random.default_rng([seed, 0])
-    for _ in range(num_epochs):
-        sparse_sgd_epoch(w, data.indptr, data.indices, data.values, data.y,
-                         rng.permutation(len(data)), lr)
-        losses.append(sparse_loss(w, data))
-    return w, losses
-
-
-def collision_probability(nnz, n_features):
-    """Chance that two rows with ``nnz`` uniform distinct features share at least one:
-    ``1 - C(d - nnz, nnz) / C(d, nnz)``, about ``nnz**2 / d`` when that is small."""
-    if 2 * nnz > n_features:
-        return 1.0
-    return 1.0 - math.exp(math.lgamma(n_features - nnz + 1) * 2 - math.lgamma(n_features + 1)
-                          - math.lgamma(n_features - 2 * nnz + 1))
-
-
-def measured_overlap(data, pairs=20_000, seed=0):
-    """Fraction of random pairs of distinct rows of ``data`` that share a feature."""
-    rng = np.random.default_rng(seed)
-    hits = 0
-    for _ in range(pairs):
-        i, j = rng.choice(len(data), 2, replace=False)
-        hits += bool(np.intersect1d(data.row(i)[0], data.row(j)[0], assume_unique=True).size)
-    return hits / pairs
 
 
 # ---------------------------------------------------------------- the workers
@@ -315,7 +221,8 @@ def run_sparse(data, num_workers=2, lock=False, lr=0.5, num_epochs=3, seed=0, ti
 
     Worker ``k`` takes shard ``k`` of the rows (``data.shard_bounds``) and visits it in the
     order of ``np.random.default_rng([seed, k])``, one permutation per epoch; so one worker
-    repeats :func:`serial_sgd` exactly. Returns a :class:`HogwildResult`. Notebook 03.
+    repeats :func:`sparse_problem.serial_sgd` exactly. Returns a :class:`HogwildResult`.
+    Notebook 03.
     """
     arrays = {"indptr": data.indptr, "indices": data.indices, "values": data.values, "y": data.y}
     stats, snaps, w = _run("sparse", {"lr": lr, "seed": seed}, arrays, np.zeros(data.n_features),

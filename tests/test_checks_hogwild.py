@@ -7,7 +7,7 @@ import pytest
 
 from course_lib import checks_hogwild
 from course_lib.checks import CheckFailed
-from course_lib.hogwild import collision_probability, sparse_sgd_epoch
+from course_lib.sparse_problem import collision_probability, sparse_sgd_epoch
 
 
 def _row(indptr, indices, values, i):

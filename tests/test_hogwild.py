@@ -6,12 +6,13 @@ import numpy as np
 import psutil
 import pytest
 
-from course_lib import hogwild
+from course_lib import hogwild, sparse_problem
 
 
 @pytest.fixture(scope="module")
 def data():
-    return hogwild.make_sparse_classification(n_samples=4000, n_features=4000, nnz=16, seed=1)
+    return sparse_problem.make_sparse_classification(n_samples=4000, n_features=4000, nnz=16,
+                                                     seed=1)
 
 
 def _children():
@@ -28,14 +29,14 @@ def test_sparse_data_is_rcv1_like(data):
 
 
 def test_collision_probability_matches_the_data(data):
-    p = hogwild.collision_probability(16, 4000)
+    p = sparse_problem.collision_probability(16, 4000)
     assert p == pytest.approx(1 - (1 - 16 / 4000) ** 16, rel=0.02)
-    assert hogwild.measured_overlap(data, pairs=4000) == pytest.approx(p, abs=0.015)
-    assert hogwild.collision_probability(3, 5) == 1.0
+    assert sparse_problem.measured_overlap(data, pairs=4000) == pytest.approx(p, abs=0.015)
+    assert sparse_problem.collision_probability(3, 5) == 1.0
 
 
 def test_one_worker_equals_serial_sgd_exactly(data):
-    w, losses = hogwild.serial_sgd(data, lr=0.5, num_epochs=2, seed=3)
+    w, losses = sparse_problem.serial_sgd(data, lr=0.5, num_epochs=2, seed=3)
     result = hogwild.run_sparse(data, num_workers=1, lr=0.5, num_epochs=2, seed=3)
     np.testing.assert_array_equal(result.params, w)
     assert result.losses == pytest.approx(losses, rel=1e-12)
@@ -45,7 +46,7 @@ def test_one_worker_equals_serial_sgd_exactly(data):
 
 @pytest.mark.parametrize("lock", [False, True])
 def test_two_workers_converge_like_serial(data, lock):
-    _, serial = hogwild.serial_sgd(data, lr=0.5, num_epochs=3)
+    _, serial = sparse_problem.serial_sgd(data, lr=0.5, num_epochs=3)
     result = hogwild.run_sparse(data, num_workers=2, lock=lock, lr=0.5, num_epochs=3)
     assert result.worker_samples == [3 * 2000, 3 * 2000]
     assert len(result.losses) == 4 and result.losses[-1] < result.losses[0]
