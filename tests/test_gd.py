@@ -184,3 +184,71 @@ def test_bad_input_raises(linear):
         gd.batch_gd(problem, X, y, theta0, 0.1, 3, schedule=lambda e: 0.1 - 0.1 * e)
     hist = gd.batch_gd(problem, X, y, theta0, 0.1, 0)
     assert len(hist.losses) == 1 and hist.lrs == []
+
+
+# ------------------------------------------------- linear scaling + warmup (notebook 07)
+def test_warmup_schedule_exact_values():
+    sched = gd.linear_scaling_warmup(0.1, 1024, 32, warmup_epochs=3, updates_per_epoch=10)
+    assert sched(0) == 0.1                                 # starts at the base rate
+    assert sched(15) == pytest.approx(0.1 + 3.1 * 15 / 30, rel=1e-12)   # halfway: linear
+    assert sched(29) == pytest.approx(0.1 + 3.1 * 29 / 30, rel=1e-12)
+    assert sched(30) == sched(31) == sched(10**9) == pytest.approx(3.2, rel=1e-12)
+    rates = [sched(u) for u in range(31)]
+    np.testing.assert_allclose(np.diff(rates), 3.1 / 30, rtol=1e-9)  # per update, not per epoch
+
+
+def test_warmup_schedule_edge_cases():
+    assert [gd.linear_scaling_warmup(0.2, 64, 32, 0, 5)(u) for u in (0, 7)] == [0.4, 0.4]
+    flat = gd.linear_scaling_warmup(0.05, 256, 256, 2, 7)
+    assert {flat(u) for u in range(20)} == {0.05}
+    frac = gd.linear_scaling_warmup(0.1, 512, 32, 0.5, 7)  # W = 3.5 updates
+    assert frac(3) == pytest.approx(0.1 + 1.5 * 3 / 3.5) and frac(4) == pytest.approx(1.6)
+    down = gd.linear_scaling_warmup(0.4, 16, 64, 1, 4)     # k = 1/4 ramps down
+    assert down(0) == 0.4 and down(2) == pytest.approx(0.25) and down(4) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("args", [(0, 64, 32, 1, 5), (0.1, 0, 32, 1, 5), (0.1, 64, 32, -1, 5),
+                                  (0.1, 64, 32, 1, 0), (0.1, 64.0, 32, 1, 5),
+                                  (float("nan"), 64, 32, 1, 5)])
+def test_warmup_schedule_rejects_bad_input(args):
+    with pytest.raises(ValueError):
+        gd.linear_scaling_warmup(*args)
+
+
+def test_schedule_rejects_bad_update_and_updates_per_epoch():
+    with pytest.raises(ValueError, match="update index"):
+        gd.linear_scaling_warmup(0.1, 64, 32, 1, 5)(-1)
+    assert gd.updates_per_epoch(1347, 32) == 43
+    assert gd.updates_per_epoch(1347, 32, drop_last=True) == 42
+    assert gd.updates_per_epoch(100, 1000, drop_last=True) == 1
+    with pytest.raises(ValueError):
+        gd.updates_per_epoch(100, 0)
+
+
+# ---------------------------------------------------------------- mini-batch SGD per update
+def test_constant_update_schedule_is_bit_for_bit_plain_minibatch(linear):
+    problem, X, y, theta0 = linear
+    plain = gd.minibatch_sgd(problem, X, y, theta0, 0.05, 3, batch_size=10, seed=4)
+    per_update = gd.minibatch_sgd(problem, X, y, theta0, 0.05, 3, batch_size=10, seed=4,
+                                  update_schedule=lambda u: 0.05)
+    np.testing.assert_array_equal(plain.final_theta, per_update.final_theta)
+    assert plain.losses == per_update.losses and plain.lrs == per_update.lrs
+
+
+def test_update_schedule_is_applied_update_by_update(linear):
+    problem, X, y, theta0 = linear
+    sched = gd.linear_scaling_warmup(0.01, 20, 10, warmup_epochs=1.5, updates_per_epoch=2)
+    hist = gd.minibatch_sgd(problem, X, y, theta0, 0.01, 3, batch_size=20, seed=1,
+                            update_schedule=sched)
+    assert hist.lrs == [sched(u) for u in range(6)] and hist.epochs == [0, 0, 1, 1, 2, 2]
+    theta, rng, u = theta0.copy(), np.random.default_rng(1), 0   # the same loop by hand
+    for _ in range(3):
+        order = rng.permutation(len(X))
+        for start in range(0, len(X), 20):
+            idx = order[start:start + 20]
+            theta = theta - sched(u) * problem.grad(theta, X[idx], y[idx])
+            u += 1
+    np.testing.assert_allclose(hist.final_theta, theta, rtol=1e-12)
+    with pytest.raises(ValueError, match="not both"):
+        gd.minibatch_sgd(problem, X, y, theta0, 0.1, 1, schedule=gd.constant(0.1),
+                         update_schedule=sched)
