@@ -88,6 +88,12 @@ def _check_lr(lr):
     return float(lr)
 
 
+def _check_count(name, value, least=1):
+    if not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
 def constant(lr):
     """Schedule ``epoch -> lr``. Introduced in notebooks/01_gradient_descent.ipynb."""
     lr = _check_lr(lr)
@@ -133,8 +139,7 @@ def updates_per_epoch(n_samples, batch_size, drop_last=False):
 
     Introduced in notebooks/07_large_minibatch.ipynb.
     """
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    _check_count("batch_size", batch_size)
     if drop_last:
         return max(int(n_samples) // int(batch_size), 1)
     return -(-int(n_samples) // int(batch_size))
@@ -156,8 +161,7 @@ def linear_scaling_warmup(base_lr, batch_size, base_batch_size, warmup_epochs,
     base_lr = _check_lr(base_lr)
     for name, value in (("batch_size", batch_size), ("base_batch_size", base_batch_size),
                         ("updates_per_epoch", updates_per_epoch)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        _check_count(name, value)
     if not (isinstance(warmup_epochs, (int, float, np.number)) and math.isfinite(warmup_epochs)
             and warmup_epochs >= 0):
         raise ValueError(f"warmup_epochs must be a finite number >= 0, got {warmup_epochs!r}")
@@ -165,8 +169,7 @@ def linear_scaling_warmup(base_lr, batch_size, base_batch_size, warmup_epochs,
     warmup_updates = float(warmup_epochs) * int(updates_per_epoch)
 
     def schedule(update):
-        if not isinstance(update, (int, np.integer)) or update < 0:
-            raise ValueError(f"the update index must be an integer >= 0, got {update!r}")
+        _check_count("the update index", update, least=0)
         if update >= warmup_updates:
             return target
         return base_lr + (target - base_lr) * (update / warmup_updates)
@@ -234,8 +237,7 @@ class Adagrad:
 def _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas):
     """Validate arguments, reset the optimizer, record the initial loss."""
     _check_lr(lr)
-    if not isinstance(num_epochs, (int, np.integer)) or num_epochs < 0:
-        raise ValueError(f"num_epochs must be an integer >= 0, got {num_epochs!r}")
+    _check_count("num_epochs", num_epochs, least=0)
     if X is not None and len(X) != len(y):
         raise ValueError(f"X and y disagree on the number of samples: {len(X)} vs {len(y)}")
     theta = np.array(theta0, dtype=np.float64)  # a copy: the caller's theta0 is never changed
@@ -317,8 +319,7 @@ def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=Non
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
     lr = _check_lr(lr)
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    _check_count("batch_size", batch_size)
     if len(X) != len(y):
         raise ValueError(f"X and y disagree on the number of samples: {len(X)} vs {len(y)}")
     theta = np.array(theta, dtype=np.float64)
@@ -345,8 +346,7 @@ def minibatch_sgd(problem, X, y, theta0, lr, num_epochs, batch_size=32, seed=0, 
 
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    _check_count("batch_size", batch_size)
     if schedule is not None and update_schedule is not None:
         raise ValueError("give schedule (per epoch) or update_schedule (per update), not both")
     theta, hist = _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas)
