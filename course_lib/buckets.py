@@ -15,7 +15,8 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from datetime import timedelta
+
+from course_lib.comm import wait_work as comm_wait_work
 
 STRATEGIES = ("per_parameter", "flat", "bucketed", "overlap")
 ALGORITHMS = ("native", "ring")
@@ -37,12 +38,8 @@ def dist_or_fail():
 
 
 def wait_work(work, timeout, what):
-    """Wait for a native collective with a deadline; :class:`DDPError` names rank and op."""
-    try:
-        work.wait(timedelta(seconds=timeout))
-    except RuntimeError as e:
-        raise DDPError(f"rank {dist_or_fail().get_rank()}: {what} did not complete within "
-                       f"{timeout:g}s: {e}") from None
+    """:func:`course_lib.comm.wait_work`, raising :class:`DDPError`."""
+    comm_wait_work(work, timeout, what, DDPError)
 
 
 def agree(record, what, timeout, device="cpu"):

@@ -72,6 +72,22 @@ class Request:
                            f"{'recv' if self.kind == 'send' else 'send'}?")
 
 
+def wait_work(work, timeout, what, error=None):
+    """Wait for a native collective (a torch.distributed ``Work``) with a deadline. Past it, or
+    on failure, raise ``error`` (default :class:`CommTimeout`, or :class:`CommError` when it
+    failed otherwise) naming this rank, ``what`` and the deadline."""
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except RuntimeError as e:
+        import torch.distributed as dist
+        text = str(e)
+        timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+        cls = error or (CommTimeout if timed_out else CommError)
+        first = text.splitlines()[0] if text else type(e).__name__
+        raise cls(f"rank {dist.get_rank()}: {what} did not complete within {timeout:g}s: "
+                  f"{first}") from None
+
+
 def wait_all(requests, timeout=None):
     """Wait on every request, all under one deadline."""
     if requests:

@@ -30,10 +30,11 @@ every wait has a deadline whose error names the rank, the operation and the size
 from __future__ import annotations
 
 import math
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from course_lib.comm import wait_work
 
 DEFAULT_TIMEOUT = 10.0  # seconds each collective of a compressor may take
 INDEX_DTYPE = torch.int32  # indices on the wire: 4 bytes each, as many as a float32 value
@@ -76,32 +77,19 @@ def topk_compress(grad, residual, k):
     return values, indices, new_residual
 
 
-def wait(work, what, timeout=DEFAULT_TIMEOUT):
-    """Wait for an async collective; past ``timeout`` s raise TimeoutError naming ``what``."""
-    try:
-        work.wait(timedelta(seconds=timeout))
-    except RuntimeError as e:
-        where = f"rank {dist.get_rank()} of {dist.get_world_size()}: {what}"
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise TimeoutError(f"{where} did not complete within {timeout:g}s ({first}); is "
-                               "every rank calling it with the same sizes?") from e
-        raise RuntimeError(f"{where} failed: {first}") from e
-
-
 def all_gather(tensor, timeout=DEFAULT_TIMEOUT):
     """Every rank's ``tensor`` (same shape and dtype on all ranks), as a list in rank order."""
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    wait(dist.all_gather(out, tensor.contiguous(), async_op=True),
-         f"all_gather of {tensor.numel()} x {str(tensor.dtype).replace('torch.', '')}", timeout)
+    wait_work(dist.all_gather(out, tensor.contiguous(), async_op=True), timeout,
+              f"all_gather of {tensor.numel()} x {str(tensor.dtype).replace('torch.', '')}")
     return out
 
 
 def all_reduce_mean(tensor, timeout=DEFAULT_TIMEOUT):
     """The mean over ranks of ``tensor`` (summed in its own dtype, then divided)."""
     out = tensor.clone()
-    wait(dist.all_reduce(out, async_op=True),
-         f"all_reduce of {out.numel()} x {str(out.dtype).replace('torch.', '')}", timeout)
+    wait_work(dist.all_reduce(out, async_op=True), timeout,
+              f"all_reduce of {out.numel()} x {str(out.dtype).replace('torch.', '')}")
     return out.div_(dist.get_world_size())
 
 
@@ -184,8 +172,8 @@ class FP16(NoCompression):
 
     def _exchange(self, flat_grad):
         half = flat_grad.to(torch.float16).div_(dist.get_world_size())
-        wait(dist.all_reduce(half, async_op=True), f"all_reduce of {half.numel()} x float16",
-             self.timeout)
+        wait_work(dist.all_reduce(half, async_op=True), self.timeout,
+                  f"all_reduce of {half.numel()} x float16")
         return half.to(flat_grad.dtype)
 
 
@@ -263,11 +251,11 @@ def exchange_on_rank(name, n, ratio=0.01, repeats=5, trials=3, seed=0):
     best = (None, None)
     for _ in range(trials):
         comp.bytes_sent = 0.0
-        wait(dist.barrier(async_op=True), "barrier before counting")
+        wait_work(dist.barrier(async_op=True), DEFAULT_TIMEOUT, "barrier before counting")
         before, start = loopback_bytes(), time.perf_counter()
         for _ in range(repeats):
             comp.allreduce(grad)
-        wait(dist.barrier(async_op=True), "barrier after counting")
+        wait_work(dist.barrier(async_op=True), DEFAULT_TIMEOUT, "barrier after counting")
         after, took = loopback_bytes(), time.perf_counter() - start
         time.sleep(took)
         if before is not None and (best[0] is None or after - before < best[0]):

@@ -19,22 +19,17 @@ backup_workers=b)`` steps with the first N - b gradients and drops the late ones
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import numpy as np
 
+from course_lib.comm import wait_work
 from course_lib.engine import ENGINE
 
 
 # ---------------------------------------------------------------- measured on the cluster
 def _allreduce_with_deadline(tensor, timeout, what):
     import torch.distributed as dist
-    work = dist.all_reduce(tensor, async_op=True)
-    try:
-        work.wait(timedelta(seconds=timeout))
-    except RuntimeError as err:
-        raise TimeoutError(f"rank {ENGINE.get('rank')}: {what} did not complete within "
-                           f"{timeout:g}s: {err}") from None
+    wait_work(dist.all_reduce(tensor, async_op=True), timeout, what)
 
 
 def straggler_steps(num_steps, n_params, compute_s, slow=None, jitter=0.0, seed=0,
