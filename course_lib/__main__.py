@@ -17,39 +17,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# bench subcommands: name -> (module with <name>_arguments(parser) and <name>_main(args), help)
-BENCHMARKS = {
-    "allreduce": ("course_lib.bench_cli", "every allreduce algorithm against the native one"),
-    "ps": ("course_lib.bench_ps", "parameter-server throughput vs servers, workers, sync/async"),
-    "hogwild": ("course_lib.bench_hogwild", "Hogwild samples/s vs workers, lock vs lock-free"),
-    "ddp": ("course_lib.bench_ddp", "data-parallel step time: each strategy vs torch DDP"),
-}
+def _modules(package):
+    """The modules of a subpackage of course_lib (bench, figures), by name, imported."""
+    import pkgutil
+    from importlib import import_module
+    pkg = import_module(f"course_lib.{package}")
+    return {m.name: import_module(f"course_lib.{package}.{m.name}")
+            for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")}
+
+
+def _benchmarks():
+    """Every module of course_lib/bench/ with ``HELP``, ``arguments`` and ``main``."""
+    return {name: m for name, m in _modules("bench").items()
+            if all(hasattr(m, attr) for attr in ("HELP", "arguments", "main"))}
 
 
 def _bench_parsers(sub):
-    from importlib import import_module
     bench = sub.add_parser("bench", help="benchmarks, measured side by side with native")
     kinds = bench.add_subparsers(dest="benchmark", required=True)
-    for name, (module, text) in BENCHMARKS.items():
-        getattr(import_module(module), f"{name}_arguments")(kinds.add_parser(name, help=text))
+    for name, module in _benchmarks().items():
+        module.arguments(kinds.add_parser(name, help=module.HELP))
 
 
 def _bench(args):
-    from importlib import import_module
-    module = import_module(BENCHMARKS[args.benchmark][0])
-    return getattr(module, f"{args.benchmark}_main")(args)
-
-
-# modules whose save_all(out_dir) draws the figures in images/
-FIGURES = ["course_lib.figures_gd", "course_lib.race", "course_lib.figures_allreduce",
-           "course_lib.figures_ddp"]
+    return _benchmarks()[args.benchmark].main(args)
 
 
 def _images(out_dir):
-    from importlib import import_module
+    """Every module of course_lib/figures/ draws its figures with ``save_all(out_dir)``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    for module in FIGURES:
-        import_module(module).save_all(out_dir)
+    for module in _modules("figures").values():
+        module.save_all(out_dir)
     print(f"figures written to {out_dir}/")
     return 0
 

@@ -5,6 +5,12 @@ rank may abort the process or silently return a wrong sum; here every rank first
 fixed-size record (shape, dtype, collective, op, contiguity) to every other rank, and if any
 record differs EVERY rank raises the same ``ValueError`` naming the ranks and their shapes. A
 rank that never calls is named by the others' ``CommTimeout``. It costs one message round.
+
+Why two agreement checks in the course: this one travels over :mod:`course_lib.comm`
+(point-to-point, torch or MPI, numpy or torch buffers) and guards the from-scratch collectives,
+which may run where no process group exists (under mpiexec). :func:`course_lib.buckets.agree`
+uses one native ``all_gather`` of a few integers and guards torch.distributed's own collectives
+(DDP's broadcasts and gradient buckets, on the buffers' device, so it works on NCCL too).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import zlib
 
 import numpy as np
 
-from course_lib.comm import wait_all
+from course_lib.comm import is_numpy, to_numpy, wait_all
 
 OPS = ("sum", "average", "max", "min")
 TAG_CHECK = 11
@@ -23,10 +29,6 @@ _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16"
 _NAMES = ("allreduce", "naive_allreduce", "tree_allreduce", "ring_allreduce",
           "ring_allreduce_pipelined", "ring_reduce_scatter", "ring_allgather")
 _META, _MAXDIM = 15, 8  # int64 slots exchanged; shape dims spelled out
-
-
-def _is_numpy(buf):
-    return isinstance(buf, np.ndarray)
 
 
 @functools.lru_cache(maxsize=256)
@@ -41,7 +43,7 @@ def _crc(text):
 
 def _meta(buf, what, op, extra):
     """This rank's record: ndim, dtype, what, op, contiguous, crc of dims past 8, extra, dims."""
-    shape, contiguous = tuple(buf.shape), (buf.flags.c_contiguous if _is_numpy(buf)
+    shape, contiguous = tuple(buf.shape), (buf.flags.c_contiguous if is_numpy(buf)
                                            else buf.is_contiguous())
     head = [len(shape), _crc(_name(buf.dtype)), _crc(what), _crc(str(op)), contiguous,
             _crc(str(shape[_MAXDIM:])), extra]
@@ -75,7 +77,7 @@ def check_agreement(buf, comm, what="allreduce", op=None, extra=0):
     table[comm.rank] = mine
     if comm.world_size > 1:
         send, recv = mine, table
-        if not _is_numpy(buf):  # a tensor on the buffer's device: NCCL moves only CUDA tensors
+        if not is_numpy(buf):  # a tensor on the buffer's device: NCCL moves only CUDA tensors
             import torch
             send, recv = (torch.from_numpy(a).to(buf.device) for a in (mine, table))
         recvs, sends = [], []
@@ -86,7 +88,7 @@ def check_agreement(buf, comm, what="allreduce", op=None, extra=0):
             if comm.rank > p:
                 sends.append(comm.isend(send, p, tag=TAG_CHECK))
         wait_all(recvs + sends)  # receives first, in rank order: a missing rank is named
-        table = recv if _is_numpy(recv) else recv.cpu().numpy()
+        table = to_numpy(recv)
     same = table.tobytes() == mine.tobytes() * len(table)  # the common case, decided fast
     differ = [] if same else [
         name for name, cols in (("shapes/dtypes", [0, 1, 5, *range(7, _META)]), ("ops", [3]),

@@ -3,9 +3,10 @@
 Introduced in notebooks/06_data_parallel_sgd.ipynb. A :class:`Reducer` owns the gradients of a
 model's parameters, grouped into buckets (flat fusion buffers), and averages them over the ranks
 in one backward pass. Hooks on the parameters (``register_post_accumulate_grad_hook``) tell it
-when each gradient is final; with ``strategy="overlap"`` the allreduce of a bucket is launched
-asynchronously right then, while backward computes the gradients of earlier layers, and
-``finish()`` waits for all of them with a deadline. :mod:`course_lib.ddp` builds the
+when each gradient is final. The plain :class:`Reducer` exchanges every bucket after backward,
+one after the other; :class:`OverlappingReducer` launches a bucket's allreduce asynchronously
+as soon as its last gradient is ready, while backward computes the gradients of earlier
+layers, and ``finish()`` waits for all of them with a deadline. :mod:`course_lib.ddp` builds the
 DDP-like wrapper and the Horovod-style optimizer on it.
 """
 
@@ -16,20 +17,25 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from course_lib.comm import DEFAULT_TIMEOUT
 from course_lib.comm import wait_work as comm_wait_work
+from course_lib.engine import mark_group_broken
 
 STRATEGIES = ("per_parameter", "flat", "bucketed", "overlap")
 ALGORITHMS = ("native", "ring")
-DEFAULT_TIMEOUT = 30.0
 _RING = {}  # the background thread that runs the course's ring, one per process
 
 
 class DDPError(RuntimeError):
-    """A gradient exchange failed or missed its deadline."""
+    """A gradient exchange failed or missed its deadline.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
 
 
 def dist_or_fail():
-    """``torch.distributed``, initialised, or a clear error."""
+    """``torch.distributed``, initialised, or a clear error.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     import torch.distributed as dist
     if not dist.is_initialized():
         raise DDPError("torch.distributed is not initialised: run on a cluster's ranks "
@@ -38,14 +44,18 @@ def dist_or_fail():
 
 
 def wait_work(work, timeout, what):
-    """:func:`course_lib.comm.wait_work`, raising :class:`DDPError`."""
+    """:func:`course_lib.comm.wait_work`, raising :class:`DDPError`.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     comm_wait_work(work, timeout, what, DDPError)
 
 
 def agree(record, what, timeout, device="cpu"):
     """Check that every rank holds the same small int64 ``record`` (sizes, a checksum) before
     a native collective whose sizes must match: a mismatch there can abort Gloo or return a
-    wrong sum. Raises :class:`DDPError` on every rank, naming each rank's record."""
+    wrong sum. Raises :class:`DDPError` on every rank, naming each rank's record. (The
+    from-scratch collectives use :func:`course_lib.agreement.check_agreement` instead: it needs
+    no process group; see that module.) Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     import torch
     dist = dist_or_fail()
     mine = torch.tensor(record, dtype=torch.int64, device=device)
@@ -59,7 +69,9 @@ def agree(record, what, timeout, device="cpu"):
 
 
 def layout(tensors):
-    """``[count, elements, checksum of shapes and dtypes]``: what ranks must agree on."""
+    """``[count, elements, checksum of shapes and dtypes]``: what ranks must agree on.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     text = ";".join(f"{tuple(t.shape)}{t.dtype}" for t in tensors)
     return [len(tensors), sum(t.numel() for t in tensors), zlib.crc32(text.encode())]
 
@@ -94,7 +106,9 @@ def assign_buckets(sizes, cap_bytes, first_cap_bytes=None):
 
 
 class Bucket:
-    """One fusion buffer: the gradients of ``params`` side by side in ``flat``."""
+    """One fusion buffer: the gradients of ``params`` side by side in ``flat``.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
 
     def __init__(self, index, params, names):
         import torch
@@ -121,7 +135,9 @@ class Bucket:
 
 
 class Handle:
-    """An allreduce in flight: ``wait`` returns once it is done or raises :class:`DDPError`."""
+    """An allreduce in flight: ``wait`` returns once it is done or raises :class:`DDPError`.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
 
     def __init__(self, bucket):
         self.bucket, self.start, self.end = bucket, time.perf_counter(), None
@@ -138,30 +154,49 @@ class Handle:
             try:
                 self.future.result(timeout)
             except FutureTimeout:
+                mark_group_broken(what)  # the ring is still running: repaired before next call
                 raise DDPError(f"rank {dist_or_fail().get_rank()}: {what} did not complete "
                                f"within {timeout:g}s") from None
         if self.end is None:
             self.finished()
 
 
-class Reducer:
-    """Averages the gradients of ``named_params`` over all ranks with one of ``STRATEGIES``.
+def bucket_groups(sizes_and_dtypes, strategy, bucket_cap_mb=25, first_bucket_mb=None):
+    """The buckets of a strategy as lists of parameter indices: one per parameter
+    (``per_parameter``), one per dtype (``flat``), or torch DDP's rule with a cap (``bucketed``,
+    ``overlap``). ``sizes_and_dtypes``: (bytes, dtype) per parameter, in model order.
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    _check_choice(strategy, STRATEGIES, "strategy")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+    if strategy == "per_parameter":
+        return [[i] for i in reversed(range(len(sizes_and_dtypes)))]
+    cap = 2.0**62 if strategy == "flat" else bucket_cap_mb * 2**20
+    first = cap if first_bucket_mb is None or strategy == "flat" else first_bucket_mb * 2**20
+    groups = []
+    for dtype in sorted({d for _, d in sizes_and_dtypes}, key=str):  # one dtype per buffer
+        idx = [i for i, (_, d) in enumerate(sizes_and_dtypes) if d == dtype]
+        sizes = [sizes_and_dtypes[i][0] for i in idx]
+        groups += [[idx[k] for k in g] for g in assign_buckets(sizes, cap, first)]
+    return groups
 
-    Hooks mark each gradient ready during backward; with ``strategy="overlap"`` a bucket's
-    allreduce starts as soon as its last gradient is ready. ``finish()`` launches what is left
-    (every bucket, for the other strategies, one after the other), waits with a deadline and
-    writes the averages into ``.grad``. ``on_first_grad`` is called at the first gradient of a
-    backward pass (the wrapper queues its end-of-backward callback there). ``first_bucket_mb``
-    caps the first bucket (default: ``bucket_cap_mb``).
+
+class Reducer:
+    """Averages the gradients of ``named_params`` over all ranks AFTER backward: ``finish()``
+    exchanges the buckets one after the other, each allreduce waited for before the next
+    (``per_parameter``, ``flat`` and ``bucketed``: they differ only in the buckets).
+
+    Hooks mark each gradient ready during backward; ``on_first_grad`` is called at the first
+    gradient of a backward pass (the DDP wrapper queues its end-of-backward callback there).
+    ``first_bucket_mb`` caps the first bucket (default: ``bucket_cap_mb``). Introduced in
+    notebooks/06_data_parallel_sgd.ipynb.
     """
 
-    def __init__(self, named_params, strategy="overlap", bucket_cap_mb=25, algorithm="native",
+    def __init__(self, named_params, strategy="bucketed", bucket_cap_mb=25, algorithm="native",
                  find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT,
                  on_first_grad=None, first_bucket_mb=None):
         self.strategy = _check_choice(strategy, STRATEGIES, "strategy")
         self.algorithm = _check_choice(algorithm, ALGORITHMS, "algorithm")
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         seen, named = set(), []
         for name, p in named_params:
             if p.requires_grad and id(p) not in seen:  # frozen ones left out, tied ones once
@@ -172,7 +207,8 @@ class Reducer:
         self.find_unused, self.timeline, self.timeout = find_unused_parameters, timeline, timeout
         self.dist = dist_or_fail()
         self.world_size, self.rank = self.dist.get_world_size(), self.dist.get_rank()
-        groups = self._groups(named, bucket_cap_mb, first_bucket_mb)
+        groups = bucket_groups([(p.numel() * p.element_size(), p.dtype) for _, p in named],
+                               strategy, bucket_cap_mb, first_bucket_mb)
         self.buckets = [Bucket(b, [named[i][1] for i in idx], [named[i][0] for i in idx])
                         for b, idx in enumerate(groups)]
         self.where = {id(p): (b, j) for b in self.buckets for j, p in enumerate(b.params)}
@@ -181,25 +217,17 @@ class Reducer:
         self.enabled = True  # False inside no_sync(): gradients only accumulate locally
         self.on_first_grad, self.started, self.comm = on_first_grad, False, None
         self.next_launch = 0  # buckets start strictly in order, so every rank's order agrees
-        self.hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
-
-    def _groups(self, named, bucket_cap_mb, first_bucket_mb):
-        if self.strategy == "per_parameter":
-            return [[i] for i in reversed(range(len(named)))]
-        cap = 2.0**62 if self.strategy == "flat" else bucket_cap_mb * 2**20
-        first = cap if first_bucket_mb is None or self.strategy == "flat" else \
-            first_bucket_mb * 2**20
-        groups = []
-        for dtype in sorted({p.dtype for _, p in named}, key=str):  # one dtype per buffer
-            idx = [i for i, (_, p) in enumerate(named) if p.dtype == dtype]
-            sizes = [named[i][1].numel() * named[i][1].element_size() for i in idx]
-            groups += [[idx[k] for k in g] for g in assign_buckets(sizes, cap, first)]
-        return groups
+        self.hooks = [p.register_post_accumulate_grad_hook(self.grad_ready) for _, p in named]
 
     # -- one backward pass
-    def _grad_ready(self, p):
+    def grad_ready(self, p):
+        """``p.grad`` is final for this backward pass (the hooks call this)."""
+        self._mark_ready(p)
+
+    def _mark_ready(self, p):
+        """Mark ``p``'s gradient ready; its (bucket, place in it), or None inside no_sync()."""
         if not self.enabled:
-            return
+            return None
         if not self.started:
             self.started = True
             if self.on_first_grad is not None:
@@ -209,18 +237,33 @@ class Reducer:
             raise DDPError(f"rank {self.rank}: the gradient of '{bucket.names[j]}' arrived twice "
                            "in one backward pass: finish the exchange (step) between passes")
         bucket.ready.add(j)
-        if self.strategy == "overlap":
-            self._copy_in(bucket, j)
-            while self.next_launch < len(self.buckets):
-                nxt = self.buckets[self.next_launch]
-                if len(nxt.ready) < len(nxt.params):
-                    break
-                self._launch(nxt)
+        return bucket, j
+
+    def finish(self):
+        """Complete the exchange of this backward pass: launch, wait, write the averages into
+        ``.grad``. A no-op when no gradient arrived since the last."""
+        if not self.started:
+            return
+        t_wait = self._check_complete()
+        for bucket in self.buckets:  # one exchange at a time, all after backward
+            for j in range(len(bucket.params)):
+                self._copy_in(bucket, j)
+            self._launch(bucket).wait(self.timeout)
+        self._complete(t_wait)
+
+    def _check_complete(self):
+        missing = [b.names[j] for b in self.buckets for j in range(len(b.params))
+                   if j not in b.ready]
+        if missing and not self.find_unused:
+            raise DDPError(f"rank {self.rank}: parameters {missing[:8]} got no gradient in this "
+                           "backward pass; pass find_unused_parameters=True if the model does "
+                           "not use every parameter in every step")
+        return time.perf_counter()
 
     def _copy_in(self, bucket, j):
         import torch
         grad = bucket.params[j].grad
-        if grad is None:
+        if grad is None:  # unused on this rank: it contributes zeros
             bucket.views[j].zero_()
         else:  # divide on the way in: the sum of the ranks' parts is then the average
             torch.div(grad, self.world_size, out=bucket.views[j])
@@ -233,6 +276,7 @@ class Reducer:
             handle.work.get_future().add_done_callback(handle.finished)
         else:
             handle.future = _ring_thread().submit(self._ring, handle)
+        return handle
 
     def _ring(self, handle):
         from course_lib.collectives import allreduce
@@ -244,25 +288,8 @@ class Reducer:
         bucket.calls += 1
         handle.finished()
 
-    def finish(self):
-        """Complete the exchange of this backward pass: launch what is not launched, wait,
-        write the averages into ``.grad``. A no-op when no gradient arrived since the last."""
-        if not self.started:
-            return
-        missing = [b.names[j] for b in self.buckets for j in range(len(b.params))
-                   if j not in b.ready]
-        if missing and not self.find_unused:
-            raise DDPError(f"rank {self.rank}: parameters {missing[:8]} got no gradient in this "
-                           "backward pass; pass find_unused_parameters=True if the model does "
-                           "not use every parameter in every step")
-        t_wait = time.perf_counter()
-        for bucket in self.buckets[self.next_launch:]:
-            for j in range(len(bucket.params)):
-                if self.strategy != "overlap" or j not in bucket.ready:
-                    self._copy_in(bucket, j)
-            self._launch(bucket)
-            if self.strategy != "overlap":  # the synchronous versions: one exchange at a time
-                bucket.handle.wait(self.timeout)
+    def _complete(self, t_wait):
+        """Wait for every bucket, write the averages into ``.grad``, record the timeline."""
         used = self._used_everywhere() if self.find_unused else None  # after every bucket
         for bucket in self.buckets:
             bucket.handle.wait(self.timeout)
@@ -302,6 +329,48 @@ class Reducer:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+
+
+class OverlappingReducer(Reducer):
+    """The optimised version (``strategy="overlap"``): each bucket's allreduce starts from the
+    hook of its last gradient, asynchronously, while backward computes the earlier layers;
+    ``finish()`` launches what is left and waits for all of them with a deadline. This is what
+    torch DDP and Horovod do. Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+
+    def __init__(self, named_params, strategy="overlap", *args, **kwargs):
+        super().__init__(named_params, strategy, *args, **kwargs)
+
+    def grad_ready(self, p):
+        ready = self._mark_ready(p)
+        if ready is None:
+            return
+        self._copy_in(*ready)  # now, so the bucket is full the moment its last gradient is
+        # Launch strictly in bucket order: a complete bucket behind an incomplete one waits, so
+        # that every rank issues the same sequence of collectives (Gloo pairs them by order).
+        while self.next_launch < len(self.buckets):
+            nxt = self.buckets[self.next_launch]
+            if len(nxt.ready) < len(nxt.params):
+                break
+            self._launch(nxt)
+
+    def finish(self):
+        if not self.started:
+            return
+        t_wait = self._check_complete()
+        for bucket in self.buckets[self.next_launch:]:  # incomplete: an unused parameter
+            for j in range(len(bucket.params)):
+                if j not in bucket.ready:
+                    self._copy_in(bucket, j)
+            self._launch(bucket)
+        self._complete(t_wait)
+
+
+def make_reducer(named_params, strategy="overlap", *args, **kwargs):
+    """The reducer of a strategy: :class:`OverlappingReducer` for ``overlap``, else the
+    after-backward :class:`Reducer` with the strategy's buckets.
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    cls = OverlappingReducer if strategy == "overlap" else Reducer
+    return cls(named_params, strategy, *args, **kwargs)
 
 
 def _ring_thread():

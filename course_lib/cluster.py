@@ -27,41 +27,50 @@ import uuid
 import ipyparallel as ipp
 
 from course_lib.engine import (  # noqa: F401 - re-exported: the rank demos sit beside the cluster
-    _free_port_and_host,
-    _probe_engine,
-    _setup_engine,
     allreduce_ranks,
+    call_and_report,
     choose_backend,
     engine_info,
     exit_on,
+    free_port_and_host,
     hello,
     mpi_hello,
+    probe_engine,
+    setup_engine,
     skip_collective,
     sleep_on,
 )
 from course_lib.launch import (
     PROFILE,
-    _stop_and_reap,
     clean_clusters,
     mpiexec_path,
     slurm_config,
+    stop_and_reap,
 )
 
 
 class ClusterError(RuntimeError):
-    """A cluster call failed; the message names the ranks concerned."""
+    """A cluster call failed; the message names the ranks concerned.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
 
 class ClusterTimeout(ClusterError, TimeoutError):
-    """A call did not finish on some ranks before its deadline."""
+    """A call did not finish on some ranks before its deadline.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
 
 class EngineDied(ClusterError):
-    """An engine process exited while the cluster was using it."""
+    """An engine process exited while the cluster was using it.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
 
 class RemoteError(ClusterError):
-    """A function raised on one or more ranks; ``errors`` maps rank to the remote traceback."""
+    """A function raised on one or more ranks; ``errors`` maps rank to the remote traceback.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
     def __init__(self, message, errors):
         super().__init__(message)
@@ -70,7 +79,9 @@ class RemoteError(ClusterError):
 
 # ---------------------------------------------------------------- the client side
 class Cluster:
-    """A started cluster: ``run`` a course_lib function on every rank, ``stop`` when done."""
+    """A started cluster: ``run`` a course_lib function on every rank, ``stop`` when done.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
     def __init__(self, ipp_cluster, client, n, backend, timeout, pg_timeout, threads):
         self._ipp, self.client, self.n = ipp_cluster, client, n
@@ -84,7 +95,7 @@ class Cluster:
     def _setup(self):
         """Order engines into ranks, pick the backend, and create the process group."""
         ids = sorted(self.client.ids)
-        probes = self.client[ids].apply_sync(_probe_engine)
+        probes = self.client[ids].apply_sync(probe_engine)
         order = sorted(range(len(ids)), key=lambda i: (probes[i]["mpi_rank"] is None,
                                                        probes[i]["mpi_rank"], i))
         self.engine_ids = [ids[i] for i in order]
@@ -97,11 +108,11 @@ class Cluster:
         if single_host:  # a file rendezvous: no listening socket at all
             init = f"file://{self._store_dir}/store-{uuid.uuid4().hex}"
         else:
-            host, port = self.client[self.engine_ids[0]].apply_sync(_free_port_and_host)
+            host, port = self.client[self.engine_ids[0]].apply_sync(free_port_and_host)
             init = f"tcp://{host}:{port}"
         self.view = self.client[self.engine_ids]
         self.view.block = True  # %%px cells wait for and show every rank's output
-        calls = [self.client[e].apply_async(_setup_engine, r, self.n, local_ranks[r],
+        calls = [self.client[e].apply_async(setup_engine, r, self.n, local_ranks[r],
                                             self.backend, init, self.pg_timeout, self.threads,
                                             single_host)
                  for r, e in enumerate(self.engine_ids)]
@@ -135,7 +146,17 @@ class Cluster:
         """
         if self._broken:
             self._repair()
-        return self._wait(self.view.apply_async(fn, *args, **kwargs), fn, timeout, allow_dead)
+        ar = self.view.apply_async(call_and_report, fn, args, kwargs)
+        results = []
+        for r in self._wait(ar, fn, timeout, allow_dead):
+            if isinstance(r, EngineDied):
+                results.append(r)
+                continue
+            result, broken = r
+            if broken:  # a deadline passed on that rank, even if fn caught the error
+                self._broken = self._broken or "pg"
+            results.append(result)
+        return results
 
     def _dead_ranks(self):
         import psutil
@@ -222,6 +243,11 @@ class Cluster:
         return stuck
 
     # -- the end
+    @property
+    def stopped(self):
+        """True once :meth:`stop` has run."""
+        return self._ipp is None
+
     def stop(self):
         """Stop the controller and every engine; returns once no process of it is left."""
         if self._ipp is None:
@@ -229,7 +255,7 @@ class Cluster:
         try:
             self.client.close()
         finally:
-            _stop_and_reap(self._ipp, extra_pids=self.pids)
+            stop_and_reap(self._ipp, extra_pids=self.pids)
             self._ipp = None
             shutil.rmtree(self._store_dir, ignore_errors=True)
 
@@ -240,7 +266,7 @@ class Cluster:
         self.stop()
 
     def __repr__(self):
-        state = "stopped" if self._ipp is None else self.backend
+        state = "stopped" if self.stopped else self.backend
         return f"<Cluster n={self.n} {state}>"
 
 
@@ -269,6 +295,7 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
     engines: "local" (processes on this machine), "mpi" (under ``mpiexec``, so mpi4py works on
     them and rank == MPI rank) or "slurm" (an sbatch job; see :func:`slurm_config`).
     timeout: default deadline of ``Cluster.run`` in seconds; pg_timeout: the process group's.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -285,9 +312,7 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
         kwargs.update(engines="local", controller_ip="127.0.0.1")
         config.LocalEngineSetLauncher.environment = env
     elif engines == "mpi":
-        mpiexec = mpiexec_path()
-        if mpiexec is None:
-            raise ClusterError("engines='mpi' needs mpiexec: pip install mpi4py mpich")
+        mpiexec = mpiexec_path(required=True, error=ClusterError)
         kwargs.update(engines="mpi", controller_ip="127.0.0.1")
         config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
         config.MPIEngineSetLauncher.environment = env
@@ -299,7 +324,7 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
         client = ipp_cluster.start_and_connect_sync(n=n, activate=False)
         cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads)
     except BaseException:
-        _stop_and_reap(ipp_cluster)
+        stop_and_reap(ipp_cluster)
         raise
     return cluster
 

@@ -30,7 +30,7 @@ import threading
 import numpy as np
 
 from course_lib.agreement import OPS, check_agreement
-from course_lib.comm import wait_all
+from course_lib.comm import is_numpy, wait_all
 from course_lib.data import shard_bounds
 
 TAG_NAIVE, TAG_TREE_UP, TAG_TREE_DOWN, TAG_RS, TAG_AG = 12, 13, 14, 15, 16
@@ -39,38 +39,36 @@ _SCRATCH = threading.local()  # receive buffers, reused from call to call
 
 
 # ---------------------------------------------------------------- buffers and reductions
-def _is_numpy(buf):
-    return isinstance(buf, np.ndarray)
-
-
 def _flat(buf):
     """A 1-D view of a contiguous buffer (no copy): what the algorithms index into."""
-    return buf.reshape(-1) if _is_numpy(buf) else buf.view(-1)
+    return buf.reshape(-1) if is_numpy(buf) else buf.view(-1)
 
 
 def _scratch(like, n):
     """A receive buffer of ``n`` elements like ``like``, kept from call to call (one per thread,
     dtype and device): fresh memory costs a page fault per 4 KiB, which at megabytes takes
     longer than the reduction itself. Gloo and NCCL keep their buffers for the same reason."""
-    key = (_is_numpy(like), like.dtype, None if _is_numpy(like) else like.device)
+    key = (is_numpy(like), like.dtype, None if is_numpy(like) else like.device)
     buf = _SCRATCH.__dict__.get(key)
     if buf is None or buf.shape[0] < n:
-        buf = np.empty(n, like.dtype) if _is_numpy(like) else like.new_empty(n)
+        buf = np.empty(n, like.dtype) if is_numpy(like) else like.new_empty(n)
         _SCRATCH.__dict__[key] = buf
     return buf[:n]
 
 
 def _reduce_into(a, b, op):
     """``a = a op b`` in place: no temporary the size of ``a`` is allocated."""
-    if _is_numpy(a):
+    if is_numpy(a):
         return _NUMPY_OPS[op](a, b, out=a)
     import torch
     return {"max": torch.maximum, "min": torch.minimum}.get(op, torch.add)(a, b, out=a)
 
 
-def _divide(a, world_size):
-    """The second half of "average": divide in place; integer dtypes round down (floor)."""
-    if _is_numpy(a):
+def divide(a, world_size):
+    """The second half of "average": divide in place; integer dtypes round down (floor).
+
+    Introduced in notebooks/05_allreduce.ipynb."""
+    if is_numpy(a):
         (np.floor_divide if a.dtype.kind in "iub" else np.divide)(a, world_size, out=a)
     elif a.is_floating_point() or a.is_complex():
         a.div_(world_size)
@@ -104,7 +102,7 @@ def naive_allreduce(buf, comm, op="sum", check=True):
         for src in range(1, comm.world_size):
             _reduce_into(flat, comm.recv(tmp, src, tag=TAG_NAIVE), op)
         if op == "average":
-            _divide(flat, comm.world_size)
+            divide(flat, comm.world_size)
         wait_all([comm.isend(flat, dst, tag=TAG_NAIVE) for dst in range(1, comm.world_size)])
     else:
         comm.send(flat, 0, tag=TAG_NAIVE)
@@ -134,7 +132,7 @@ def tree_allreduce(buf, comm, op="sum", check=True):
             _reduce_into(flat, comm.recv(tmp, rank + mask, tag=TAG_TREE_UP), op)
         mask <<= 1
     if rank == 0 and op == "average":
-        _divide(flat, world_size)
+        divide(flat, world_size)
     if rank != 0:  # broadcast: receive from the parent, then serve the subtree below
         comm.recv(flat, rank - mask, tag=TAG_TREE_DOWN)
     children = []
@@ -186,7 +184,7 @@ def _ring_reduce_scatter(flat, comm, op, segment=0):
         _reduce_into(flat[r0:r1], tmp[:r1 - r0], op)
     start, stop = chunks[rank]
     if op == "average":  # divide only the chunk this rank owns: 1/N of the work
-        _divide(flat[start:stop], world_size)
+        divide(flat[start:stop], world_size)
     return start, stop
 
 

@@ -22,26 +22,58 @@ from datetime import timedelta
 
 import numpy as np
 
-DEFAULT_TIMEOUT = 30.0  # seconds; every wait in the course has a deadline
+from course_lib.engine import mark_group_broken
+
+# The course's one deadline policy: every distributed wait (a message, a collective, a gradient
+# bucket, a compressor's exchange) defaults to this many seconds, and every function that waits
+# takes ``timeout=`` to change it. Checks of student code pass a shorter one, so that a mistake
+# comes back as a hint in seconds.
+DEFAULT_TIMEOUT = 30.0
+
+
+def is_numpy(buf):
+    """True for a numpy array, False for a torch tensor: the two kinds of buffer ``comm`` moves.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
+    return isinstance(buf, np.ndarray)
+
+
+def to_numpy(buf):
+    """A numpy view (or a host copy, for a GPU tensor) of a numpy or torch buffer.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
+    return buf if is_numpy(buf) else buf.detach().cpu().numpy()
 
 
 class CommError(RuntimeError):
-    """A point-to-point operation failed (say, the peer's process exited); names op and ranks."""
+    """A point-to-point operation failed (say, the peer's process exited); names op and ranks.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
 
 
 class CommTimeout(CommError, TimeoutError):
-    """A point-to-point wait passed its deadline; the message names op, ranks and size."""
+    """A point-to-point wait passed its deadline; the message names op, ranks and size.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        mark_group_broken(str(self))  # a peer may still wait: repaired even if caught
 
 
 def describe(buf):
-    """'1024 x float32 (4096 bytes)': how error messages name a buffer."""
+    """'1024 x float32 (4096 bytes)': how error messages name a buffer.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     n = buf.numel() if hasattr(buf, "numel") else buf.size
     dtype = str(buf.dtype).replace("torch.", "")
     return f"{n} x {dtype} ({n * buf.itemsize} bytes)"
 
 
 class Request:
-    """A posted send or receive; ``wait()`` blocks until it is done or its deadline passes."""
+    """A posted send or receive; ``wait()`` blocks until it is done or its deadline passes.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
 
     def __init__(self, comm, op, kind, peer, buf, handle):
         self.comm, self.op, self.kind, self.peer, self.buf = comm, op, kind, peer, buf
@@ -75,7 +107,8 @@ class Request:
 def wait_work(work, timeout, what, error=None):
     """Wait for a native collective (a torch.distributed ``Work``) with a deadline. Past it, or
     on failure, raise ``error`` (default :class:`CommTimeout`, or :class:`CommError` when it
-    failed otherwise) naming this rank, ``what`` and the deadline."""
+    failed otherwise) naming this rank, ``what`` and the deadline.
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     try:
         work.wait(timedelta(seconds=timeout))
     except RuntimeError as e:
@@ -84,19 +117,24 @@ def wait_work(work, timeout, what, error=None):
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         cls = error or (CommTimeout if timed_out else CommError)
         first = text.splitlines()[0] if text else type(e).__name__
+        mark_group_broken(f"{what}: {first}")  # Gloo closes the pairs it timed out on
         raise cls(f"rank {dist.get_rank()}: {what} did not complete within {timeout:g}s: "
                   f"{first}") from None
 
 
 def wait_all(requests, timeout=None):
-    """Wait on every request, all under one deadline."""
+    """Wait on every request, all under one deadline.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     if requests:
         comm = requests[0].comm
         comm._wait_all(requests, comm.timeout if timeout is None else timeout)
 
 
 class Comm:
-    """What both transports share: rank, world size, deadline, and the blocking forms."""
+    """What both transports share: rank, world size, deadline, and the blocking forms.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
 
     transport = "?"
 
@@ -144,6 +182,7 @@ class TorchComm(Comm):
 
     A Gloo wait that times out closes the connection to that peer, so the process group has to
     be re-created afterwards (``Cluster.run`` does this on its next call).
+    Introduced in notebooks/02_parallel_computing.ipynb.
     """
 
     transport = "torch"
@@ -215,6 +254,7 @@ class MpiComm(Comm):
     """Messages over MPI: numpy arrays or CPU tensors, sent as bytes (any dtype, fp16 too).
 
     Waits poll ``Test`` (MPI progresses inside MPI calls), so a deadline or a Ctrl-C can stop them.
+    Introduced in notebooks/02_parallel_computing.ipynb.
     """
 
     transport = "mpi"
@@ -292,6 +332,7 @@ def init_torch_from_launcher(backend="gloo", timeout=DEFAULT_TIMEOUT):
 
     Under mpiexec, rank 0 picks a free loopback port and MPI tells the others; listeners bind
     127.0.0.1 unless ``MASTER_ADDR`` names another address.
+    Introduced in notebooks/02_parallel_computing.ipynb.
     """
     import torch.distributed as dist
     if dist.is_initialized():
@@ -317,7 +358,9 @@ def init_torch_from_launcher(backend="gloo", timeout=DEFAULT_TIMEOUT):
 
 
 def get_comm(transport="torch", timeout=DEFAULT_TIMEOUT):
-    """This rank's communicator over ``transport`` ("torch" or "mpi")."""
+    """This rank's communicator over ``transport`` ("torch" or "mpi").
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     if transport == "torch":
         import torch.distributed as dist
         if not dist.is_initialized():

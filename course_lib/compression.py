@@ -34,19 +34,22 @@ import math
 import torch
 import torch.distributed as dist
 
-from course_lib.comm import wait_work
+from course_lib.comm import DEFAULT_TIMEOUT, wait_work
 
-DEFAULT_TIMEOUT = 10.0  # seconds each collective of a compressor may take
 INDEX_DTYPE = torch.int32  # indices on the wire: 4 bytes each, as many as a float32 value
 
 
 def ring_allreduce_bytes(nbytes, world_size):
-    """Bytes each rank sends in an allreduce of ``nbytes``: 2 (N-1)/N * nbytes (a ring)."""
+    """Bytes each rank sends in an allreduce of ``nbytes``: 2 (N-1)/N * nbytes (a ring).
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     return 2 * (world_size - 1) * nbytes / world_size
 
 
 def allgather_bytes(nbytes_per_rank, world_size):
-    """Bytes each rank sends in an all-gather of ``nbytes_per_rank`` from every rank: (N-1) x."""
+    """Bytes each rank sends in an all-gather of ``nbytes_per_rank`` from every rank: (N-1) x.
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     return (world_size - 1) * nbytes_per_rank
 
 
@@ -59,6 +62,7 @@ def topk_compress(grad, residual, k):
     entries set to zero, so ``new_residual + sent == grad + residual`` exactly. With
     ``k >= len(grad)`` everything is sent and the residual is all zeros. Among equal magnitudes
     any choice is valid. Lab 08 asks for this function.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb.
     """
     if not isinstance(grad, torch.Tensor) or grad.ndim != 1:
         raise ValueError(f"grad must be a 1-D torch tensor, got {type(grad).__name__} of shape "
@@ -78,7 +82,9 @@ def topk_compress(grad, residual, k):
 
 
 def all_gather(tensor, timeout=DEFAULT_TIMEOUT):
-    """Every rank's ``tensor`` (same shape and dtype on all ranks), as a list in rank order."""
+    """Every rank's ``tensor`` (same shape and dtype on all ranks), as a list in rank order.
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     wait_work(dist.all_gather(out, tensor.contiguous(), async_op=True), timeout,
               f"all_gather of {tensor.numel()} x {str(tensor.dtype).replace('torch.', '')}")
@@ -86,7 +92,9 @@ def all_gather(tensor, timeout=DEFAULT_TIMEOUT):
 
 
 def all_reduce_mean(tensor, timeout=DEFAULT_TIMEOUT):
-    """The mean over ranks of ``tensor`` (summed in its own dtype, then divided)."""
+    """The mean over ranks of ``tensor`` (summed in its own dtype, then divided).
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     out = tensor.clone()
     wait_work(dist.all_reduce(out, async_op=True), timeout,
               f"all_reduce of {out.numel()} x {str(out.dtype).replace('torch.', '')}")
@@ -100,6 +108,7 @@ def topk_allreduce(flat_grad, residual, k, timeout=DEFAULT_TIMEOUT):
     indices are exchanged with two all-gathers (k is the same on every rank, so the sizes agree)
     and every rank adds them into a dense vector in rank order, then divides by the world size:
     every rank ends with bit-identical results. Lab 08 asks for this function.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb.
     """
     values, indices, new_residual = topk_compress(flat_grad, residual, k)
     dense = torch.zeros_like(flat_grad)
@@ -111,7 +120,9 @@ def topk_allreduce(flat_grad, residual, k, timeout=DEFAULT_TIMEOUT):
 
 # ---------------------------------------------------------------- the compressors
 class NoCompression:
-    """Plain data parallelism: a float32 (the gradient's dtype) allreduce, then divide by N."""
+    """Plain data parallelism: a float32 (the gradient's dtype) allreduce, then divide by N.
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
 
     name, code = "none", 0
 
@@ -163,7 +174,8 @@ class FP16(NoCompression):
 
     The same steps as torch's ``fp16_compress_hook`` for DDP. float16 keeps about 3 decimal
     digits and overflows above 65504, which gradients of a small model never reach (large
-    models scale the loss first: mixed-precision training)."""
+    models scale the loss first: mixed-precision training).
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
 
     name, code = "fp16", 1
 
@@ -182,7 +194,8 @@ class TopK(NoCompression):
     residual added to the next gradient (``error_feedback=True``) or drop it (False).
 
     ``exchange(flat_grad, residual, k) -> (mean, new_residual)`` does the communication;
-    :func:`topk_allreduce` by default (lab 08 plugs in its own)."""
+    :func:`topk_allreduce` by default (lab 08 plugs in its own).
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
 
     name, code = "topk", 2
 
@@ -213,7 +226,9 @@ SCHEMES = {"none": NoCompression, "fp16": FP16, "topk": TopK}
 
 def make_compressor(name, ratio=0.01, error_feedback=True, exchange=None,
                     timeout=DEFAULT_TIMEOUT):
-    """A fresh compressor from plain arguments (what a rank receives from ``cluster.run``)."""
+    """A fresh compressor from plain arguments (what a rank receives from ``cluster.run``).
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     if name not in SCHEMES:
         raise ValueError(f"unknown compression {name!r}; choose one of {tuple(SCHEMES)}")
     if name == "topk":
@@ -225,7 +240,8 @@ def loopback_bytes():
     """Bytes sent so far over this machine's loopback interface (Linux), or None elsewhere.
 
     The kernel's own counter: the difference around a collective is what really went on the
-    wire between ranks on one machine (plus anything else using loopback at the time)."""
+    wire between ranks on one machine (plus anything else using loopback at the time).
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     try:
         with open("/proc/net/dev") as f:
             for line in f:
@@ -242,7 +258,8 @@ def exchange_on_rank(name, n, ratio=0.01, repeats=5, trials=3, seed=0):
     gradient with scheme ``name``. Returns ``(counted, loopback, idle)``: the bytes this rank's
     compressor counted in one trial; the least growth of the machine's loopback counter in a
     trial (other traffic only adds to it); and its growth in an idle pause as long as that trial,
-    right after it: the machine's other traffic. None where the counter cannot be read."""
+    right after it: the machine's other traffic. None where the counter cannot be read.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     import time
     torch.manual_seed(seed + dist.get_rank())
     comp = make_compressor(name, ratio=ratio)
@@ -268,6 +285,7 @@ def measure_wire_bytes(cluster, name, n, ratio=0.01, repeats=5, trials=3):
     loopback, idle)``. ``counted`` adds up what the compressors say (the formulas above);
     ``loopback`` is what the kernel saw cross the loopback interface (rank 0's reading, least
     of ``trials``; every rank runs on this machine) and ``idle`` what crossed it in a pause as
-    long, right after: other traffic, which a busy machine adds. None where unreadable."""
+    long, right after: other traffic, which a busy machine adds. None where unreadable.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     results = cluster.run(exchange_on_rank, name, n, ratio, repeats, trials)
     return (sum(r[0] for r in results), *results[0][1:])

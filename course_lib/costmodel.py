@@ -56,7 +56,9 @@ ALGORITHMS = ("naive", "tree", "recursive_doubling", "rabenseifner", "ring")
 
 @dataclass(frozen=True)
 class Link:
-    """A network (or GPU interconnect) in the alpha-beta-gamma model (notebook 05_allreduce).
+    """A network (or GPU interconnect) in the alpha-beta-gamma model.
+
+    Introduced in notebooks/05_allreduce.ipynb.
 
     alpha: latency of one message in seconds; beta: seconds per byte on one direction of a
     rank's link (1 / bandwidth); gamma: seconds per byte to add a received buffer into one's own
@@ -99,7 +101,9 @@ def _log2_steps(p):
 
 
 def coefficients(algorithm, p):
-    """(alpha count, beta count, gamma count) of ``algorithm`` on ``p`` ranks (notebook 05).
+    """(alpha count, beta count, gamma count) of ``algorithm`` on ``p`` ranks.
+
+    Introduced in notebooks/05_allreduce.ipynb.
 
     The time of an allreduce of n bytes is ``a * alpha + b * n * beta + c * n * gamma``.
     ``p`` may be a numpy array (each count is then an array)."""
@@ -126,7 +130,9 @@ def _scalar_or_array(x):
 
 
 def allreduce_time(algorithm, n_bytes, p, link):
-    """Predicted seconds for an allreduce of ``n_bytes`` over ``p`` ranks (notebook 05).
+    """Predicted seconds for an allreduce of ``n_bytes`` over ``p`` ranks.
+
+    Introduced in notebooks/05_allreduce.ipynb.
 
     ``n_bytes`` and ``p`` broadcast against each other as numpy arrays; a float comes back for
     scalars. See the module docstring for the formulas."""
@@ -139,7 +145,8 @@ def lower_bound(n_bytes, p, link):
     """The bandwidth term no allreduce can beat: 2 (p-1)/p * n * beta = 2 (p-1)/p * n / B.
 
     Each rank must send (and receive) (p-1)/p of its buffer once to reduce and once more to
-    share the result. Latency and reduction time come on top (notebook 05)."""
+    share the result. Latency and reduction time come on top.
+    Introduced in notebooks/05_allreduce.ipynb."""
     p = np.asarray(p, dtype=float)
     n = np.asarray(n_bytes, dtype=float)
     return _scalar_or_array(2 * (p - 1) / p * n * link.beta)
@@ -149,8 +156,8 @@ def crossover_bytes(fast_for_small, fast_for_large, p, link):
     """Message size above which ``fast_for_large`` beats ``fast_for_small`` on ``p`` ranks.
 
     With time = A + B n for each algorithm, the lines cross at n = (A1 - A2) / (B2 - B1)
-    (notebook 05: the tiny-allreduce problem; why libraries switch algorithm by size). Returns
-    inf when ``fast_for_large`` never wins and 0 when it wins at every size."""
+    (notebooks/05_allreduce.ipynb: the tiny-allreduce problem; why libraries switch algorithm
+    by size). Returns inf when ``fast_for_large`` never wins and 0 when it wins at every size."""
     a1, b1, c1 = coefficients(fast_for_small, p)
     a2, b2, c2 = coefficients(fast_for_large, p)
     fixed = (a2 - a1) * link.alpha
@@ -161,12 +168,16 @@ def crossover_bytes(fast_for_small, fast_for_large, p, link):
 
 
 def algbw(n_bytes, seconds):
-    """Algorithm bandwidth in bytes/s: data size over time (nccl-tests; notebook 05)."""
+    """Algorithm bandwidth in bytes/s: data size over time (nccl-tests).
+
+    Introduced in notebooks/05_allreduce.ipynb."""
     return _scalar_or_array(np.asarray(n_bytes, dtype=float) / np.asarray(seconds, dtype=float))
 
 
 def busbw(n_bytes, seconds, p):
-    """Bus bandwidth of an allreduce in bytes/s: algbw * 2(p-1)/p (nccl-tests; notebook 05).
+    """Bus bandwidth of an allreduce in bytes/s: algbw * 2(p-1)/p (nccl-tests).
+
+    Introduced in notebooks/05_allreduce.ipynb.
 
     The bytes each rank must move at least (the lower bound) per second: compare it with the
     link's bandwidth, whatever the number of ranks."""
@@ -193,7 +204,9 @@ def _nonneg_lstsq(A, y):
 
 
 def fit_alpha_beta(n_bytes, seconds, algorithm="ring", p=2, gamma=0.0):
-    """Fit a Link's alpha and beta to measured allreduce times (notebook 05_allreduce).
+    """Fit a Link's alpha and beta to measured allreduce times.
+
+    Introduced in notebooks/05_allreduce.ipynb.
 
     ``n_bytes[i]`` took ``seconds[i]`` with ``algorithm`` on ``p`` ranks; gamma is taken as
     given and its part subtracted. The fit is least squares on relative errors (each point is
@@ -219,7 +232,9 @@ def fit_alpha_beta(n_bytes, seconds, algorithm="ring", p=2, gamma=0.0):
 
 
 def predict_table(n_bytes, ps, link, algorithms=ALGORITHMS):
-    """Predicted seconds for each p in ``ps`` (notebooks 05 and 11: thousands of ranks).
+    """Predicted seconds for each p in ``ps``, up to thousands of ranks.
+
+    Introduced in notebooks/05_allreduce.ipynb.
 
     Returns one dict per p: ``{"p": p, <algorithm>: seconds, ..., "lower_bound": seconds}``."""
     rows = []
@@ -233,7 +248,9 @@ def predict_table(n_bytes, ps, link, algorithms=ALGORITHMS):
 
 
 def format_table(rows, unit="ms"):
-    """The rows of ``predict_table`` as an aligned text table, times in ``unit`` (s, ms, us)."""
+    """The rows of ``predict_table`` as an aligned text table, times in ``unit`` (s, ms, us).
+
+    Introduced in notebooks/05_allreduce.ipynb."""
     scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
     cols = list(rows[0])
     widths = [max(10, len(c) + 2) for c in cols]

@@ -43,23 +43,26 @@ import torch
 
 from course_lib.buckets import (
     ALGORITHMS,
-    DEFAULT_TIMEOUT,
     STRATEGIES,
     DDPError,
+    OverlappingReducer,
     Reducer,
     agree,
     assign_buckets,
     dist_or_fail,
     layout,
+    make_reducer,
     wait_work,
 )
+from course_lib.comm import DEFAULT_TIMEOUT
 
 # Like torch DDP: a small first bucket (the last layers' gradients) starts communication early.
 FIRST_BUCKET_MB = 1.0
 
 __all__ = ["ALGORITHMS", "STRATEGIES", "DDPError", "DistributedDataParallel",
-           "DistributedOptimizer", "Reducer", "assign_buckets", "average_gradients",
-           "broadcast_optimizer_state", "broadcast_parameters"]
+           "DistributedOptimizer", "OverlappingReducer", "Reducer", "assign_buckets",
+           "average_gradients", "average_gradients_naive", "broadcast_optimizer_state",
+           "broadcast_parameters", "make_reducer"]
 
 
 def _tensors(obj):
@@ -116,6 +119,31 @@ def broadcast_optimizer_state(optimizer, root=0, timeout=DEFAULT_TIMEOUT):
         optimizer.load_state_dict(state)
 
 
+def average_gradients_naive(params, timeout=DEFAULT_TIMEOUT):
+    """The naive version, to read on its own: after ``loss.backward()``, one blocking allreduce
+    per parameter's gradient, then a division by the number of ranks. Correct, and slow: a
+    model of K tensors pays the latency alpha K times. Every rank must have a gradient for the
+    same parameters. (``average_gradients`` fuses them into buckets; the DDP wrapper's
+    ``overlap`` also starts them during backward.)
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb.
+    """
+    dist = dist_or_fail()
+    params = [p for p in params if p.requires_grad]
+    missing = [i for i, p in enumerate(params) if p.grad is None]
+    if missing:
+        raise DDPError(f"rank {dist.get_rank()}: parameters {missing[:8]} have no gradient: "
+                       "call backward first, or use average_gradients, which handles them")
+    grads = [p.grad for p in params]
+    agree(layout(grads), "the gradients [count, elements, checksum]", timeout,
+          grads[0].device if grads else "cpu")
+    for i, g in reversed(list(enumerate(grads))):  # backward produced the last layer's first
+        wait_work(dist.all_reduce(g, async_op=True), timeout,
+                  f"allreduce of the gradient of parameter {i} ({g.numel()} elements)")
+        g /= dist.get_world_size()
+    return params
+
+
 def average_gradients(params, strategy="bucketed", bucket_cap_mb=25, algorithm="native",
                       timeline=None, timeout=DEFAULT_TIMEOUT):
     """After ``loss.backward()``: replace the ``.grad`` of every parameter in ``params`` by its
@@ -132,7 +160,7 @@ def average_gradients(params, strategy="bucketed", bucket_cap_mb=25, algorithm="
     try:
         for p in params:
             if p.grad is not None:
-                reducer._grad_ready(p)
+                reducer.grad_ready(p)
         reducer.started = True
         reducer.finish()
     finally:
@@ -159,10 +187,10 @@ class DistributedDataParallel(torch.nn.Module):
         super().__init__()
         self.module, self.timeline = module, timeline
         broadcast_parameters(module, timeout=timeout)
-        self.reducer = Reducer(module.named_parameters(), strategy, bucket_cap_mb, algorithm,
-                               find_unused_parameters, timeline, timeout,
-                               on_first_grad=lambda: _queue_at_end_of_backward(self._finish),
-                               first_bucket_mb=first_bucket_mb)
+        self.reducer = make_reducer(module.named_parameters(), strategy, bucket_cap_mb, algorithm,
+                                    find_unused_parameters, timeline, timeout,
+                                    on_first_grad=lambda: _queue_at_end_of_backward(self._finish),
+                                    first_bucket_mb=first_bucket_mb)
         self._backward_start = None
 
     @property
@@ -213,10 +241,11 @@ class DistributedOptimizer:
         self.optimizer, self.timeline = optimizer, timeline
         names = {id(p): n for n, p in (named_parameters or [])}
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.reducer = Reducer([(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)],
-                               strategy, bucket_cap_mb, algorithm, find_unused_parameters,
-                               timeline, timeout, on_first_grad=self._backward_started,
-                               first_bucket_mb=first_bucket_mb)
+        named = [(names.get(id(p), f"param{i}"), p) for i, p in enumerate(params)]
+        self.reducer = make_reducer(named, strategy, bucket_cap_mb, algorithm,
+                                    find_unused_parameters, timeline, timeout,
+                                    on_first_grad=self._backward_started,
+                                    first_bucket_mb=first_bucket_mb)
         self._backward_start = None
 
     def _backward_started(self):

@@ -12,7 +12,9 @@ import numpy as np
 
 
 def gradient_descent(cluster, out_dir):
-    """Batch GD, SGD and mini-batch SGD on the same linear regression (notebook 01)."""
+    """Batch GD, SGD and mini-batch SGD on the same linear regression.
+
+    Demonstrates notebooks/01_gradient_descent.ipynb."""
     from course_lib import data, gd
     from course_lib.models import LinearRegression
     X, y, _ = data.make_linear(n_samples=512, n_features=4, noise=0.5, seed=0)
@@ -28,7 +30,9 @@ def gradient_descent(cluster, out_dir):
 
 
 def full_gradient(cluster, out_dir):
-    """The full gradient as the sum of per-rank shard gradients (notebooks 00 and 02)."""
+    """The full gradient as the sum of per-rank shard gradients.
+
+    Demonstrates notebooks/00_welcome_and_cluster.ipynb (and notebook 02)."""
     from course_lib.parallel_gd import check_full_gradient
     error, _ = check_full_gradient(cluster, n_samples=1000, n_features=8)
     return [(f"sum of {cluster.n} shard gradients", f"max |error| vs 1 process {error:.1e}",
@@ -36,8 +40,10 @@ def full_gradient(cluster, out_dir):
 
 
 def allreduce(cluster, out_dir):
-    """Ring allreduce against the native one and the naive one, 4 MiB (notebook 05)."""
-    from course_lib.bench import allreduce_rank_bench, format_size
+    """Ring allreduce against the native one and the naive one, 4 MiB.
+
+    Demonstrates notebooks/05_allreduce.ipynb."""
+    from course_lib.bench.allreduce import allreduce_rank_bench, format_size
     size = 4 * 2**20
     rows = cluster.run(allreduce_rank_bench, "torch", ["native", "naive", "ring"], [size],
                        "float32", iters=5, warmup=1)[0]
@@ -48,7 +54,9 @@ def allreduce(cluster, out_dir):
 
 
 def parameter_server(cluster, out_dir):
-    """Sync vs async parameter server, 1 server and the other ranks as workers (notebook 04)."""
+    """Sync vs async parameter server, 1 server and the other ranks as workers.
+
+    Demonstrates notebooks/04_parameter_server.ipynb."""
     from course_lib import data, gd, ps
     from course_lib.models import LinearRegression
     X, y, _ = data.make_linear(n_samples=600, n_features=8, noise=0.5, seed=0)
@@ -70,7 +78,8 @@ def parameter_server(cluster, out_dir):
 
 def hogwild(cluster, out_dir):
     """Hogwild speed-up on sparse logistic regression: 2 lock-free workers vs 1 and vs locked
-    (notebook 03). The engines are not used: these are worker processes on shared memory."""
+    (notebooks/03_hogwild.ipynb). The engines are not used: these are worker processes on
+    shared memory."""
     from course_lib import hogwild as hw
     from course_lib import sparse_problem
     data = sparse_problem.make_sparse_classification(n_samples=10_000, n_features=10_000,
@@ -92,8 +101,10 @@ def hogwild(cluster, out_dir):
 
 def data_parallel(cluster, out_dir):
     """From-scratch DDP (buckets overlapped with backward) against torch's DDP: parameters after
-    3 steps on the digits, and the step time of each measured side by side (notebook 06)."""
-    from course_lib import bench_ddp, ddp_check
+    3 steps on the digits, and the step time of each measured side by side
+    (notebooks/06_data_parallel_sgd.ipynb)."""
+    from course_lib.bench import ddp as bench_ddp
+    from course_lib.testing import ddp as ddp_check
     ours = cluster.run(ddp_check.train_on_rank, "overlap", steps=3)
     reference = cluster.run(ddp_check.train_on_rank, "torch", steps=3)[0]["params"]
     error = ddp_check.max_difference(ours, reference)
@@ -123,7 +134,9 @@ def _plot_losses(runs, best, path):
 
 
 def main(n=4, out_dir="demo_output"):
-    """Run every part; print the table; return 0 when every check passed."""
+    """Run every part; print the table; return 0 when every check passed.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     from course_lib.cluster import start_cluster
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,9 @@ def _mpiexec():
 
 
 def checks():
-    """Yield (name, status, detail) rows; status is 'ok', 'warn' or 'fail'."""
+    """Yield (name, status, detail) rows; status is 'ok', 'warn' or 'fail'.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     yield "python", "ok", platform.python_version()
     for pkg, needed in [("torch", True), ("ipyparallel", True), ("jupyterlab", True),
                         ("mpi4py", False), ("nbval", False)]:
@@ -71,7 +73,9 @@ def _live_cluster():
 
 
 def main():
-    """Print the report and a verdict; return the exit status."""
+    """Print the report and a verdict; return the exit status.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     worst = "ok"
     for name, status, detail in checks():
         mark = {"ok": "✓", "warn": "!", "fail": "✗"}[status]

@@ -1,7 +1,7 @@
 """What runs on each engine of a cluster: its rank, its process group, and small rank demos.
 
 Introduced in notebooks/00_welcome_and_cluster.ipynb. ``course_lib.cluster`` calls
-``_probe_engine`` and ``_setup_engine`` on every engine; the rest are functions a notebook sends
+``probe_engine`` and ``setup_engine`` on every engine; the rest are functions a notebook sends
 to the ranks with ``cluster.run(...)`` to see ranks, backends and deadlines at work.
 """
 
@@ -10,11 +10,13 @@ import socket
 import time
 from datetime import timedelta
 
-ENGINE: dict = {}  # on an engine: this rank's identity, filled in by _setup_engine
+ENGINE: dict = {}  # on an engine: this rank's identity, filled in by setup_engine
 
 
-def _probe_engine():
-    """Report host, pid, GPUs and MPI rank (if any) so the client can assign ranks."""
+def probe_engine():
+    """Report host, pid, GPUs and MPI rank (if any) so the client can assign ranks.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     info = {"host": socket.gethostname(), "pid": os.getpid(), "gpus": 0, "nccl": False,
             "mpi_rank": None}
     if "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
@@ -27,9 +29,11 @@ def _probe_engine():
     return info
 
 
-def _setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s, threads,
+def setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s, threads,
                   loopback):
-    """Give this engine its rank and (re)create its process group. Runs on every engine."""
+    """Give this engine its rank and (re)create its process group. Runs on every engine.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     import torch
     import torch.distributed as dist
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
@@ -46,25 +50,49 @@ def _setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     ENGINE.update(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
                   device=device, host=socket.gethostname(), pid=os.getpid())
+    ENGINE.pop("broken", None)  # a fresh process group
     return rank
 
 
+def mark_group_broken(reason):
+    """Remember that this rank's process group may be unusable: a message or collective missed
+    its deadline, so a peer may still be inside it, even if the caller caught the error. The
+    cluster re-creates the group before its next call. Introduced in
+    notebooks/00_welcome_and_cluster.ipynb."""
+    ENGINE["broken"] = reason
+
+
+def call_and_report(fn, args, kwargs):
+    """What ``Cluster.run`` runs on every rank: ``fn(*args, **kwargs)``, and whether it left the
+    process group broken (see :func:`mark_group_broken`). Introduced in
+    notebooks/00_welcome_and_cluster.ipynb."""
+    ENGINE.pop("broken", None)
+    result = fn(*args, **kwargs)
+    return result, ENGINE.pop("broken", None)
+
+
 def engine_info():
-    """This engine's rank, world size, local rank, host, pid, backend, device and threads."""
+    """This engine's rank, world size, local rank, host, pid, backend, device and threads.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     import torch
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return dict(ENGINE, threads=torch.get_num_threads(), env=env)
 
 
 def hello():
-    """A greeting from this rank: who it is, where it runs, which backend it uses."""
+    """A greeting from this rank: who it is, where it runs, which backend it uses.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     e = ENGINE
     return (f"hello from rank {e['rank']} of {e['world_size']} (local rank {e['local_rank']}, "
             f"pid {e['pid']} on {e['host']}, {e['backend']} on {e['device']})")
 
 
 def allreduce_ranks():
-    """Sum every rank's number with the native allreduce: 0 + 1 + ... + (world_size - 1)."""
+    """Sum every rank's number with the native allreduce: 0 + 1 + ... + (world_size - 1).
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     import torch
     import torch.distributed as dist
     t = torch.tensor([float(ENGINE["rank"])], device=ENGINE["device"])
@@ -73,7 +101,9 @@ def allreduce_ranks():
 
 
 def mpi_hello():
-    """The same ranks seen through MPI (engines started with engines="mpi")."""
+    """The same ranks seen through MPI (engines started with engines="mpi").
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     return {"mpi_rank": comm.Get_rank(), "mpi_size": comm.Get_size(),
@@ -81,35 +111,44 @@ def mpi_hello():
 
 
 def sleep_on(ranks, seconds):
-    """Sleep ``seconds`` on the given ranks (a slow rank, to watch a deadline fire)."""
+    """Sleep ``seconds`` on the given ranks (a slow rank, to watch a deadline fire).
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     if ENGINE["rank"] in ranks:
         time.sleep(seconds)
     return ENGINE["rank"]
 
 
 def skip_collective(rank):
-    """Every rank but ``rank`` joins an allreduce: the classic hang, bounded by deadlines."""
+    """Every rank but ``rank`` joins an allreduce: the classic hang, bounded by deadlines.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     return allreduce_ranks() if ENGINE["rank"] != rank else None
 
 
 def exit_on(rank, others_sleep=30.0):
     """The process of ``rank`` exits at once (an engine that dies mid-call); the other ranks
-    sleep ``others_sleep`` seconds and return their rank."""
+    sleep ``others_sleep`` seconds and return their rank.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     if ENGINE["rank"] == rank:
         os._exit(1)
     time.sleep(others_sleep)
     return ENGINE["rank"]
 
 
-def _free_port_and_host():
-    """Rank 0 of a multi-host cluster: a free TCP port on this host, for the rendezvous."""
+def free_port_and_host():
+    """Rank 0 of a multi-host cluster: a free TCP port on this host, for the rendezvous.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     with socket.socket() as s:
         s.bind(("", 0))
         return socket.gethostbyname(socket.gethostname()), s.getsockname()[1]
 
 
 def choose_backend(probes, backend="auto"):
-    """Return (backend, reason): NCCL when every rank has its own GPU, else Gloo."""
+    """Return (backend, reason): NCCL when every rank has its own GPU, else Gloo.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
     per_host = {}

@@ -29,17 +29,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from course_lib.race import RaceError, supervise
+from course_lib.launch import supervise
+from course_lib.race import RaceError
 from course_lib.sparse_problem import sparse_loss
 
 
 class HogwildError(RaceError):
-    """A worker died or missed its deadline; the message names it and its exit code."""
+    """A worker died or missed its deadline; the message names it and its exit code.
+
+    Introduced in notebooks/03_hogwild.ipynb."""
 
 
 @dataclass
 class HogwildResult:
-    """One run: throughput, loss per epoch (index 0 = start), conflicts, per-worker progress."""
+    """One run: throughput, loss per epoch (index 0 = start), conflicts, per-worker progress.
+
+    Introduced in notebooks/03_hogwild.ipynb."""
 
     problem: str
     num_workers: int
@@ -222,7 +227,7 @@ def run_sparse(data, num_workers=2, lock=False, lr=0.5, num_epochs=3, seed=0, ti
     Worker ``k`` takes shard ``k`` of the rows (``data.shard_bounds``) and visits it in the
     order of ``np.random.default_rng([seed, k])``, one permutation per epoch; so one worker
     repeats :func:`sparse_problem.serial_sgd` exactly. Returns a :class:`HogwildResult`.
-    Notebook 03.
+    Notebook 03. Introduced in notebooks/03_hogwild.ipynb.
     """
     arrays = {"indptr": data.indptr, "indices": data.indices, "values": data.values, "y": data.y}
     stats, snaps, w = _run("sparse", {"lr": lr, "seed": seed}, arrays, np.zeros(data.n_features),
@@ -235,7 +240,8 @@ def run_sparse(data, num_workers=2, lock=False, lr=0.5, num_epochs=3, seed=0, ti
 def run_dense(num_workers=2, lock=False, hidden=32, lr=0.02, batch_size=1, num_epochs=2, seed=0,
               timeout=120.0, fail_worker=None):
     """Hogwild on an MLP (``models.mlp``) classifying digits: every update writes every weight,
-    so concurrent updates always collide. Loss = mean cross-entropy on the training set."""
+    so concurrent updates always collide. Loss = mean cross-entropy on the training set.
+    Introduced in notebooks/03_hogwild.ipynb."""
     import torch
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
 

@@ -49,6 +49,7 @@ def strip_solutions(source: str, stub: str, where: str = "cell") -> tuple[str, i
 
     Returns ``(new_source, number_of_blocks)``. Raises ``ValueError`` (naming ``where``) on a
     nested BEGIN, an END without BEGIN, or a BEGIN that is never closed.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     out: list[str] = []
     begin_line = None
@@ -82,6 +83,7 @@ def make_student(nb: nbformat.NotebookNode, name: str = "notebook") -> nbformat.
     Solution blocks are replaced (see module docstring), code cells that had one get the
     ``raises-exception`` tag, every output and execution count is dropped, and cells without an
     id get a deterministic one. ``name`` only appears in error messages.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     nb = copy.deepcopy(nb)
     for index, cell in enumerate(nb.cells):
@@ -114,7 +116,9 @@ def _pairs(root: Path) -> list[tuple[Path, Path]]:
 
 
 def render(solution: Path) -> str:
-    """The exact text the student notebook built from ``solution`` must have."""
+    """The exact text the student notebook built from ``solution`` must have.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     nb = nbformat.read(solution, as_version=4)
     student = make_student(nb, name=solution.name)
     student.metadata["course_lib"] = {
@@ -130,6 +134,7 @@ def build_all(root: str | Path | None = None) -> list[Path]:
     """Regenerate every student notebook under ``root/labs``; return their paths.
 
     A file is rewritten only when its content changes, so a rebuild leaves clean files alone.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     built = []
     for solution, student in _pairs(_default_root(root)):
@@ -141,7 +146,9 @@ def build_all(root: str | Path | None = None) -> list[Path]:
 
 
 def stale(root: str | Path | None = None) -> list[Path]:
-    """Student notebooks that are missing, out of date, or left without a solution source."""
+    """Student notebooks that are missing, out of date, or left without a solution source.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     root = _default_root(root)
     pairs = _pairs(root)
     out = [student for solution, student in pairs

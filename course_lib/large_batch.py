@@ -7,8 +7,9 @@ Goyal et al. (2017) keep the accuracy of small batches by scaling the learning r
 (``gd.linear_scaling_warmup``). This module measures that on real data, the 8x8 digits::
 
     from course_lib import large_batch
+    from course_lib.figures import large_minibatch as figures
     rows = large_batch.accuracy_vs_batch(batch_sizes=(32, 256, 1024))   # fixed / scaled / warmup
-    print(large_batch.format_table(rows)); large_batch.plot_accuracy_vs_batch(rows)
+    print(large_batch.format_table(rows)); figures.plot_accuracy_vs_batch(rows)
 
 The model is :class:`MLPClassifier`, a small numpy ReLU network (two hidden layers; weights
 ``init_scale`` times He's scale): unlike a linear model, its early training is unstable at a
@@ -135,7 +136,8 @@ def _one_blas_thread():
 # ---------------------------------------------------------------- one run
 def schedule_for(variant, batch_size, base_lr, base_batch_size, warmup_epochs, n_samples):
     """The per-update learning rate of a variant: 'fixed' (``base_lr`` at every batch size),
-    'scaled' (linear scaling rule alone) or 'warmup' (linear scaling + gradual warmup)."""
+    'scaled' (linear scaling rule alone) or 'warmup' (linear scaling + gradual warmup).
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     per_epoch = gd.updates_per_epoch(n_samples, batch_size, drop_last=True)
     reference_batch_and_warmup = {"fixed": (batch_size, 0), "scaled": (base_batch_size, 0),
                                   "warmup": (base_batch_size, warmup_epochs)}
@@ -153,7 +155,8 @@ def train_and_test(batch_size, update_schedule, num_epochs=10, seed=0, hidden=(6
     not make the final step at a large learning rate); return a dict with the
     test ``accuracy`` (0.0 if the run ``diverged``: non-finite parameters), the ``updates``
     made and, when a ``target`` accuracy is given, ``updates_to_target`` (the first update
-    after which test accuracy reached it, checked after every update; the run then stops)."""
+    after which test accuracy reached it, checked after every update; the run then stops).
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     X, y, X_test, y_test = _digits()
     problem = MLPClassifier(10, hidden, init_scale)
     theta, rng = problem.init(X.shape[1], seed), np.random.default_rng(seed)
@@ -192,6 +195,7 @@ def accuracy_vs_batch(batch_sizes=(32, 64, 128, 256, 512, 1024), variants=VARIAN
     hidden, init_scale). Returns one row per (batch_size, variant): ``lr`` (after warmup),
     ``updates``, per-seed ``accuracies``, their ``mean`` and ``min``, and ``diverged`` (how
     many seeds). At the base batch size the three variants are the same run, made once.
+    Introduced in notebooks/07_large_minibatch.ipynb.
     """
     cfg = {**SETUP, **setup}
     unknown = set(cfg) - set(SETUP)
@@ -220,7 +224,7 @@ def accuracy_vs_batch(batch_sizes=(32, 64, 128, 256, 512, 1024), variants=VARIAN
 def largest_batch_within(rows, variant, tolerance=0.01, baseline=None):
     """The largest batch size whose mean accuracy (``variant``'s rows) is at least the
     baseline's minus ``tolerance`` (0.01 = one percentage point). ``baseline`` defaults to the
-    mean accuracy at the smallest batch size."""
+    mean accuracy at the smallest batch size. Introduced in notebooks/07_large_minibatch.ipynb."""
     mine = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["batch_size"])
     if not mine:
         raise ValueError(f"no rows for variant {variant!r}")
@@ -230,7 +234,8 @@ def largest_batch_within(rows, variant, tolerance=0.01, baseline=None):
 
 def format_table(rows):
     """Rows of :func:`accuracy_vs_batch` as a table: batch, updates, then each variant's lr
-    and mean test accuracy (with how many seeds diverged, if any)."""
+    and mean test accuracy (with how many seeds diverged, if any).
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     lines = [f"{'batch':>6}{'updates':>9}" + "".join(f"{v + ' lr':>11}{v + ' acc':>13}"
                                                       for v in variants)]
@@ -245,33 +250,14 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-def plot_accuracy_vs_batch(rows, ax=None):
-    """Mean test accuracy (line) and every seed (dots) against the global batch size."""
-    import matplotlib.pyplot as plt
-    ax = ax or plt.subplots(figsize=(6.5, 3.8))[1]
-    names = {"fixed": "fixed lr", "scaled": "linear scaling", "warmup": "scaling + warmup"}
-    for k, variant in enumerate(dict.fromkeys(r["variant"] for r in rows)):
-        mine = [r for r in rows if r["variant"] == variant]
-        xs = [r["batch_size"] for r in mine]
-        line, = ax.plot(xs, [100 * r["mean"] for r in mine], "o-", label=names[variant])
-        for r in mine:
-            jitter = 1 + 0.04 * (k - 1)
-            ax.plot([r["batch_size"] * jitter] * len(r["accuracies"]),
-                    100 * np.asarray(r["accuracies"]), ".", color=line.get_color(), alpha=0.35)
-    ax.set_xscale("log", base=2)
-    ax.set(xlabel="global batch size B", ylabel="test accuracy (%)", ylim=(-2, 100),
-           title="Same epochs, larger batches (dots: seeds; 0 = diverged)")
-    ax.legend(fontsize=8)
-    return ax
-
-
 # ---------------------------------------------------------------- why the rule holds, and fails
 def linear_scaling_gap(theta, k, batch_size, lr, seed=0, hidden=(64, 64), init_scale=1.4):
     """How far one step with ``k * lr`` on ``k * batch_size`` samples lands from ``k`` steps
     with ``lr`` on the same samples, ``batch_size`` at a time, starting from ``theta``: the
     distance between the two end points divided by the length of the big step. That is
     ``|sum_j g_j(theta_j) - sum_j g_j(theta)| / |sum_j g_j(theta)|``: near 0 when the
-    gradients barely change over the k small steps (the rule holds), near 1 when they do."""
+    gradients barely change over the k small steps (the rule holds), near 1 when they do.
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     X, y, _, _ = _digits()
     problem = MLPClassifier(10, hidden, init_scale)
     idx = np.random.default_rng(seed).permutation(len(X))[:k * batch_size]
@@ -286,7 +272,8 @@ def linear_scaling_gap(theta, k, batch_size, lr, seed=0, hidden=(64, 64), init_s
 def updates_to_accuracy(batch_sizes, target=0.9, variant="warmup", max_epochs=10,
                         seeds=(0, 1, 2), **setup):
     """Updates (and epochs) until test accuracy first reaches ``target`` with ``variant``'s
-    schedule, per batch size (mean over seeds; nan if a seed never gets there)."""
+    schedule, per batch size (mean over seeds; nan if a seed never gets there).
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     cfg = {**SETUP, **setup}
     n = len(_digits()[0])
     rows = []

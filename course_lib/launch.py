@@ -1,4 +1,5 @@
-"""Launching and cleaning up clusters: SLURM job scripts, and the reaping of stray processes.
+"""Launching and cleaning up processes: SLURM job scripts, mpiexec / torchrun launches,
+supervised worker processes, and the reaping of stray processes.
 
 Introduced in notebooks/00_welcome_and_cluster.ipynb (and notebooks/11_scaling_out.ipynb).
 ``python -m course_lib cluster clean`` calls :func:`clean_clusters` to stop clusters whose
@@ -10,6 +11,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
+from multiprocessing.connection import wait
 from pathlib import Path
 
 PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches other clusters
@@ -17,7 +20,9 @@ PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches
 
 def slurm_batch_script(n, partition="", time_limit="00:30:00", account="", gpus_per_task=0,
                        cpus_per_task=1, extra=()):
-    """The sbatch script that starts ``n`` engines as one job (``srun`` fills in the engine)."""
+    """The sbatch script that starts ``n`` engines as one job (``srun`` fills in the engine).
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     lines = ["#!/bin/sh", "#SBATCH --job-name=course-engines-{cluster_id}",
              f"#SBATCH --ntasks={n}", f"#SBATCH --cpus-per-task={cpus_per_task}",
              f"#SBATCH --time={time_limit}", "#SBATCH --output=engines-{cluster_id}.log"]
@@ -38,6 +43,7 @@ def slurm_config(n, partition="", time_limit="00:30:00", account="", gpus_per_ta
 
     The controller listens on ``controller_ip`` ("*" = every interface) because compute nodes
     must reach it; run this on a login node of a cluster you trust.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     from traitlets.config import Config
     config = Config()
@@ -59,6 +65,7 @@ def clean_clusters(all=False):
     """Stop clusters left behind by a killed notebook kernel (all of ours with ``all=True``).
 
     Returns the ids of the clusters stopped. ``python -m course_lib cluster clean`` calls this.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     stopped = []
     import ipyparallel as ipp
@@ -70,7 +77,7 @@ def clean_clusters(all=False):
     for c in clusters.values():
         if all or not _owner_alive(c.cluster_id):
             try:
-                _stop_and_reap(c)
+                stop_and_reap(c)
             except Exception:  # noqa: BLE001 - already half gone: remove what is left
                 pass
             c.remove_cluster_file()
@@ -88,7 +95,8 @@ def _launcher_pids(ipp_cluster):
 def kill_tree(pids, timeout=5):
     """SIGKILL processes and every descendant, then wait for them. The tree is read before the
     first kill: mpiexec's hydra proxy and torchrun's ranks live in sessions of their own, so
-    neither a process group nor the parent's death reaches them."""
+    neither a process group nor the parent's death reaches them.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     import psutil
     procs = []
     for pid in pids:
@@ -105,15 +113,18 @@ def kill_tree(pids, timeout=5):
     psutil.wait_procs(procs, timeout=timeout)
 
 
-def _stop_and_reap(ipp_cluster, extra_pids=()):
+def stop_and_reap(ipp_cluster, extra_pids=()):
     """Kill every process of a cluster's tree (engines hold nothing worth a graceful wait),
-    then let ipyparallel remove the cluster's files."""
+    then let ipyparallel remove the cluster's files.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     kill_tree({*_launcher_pids(ipp_cluster), *extra_pids}, timeout=10)
     ipp_cluster.stop_cluster_sync()
 
 
 def launched_rank():
-    """(rank, local rank) of a process started by torchrun or mpiexec, else None."""
+    """(rank, local rank) of a process started by torchrun or mpiexec, else None.
+
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     env = os.environ
     if "RANK" in env and "MASTER_PORT" in env:  # torchrun
         return int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
@@ -124,22 +135,29 @@ def launched_rank():
     return None
 
 
-def mpiexec_path():
-    """The ``mpiexec`` of this Python's environment (the mpich wheel's), else PATH's, else None."""
+MPIEXEC_MISSING = "mpiexec not found: pip install -c constraints.txt -e '.[mpi]'"
+
+
+def mpiexec_path(required=False, error=RuntimeError):
+    """The ``mpiexec`` of this Python's environment (the mpich wheel's), else PATH's; None when
+    there is none, or ``error`` saying how to get one when ``required``.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     for candidate in (Path(sys.executable).parent / "mpiexec", Path(sys.prefix, "bin", "mpiexec")):
         if candidate.exists():
             return str(candidate)
-    return shutil.which("mpiexec")
+    found = shutil.which("mpiexec")
+    if found is None and required:
+        raise error(MPIEXEC_MISSING)
+    return found
 
 
 def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
     """Run ``python *args`` as ``world_size`` ranks under "mpiexec" or "torchrun" (loopback
     rendezvous), with a deadline: past it the launcher and every rank are killed. Returns the
-    combined output; raises RuntimeError naming the launcher when it fails or runs late."""
+    combined output; raises RuntimeError naming the launcher when it fails or runs late.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     if launcher == "mpiexec":
-        if mpiexec_path() is None:
-            raise RuntimeError("mpiexec not found: pip install -c constraints.txt -e '.[mpi]'")
-        cmd = [mpiexec_path(), "-n", str(world_size), sys.executable, *args]
+        cmd = [mpiexec_path(required=True), "-n", str(world_size), sys.executable, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(world_size), *args]
@@ -161,3 +179,38 @@ def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
         tail = "\n".join(output.strip().splitlines()[-15:])
         raise RuntimeError(f"{launcher} exited with status {proc.returncode}:\n{tail}")
     return output
+
+
+# ---------------------------------------------------------------- local worker processes
+def supervise(procs, timeout, what, error=RuntimeError, barrier=None):
+    """Start worker processes and sleep until all finish, one dies, or ``timeout`` s pass.
+
+    A dead worker or a late one raises ``error`` naming it (worker index, pid, exit code); the
+    ``barrier`` the others may wait at is aborted; every process is killed and joined, so none
+    is left behind. Used by every module that spawns workers: :mod:`course_lib.race`, which
+    introduces it in notebooks/02_parallel_computing.ipynb, and :mod:`course_lib.hogwild`
+    (notebook 03)."""
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            alive = [p.sentinel for p in procs if p.is_alive()]
+            if not alive or any(p.exitcode not in (None, 0) for p in procs):
+                break  # all done, or one died: the others would wait for it in vain
+            wait(alive, timeout=max(min(0.1, deadline - time.monotonic()), 0.0))
+        dead = [f"worker {w} (pid {p.pid}) exited with code {p.exitcode}"
+                for w, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        late = [w for w, p in enumerate(procs) if p.is_alive()]
+        if dead or late:
+            if barrier is not None:
+                barrier.abort()
+            raise error(f"{what}: " + "; ".join(dead + (
+                [f"worker(s) {late} of {len(procs)} still running after {timeout:g}s were "
+                 "killed"] if late and not dead else [])))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            if p.pid is not None:
+                p.join(5)

@@ -22,10 +22,13 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import compression, data, models
+from course_lib.comm import DEFAULT_TIMEOUT
 
 
 class Replica:
-    """One rank's model (as a flat parameter vector), data shard and batch generator."""
+    """One rank's model (as a flat parameter vector), data shard and batch generator.
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
 
     def __init__(self, rank, world_size, batch_size, hidden, seed, dtype, by_label=False):
         import torch
@@ -95,9 +98,10 @@ def _result(name, history, rep, theta, sent, steps, **extra):
 
 def local_sgd_on_rank(sync_every=1, steps=200, batch_size=32, lr=0.2, hidden=(64,),
                       eval_every=20, seed=0, dtype="float32", by_label=False,
-                      timeout=compression.DEFAULT_TIMEOUT):
+                      timeout=DEFAULT_TIMEOUT):
     """On every rank: local SGD, averaging the parameters every ``sync_every`` steps (None: only
-    once, at the end). ``local_loss`` is the mean over ranks of each rank's own model's loss."""
+    once, at the end). ``local_loss`` is the mean over ranks of each rank's own model's loss.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     import torch
     import torch.distributed as dist
     if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
@@ -127,11 +131,12 @@ def local_sgd_on_rank(sync_every=1, steps=200, batch_size=32, lr=0.2, hidden=(64
 def compressed_sgd_on_rank(compression_name="none", ratio=0.01, error_feedback=True,
                            exchange=None, steps=200, batch_size=32, lr=0.2, hidden=(64,),
                            eval_every=20, seed=0, dtype="float32",
-                           timeout=compression.DEFAULT_TIMEOUT):
+                           timeout=DEFAULT_TIMEOUT):
     """On every rank: data-parallel SGD whose gradient is averaged by a compressor each step.
 
     ``exchange``: a cloudpickled ``exchange(flat_grad, residual, k) -> (mean, new_residual)``
-    for top-k (lab 08 sends the student's), or None for :func:`compression.topk_allreduce`."""
+    for top-k (lab 08 sends the student's), or None for :func:`compression.topk_allreduce`.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     import cloudpickle
     import torch.distributed as dist
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -155,7 +160,8 @@ def compressed_sgd_on_rank(compression_name="none", ratio=0.01, error_feedback=T
 def powersgd_elements(shapes, rank, min_compression_rate=2):
     """Elements PowerSGD allreduces per step for parameters of these ``shapes``: a tensor seen
     as an n x m matrix (n = first dim) sends P (n x r) and Q (m x r), (n + m) r elements, when
-    that is ``min_compression_rate`` times smaller than n m; otherwise (biases) all n m."""
+    that is ``min_compression_rate`` times smaller than n m; otherwise (biases) all n m.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     total = 0
     for shape in shapes:
         n = shape[0]
@@ -169,7 +175,8 @@ def torch_ddp_on_rank(hook="fp16", rank=1, start_iter=2, steps=200, batch_size=3
                       hidden=(64,), eval_every=20, seed=0, dtype="float32"):
     """On every rank: torch's DistributedDataParallel with a communication hook: "none" (its
     own allreduce), "fp16" (``fp16_compress_hook``) or "powersgd" (``powerSGD_hook`` of
-    ``rank``, after ``start_iter`` plain steps). Bytes come from the shapes, priced as a ring."""
+    ``rank``, after ``start_iter`` plain steps). Bytes come from the shapes, priced as a ring.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -218,7 +225,8 @@ def torch_ddp_on_rank(hook="fp16", rank=1, start_iter=2, steps=200, batch_size=3
 
 def fp16_against_torch_hook_on_rank(batch_size=32, hidden=(64,), seed=0):
     """On every rank: one batch's gradient averaged three ways, as numpy arrays: ``ours``
-    (:class:`compression.FP16`), ``torch`` (DDP + ``fp16_compress_hook``), ``float32``."""
+    (:class:`compression.FP16`), ``torch`` (DDP + ``fp16_compress_hook``), ``float32``.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -244,7 +252,9 @@ def _rank0(results):
 
 
 def run_local_sgd(cluster, sync_every=1, timeout=120, **kwargs):
-    """:func:`local_sgd_on_rank` on every rank of ``cluster``; rank 0's record."""
+    """:func:`local_sgd_on_rank` on every rank of ``cluster``; rank 0's record.
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
         raise ValueError(f"sync_every must be an integer >= 1 or None, got {sync_every!r}")
     return _rank0(cluster.run(local_sgd_on_rank, sync_every, **kwargs, timeout=timeout))
@@ -252,20 +262,25 @@ def run_local_sgd(cluster, sync_every=1, timeout=120, **kwargs):
 
 def run_compressed(cluster, compression_name="none", ratio=0.01, error_feedback=True,
                    exchange=None, timeout=120, **kwargs):
-    """:func:`compressed_sgd_on_rank` on every rank of ``cluster``; rank 0's record."""
+    """:func:`compressed_sgd_on_rank` on every rank of ``cluster``; rank 0's record.
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     return _rank0(cluster.run(compressed_sgd_on_rank, compression_name, ratio, error_feedback,
                               exchange, **kwargs, timeout=timeout))
 
 
 def run_torch_ddp(cluster, hook="fp16", rank=1, timeout=120, **kwargs):
-    """:func:`torch_ddp_on_rank` on every rank of ``cluster``; rank 0's record."""
+    """:func:`torch_ddp_on_rank` on every rank of ``cluster``; rank 0's record.
+
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     return _rank0(cluster.run(torch_ddp_on_rank, hook, rank, **kwargs, timeout=timeout))
 
 
 def single_process_sgd(world_size, steps=5, batch_size=32, lr=0.1, hidden=(64,), seed=0,
                        dtype="float64"):
     """The reference: one process, SGD on the global batch (every rank's batch together, drawn
-    from the same per-rank generators). Returns the final flat parameters (numpy float64)."""
+    from the same per-rank generators). Returns the final flat parameters (numpy float64).
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     import torch
     import torch.nn.functional as F
     reps = [Replica(r, world_size, batch_size, hidden, seed, dtype) for r in range(world_size)]
@@ -281,7 +296,8 @@ def single_process_sgd(world_size, steps=5, batch_size=32, lr=0.1, hidden=(64,),
 
 def format_table(results, baseline=None):
     """One line per run: bytes per step, as a fraction of ``baseline``'s (default the first
-    run's), final training loss and test accuracy."""
+    run's), final training loss and test accuracy.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     base = (baseline or results[0])["bytes_per_step"]
     lines = [f"{'scheme':<40} {'bytes/step':>11} {'vs fp32':>8} {'train loss':>11} "
              f"{'test acc':>9}"]

@@ -20,7 +20,9 @@ def _problem(n_samples, n_features, seed):
 
 
 def shard_gradient(n_samples=1000, n_features=8, seed=0):
-    """On every rank: this rank's shard gradient sum, allreduced into the full gradient."""
+    """On every rank: this rank's shard gradient sum, allreduced into the full gradient.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     import torch
     import torch.distributed as dist
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -36,6 +38,7 @@ def check_full_gradient(cluster, n_samples=1000, n_features=8, seed=0):
     """Run :func:`shard_gradient` on every rank; compare with the single-process gradient.
 
     Returns ``(max_abs_error, results)``; the error is at rounding level when it is right.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     results = cluster.run(shard_gradient, n_samples, n_features, seed)
     X, y, theta = _problem(n_samples, n_features, seed)
@@ -95,6 +98,8 @@ def comm_shard_gradient(n_samples=1000, n_features=8, seed=0, timeout=10.0):
 
 
 def full_gradient(n_samples=1000, n_features=8, seed=0):
-    """The single-process gradient of the problem the two functions above split across ranks."""
+    """The single-process gradient of the problem the two functions above split across ranks.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     X, y, theta = _problem(n_samples, n_features, seed)
     return LinearRegression().grad(theta, X, y)

@@ -17,7 +17,7 @@ push at once; its staleness (server version at apply minus the version the worke
 is recorded, and the staleness-aware step divides the learning rate by it (Zhang et al. 2016).
 With ``backup_workers=b`` (notebook 07) a sync step goes on with the first N - b gradients and
 drops late ones (Chen et al. 2016); ``slow={rank: seconds}`` makes stragglers.
-The wire (ZeroMQ) and the server loop are in :mod:`course_lib.ps_transport`.
+The wire (ZeroMQ) and the server loop are in :mod:`course_lib.ps_server`.
 """
 
 from __future__ import annotations
@@ -31,14 +31,16 @@ import numpy as np
 
 from course_lib.data import shard_bounds
 from course_lib.engine import ENGINE
-from course_lib.ps_transport import PSError, ServerConnections, bind_server, serve
+from course_lib.ps_server import PSError, ServerConnections, bind_server, serve
 
 __all__ = ["PSError", "PSResult", "apply_push", "make_spec", "run_role", "simulate_async",
            "train", "worker_step"]
 
 
 def make_spec(num_servers=1, num_workers=3, world_size=None):
-    """A ClusterSpec-like role map: servers first, then workers, the remaining ranks idle."""
+    """A ClusterSpec-like role map: servers first, then workers, the remaining ranks idle.
+
+    Introduced in notebooks/04_parameter_server.ipynb."""
     world_size = num_servers + num_workers if world_size is None else world_size
     if num_servers < 1 or num_workers < 1 or num_servers + num_workers > world_size:
         raise ValueError(f"need >= 1 server and >= 1 worker within {world_size} ranks, got "
@@ -49,7 +51,9 @@ def make_spec(num_servers=1, num_workers=3, world_size=None):
 
 
 def role_of(spec, rank):
-    """'ps', 'worker' or 'idle': the job of ``rank`` in ``spec``."""
+    """'ps', 'worker' or 'idle': the job of ``rank`` in ``spec``.
+
+    Introduced in notebooks/04_parameter_server.ipynb."""
     found = [job for job, ranks in spec.items() if rank in ranks]
     if len(found) > 1:
         raise ValueError(f"rank {rank} has several roles in {spec}: {found}")
@@ -63,6 +67,7 @@ def apply_push(theta, version, grad, pulled_version, lr, staleness_aware=False):
     ``grad`` is a mean gradient computed by a worker on parameters of version
     ``pulled_version``; ``staleness = version - pulled_version`` counts the updates applied
     since. The staleness-aware step uses ``lr / max(staleness, 1)``. ``theta`` is not modified.
+    Introduced in notebooks/04_parameter_server.ipynb.
     """
     staleness = int(version - pulled_version)
     step = lr / max(staleness, 1) if staleness_aware else lr
@@ -71,7 +76,8 @@ def apply_push(theta, version, grad, pulled_version, lr, staleness_aware=False):
 
 def worker_step(problem, pull, push, Xb, yb):
     """One worker step: ``theta, version = pull()``; push the gradient SUM over the batch and its
-    size: ``push(grad_sum, len(Xb), version)``. Returns the batch loss sum at the pulled theta."""
+    size: ``push(grad_sum, len(Xb), version)``. Returns the batch loss sum at the pulled theta.
+    Introduced in notebooks/04_parameter_server.ipynb."""
     theta, version = pull()
     push(problem.grad_sum(theta, Xb, yb), len(Xb), version)
     return problem.loss_sum(theta, Xb, yb)
@@ -130,7 +136,9 @@ def _worker(spec, addresses, problem, X, y, theta0, cfg):
 
 
 def run_role(spec, addresses, problem, X, y, theta0, cfg):
-    """Runs on every rank (``cluster.run``): serve, work, or stay idle, as ``spec`` says."""
+    """Runs on every rank (``cluster.run``): serve, work, or stay idle, as ``spec`` says.
+
+    Introduced in notebooks/04_parameter_server.ipynb."""
     role = role_of(spec, ENGINE["rank"])
     if role == "ps":
         return dict(serve(spec, len(theta0), cfg, apply_push), role="ps")
@@ -141,7 +149,9 @@ def run_role(spec, addresses, problem, X, y, theta0, cfg):
 
 @dataclass
 class PSResult:
-    """What a parameter-server run returns: the final theta, per-server and per-worker stats."""
+    """What a parameter-server run returns: the final theta, per-server and per-worker stats.
+
+    Introduced in notebooks/04_parameter_server.ipynb."""
 
     theta: np.ndarray
     servers: list
@@ -197,6 +207,7 @@ def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32,
     N - b gradients; late ones are dropped (``servers[0]["dropped"]``, ``["used"]``) and a
     late worker goes on with the server's current step. Every wait has a deadline of
     ``timeout`` s; the whole run ``time_limit`` s.
+    Introduced in notebooks/04_parameter_server.ipynb.
     """
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', not {mode!r}")
@@ -235,6 +246,7 @@ def simulate_async(problem, X, y, theta0, lr, num_workers, num_updates, batch_si
     times; each pushes a gradient computed on the parameters it last pulled, applied by
     :func:`apply_push`. Staleness is about ``num_workers - 1`` on average. Returns
     ``(losses, staleness)``: the full-data loss after every update and each update's staleness.
+    Introduced in notebooks/04_parameter_server.ipynb.
     """
     rng = np.random.default_rng(seed)
     theta, version = np.asarray(theta0, np.float64).copy(), 0

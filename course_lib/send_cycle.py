@@ -44,7 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- on every MPI rank
 def exchange(comm, sendbuf, recvbuf, mode):
-    """One step of the ring on this rank: send to the right, receive from the left."""
+    """One step of the ring on this rank: send to the right, receive from the left.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     rank, size = comm.Get_rank(), comm.Get_size()
     right, left = (rank + 1) % size, (rank - 1) % size
     if mode == "send":  # the classic bug: fine while MPI buffers the message
@@ -84,7 +86,9 @@ def _watchdog_fired(rank, right, nbytes, mode, deadline):
 
 
 def main(argv=None):
-    """The program each rank runs under ``mpiexec``: the ring for each size, in order."""
+    """The program each rank runs under ``mpiexec``: the ring for each size, in order.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bytes", required=True, help="message sizes, comma separated")
     parser.add_argument("--mode", choices=MODES, default="send")
@@ -121,7 +125,9 @@ def main(argv=None):
 # ---------------------------------------------------------------- from Python: launch and watch
 @dataclass(frozen=True)
 class CycleResult:
-    """How the ring went for one message size: "completed", "deadlocked" or "not run"."""
+    """How the ring went for one message size: "completed", "deadlocked" or "not run".
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
 
     mode: str
     nbytes: int
@@ -132,15 +138,9 @@ class CycleResult:
 
 
 class SendCycleError(RuntimeError):
-    """The ring program failed for another reason than a deadlock (stderr is in the message)."""
+    """The ring program failed for another reason than a deadlock (stderr is in the message).
 
-
-def mpiexec_path():
-    """The ``mpiexec`` that belongs to this Python's mpi4py (the venv's first, then PATH)."""
-    found = launch.mpiexec_path()
-    if not found:
-        raise SendCycleError("mpiexec not found: pip install -c constraints.txt -e '.[mpi]'")
-    return found
+    Introduced in notebooks/02_parallel_computing.ipynb."""
 
 
 def _json_objects(text):
@@ -178,7 +178,8 @@ def run_cycle(sizes, mode="send", world_size=2, deadline=2.0, timeout=None, repe
     env = dict(os.environ, MPIEXEC_TIMEOUT=str(int(limit) + 2), OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                         os.environ.get("PYTHONPATH")])))
-    cmd = [mpiexec_path(), "-n", str(world_size), sys.executable, "-m", "course_lib.send_cycle",
+    mpiexec = launch.mpiexec_path(required=True, error=SendCycleError)
+    cmd = [mpiexec, "-n", str(world_size), sys.executable, "-m", "course_lib.send_cycle",
            "--bytes", ",".join(map(str, sizes)), "--mode", mode, "--deadline", str(deadline),
            "--repeats", str(repeats)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

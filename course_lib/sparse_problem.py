@@ -21,7 +21,9 @@ import numpy as np
 
 @dataclass
 class SparseData:
-    """Rows in CSR form (``indptr``, ``indices``, ``values``), labels ``y`` in {-1, +1}."""
+    """Rows in CSR form (``indptr``, ``indices``, ``values``), labels ``y`` in {-1, +1}.
+
+    Introduced in notebooks/03_hogwild.ipynb."""
 
     indptr: np.ndarray
     indices: np.ndarray
@@ -45,6 +47,7 @@ def make_sparse_classification(n_samples=20_000, n_features=20_000, nnz=32, labe
     Density ``nnz / n_features`` = 0.16 % by default, as in RCV1 (47,236 features, about 76
     non-zeros per document); values are positive with unit norm per row (like tf-idf), labels
     are ``sign(x . w_true)`` with a fraction ``label_noise`` flipped. Notebook 03.
+    Introduced in notebooks/03_hogwild.ipynb.
     """
     rng = np.random.default_rng(seed)
     indices = np.empty(n_samples * nnz, dtype=np.int64)
@@ -62,7 +65,9 @@ def make_sparse_classification(n_samples=20_000, n_features=20_000, nnz=32, labe
 
 
 def sparse_loss(w, data):
-    """Mean logistic loss ``log(1 + exp(-y x.w))`` over all rows."""
+    """Mean logistic loss ``log(1 + exp(-y x.w))`` over all rows.
+
+    Introduced in notebooks/03_hogwild.ipynb."""
     counts = np.diff(data.indptr)
     margin = np.add.reduceat(data.values * w[data.indices], data.indptr[:-1]) * (counts > 0)
     return float(np.mean(np.logaddexp(0.0, -data.y * margin)))
@@ -74,6 +79,7 @@ def sparse_sgd_epoch(w, indptr, indices, values, y, order, lr):
     Per sample: read the touched coordinates ``w[idx]``, take the logistic gradient
     ``-y sigma(-y x.w) x`` (non-zero only on ``idx``) and subtract ``lr`` times it there. Run
     by many processes on one shared ``w`` this *is* the lock-free worker loop (lab 03).
+    Introduced in notebooks/03_hogwild.ipynb.
     """
     for i in order:
         a, b = indptr[i], indptr[i + 1]
@@ -86,7 +92,9 @@ def sparse_sgd_epoch(w, indptr, indices, values, y, order, lr):
 
 
 def serial_sgd(data, lr=0.5, num_epochs=3, seed=0):
-    """Serial SGD with the order one Hogwild worker would use: ``(w, losses per epoch)``."""
+    """Serial SGD with the order one Hogwild worker would use: ``(w, losses per epoch)``.
+
+    Introduced in notebooks/03_hogwild.ipynb."""
     w = np.zeros(data.n_features)
     losses = [sparse_loss(w, data)]
     rng = np.random.default_rng([seed, 0])
@@ -99,7 +107,8 @@ def serial_sgd(data, lr=0.5, num_epochs=3, seed=0):
 
 def collision_probability(nnz, n_features):
     """Chance that two rows with ``nnz`` uniform distinct features share at least one:
-    ``1 - C(d - nnz, nnz) / C(d, nnz)``, about ``nnz**2 / d`` when that is small."""
+    ``1 - C(d - nnz, nnz) / C(d, nnz)``, about ``nnz**2 / d`` when that is small.
+    Introduced in notebooks/03_hogwild.ipynb."""
     if 2 * nnz > n_features:
         return 1.0
     return 1.0 - math.exp(math.lgamma(n_features - nnz + 1) * 2 - math.lgamma(n_features + 1)
@@ -107,7 +116,9 @@ def collision_probability(nnz, n_features):
 
 
 def measured_overlap(data, pairs=20_000, seed=0):
-    """Fraction of random pairs of distinct rows of ``data`` that share a feature."""
+    """Fraction of random pairs of distinct rows of ``data`` that share a feature.
+
+    Introduced in notebooks/03_hogwild.ipynb."""
     rng = np.random.default_rng(seed)
     hits = 0
     for _ in range(pairs):

@@ -40,6 +40,7 @@ def straggler_steps(num_steps, n_params, compute_s, slow=None, jitter=0.0, seed=
     of a random extra delay, 0 for none); the gradient is ``n_params`` float32 ones, summed by
     ``dist.all_reduce`` (checked: every entry must equal the world size). Returns this rank's
     ``compute``, ``wait`` (time inside the allreduce) and ``step`` times, one per step.
+    Introduced in notebooks/07_large_minibatch.ipynb.
     """
     import torch
     rank, world = ENGINE["rank"], ENGINE["world_size"]
@@ -69,7 +70,8 @@ def straggler_experiment(cluster, delays=(0.0, 0.2), slow_rank=None, num_steps=5
                          compute_s=0.05, n_params=100_000, jitter=0.0, seed=0, timeout=10.0):
     """Run :func:`straggler_steps` once per straggler delay in ``delays`` (0 = none) with rank
     ``slow_rank`` (default: the last) slowed by it. Returns one row per (delay, rank): mean
-    ``compute_s``, ``wait_s`` and ``step_s`` over the steps, and whether the rank was slowed."""
+    ``compute_s``, ``wait_s`` and ``step_s`` over the steps, and whether the rank was slowed.
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     slow_rank = cluster.n - 1 if slow_rank is None else slow_rank
     if not 0 <= slow_rank < cluster.n:
         raise ValueError(f"slow_rank must be a rank of the cluster (0..{cluster.n - 1}), "
@@ -90,7 +92,9 @@ def straggler_experiment(cluster, delays=(0.0, 0.2), slow_rank=None, num_steps=5
 
 
 def format_straggler_table(rows):
-    """The rows of :func:`straggler_experiment` as an aligned table (times in ms)."""
+    """The rows of :func:`straggler_experiment` as an aligned table (times in ms).
+
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     lines = [f"{'straggler':>10}{'rank':>6}{'compute':>10}{'wait':>10}{'step':>10}  (ms)"]
     for r in rows:
         mark = " <- slowed" if r["slowed"] else ""
@@ -99,29 +103,9 @@ def format_straggler_table(rows):
     return "\n".join(lines)
 
 
-def plot_straggler_table(rows, ax=None):
-    """Stacked bars per rank: compute (dark) and time waiting in the allreduce (light)."""
-    import matplotlib.pyplot as plt
-    ax = ax or plt.subplots(figsize=(7, 3))[1]
-    delays = sorted({r["delay"] for r in rows})
-    labels = []
-    for i, r in enumerate(rows):
-        x = i + delays.index(r["delay"])  # a gap between the groups
-        ax.bar(x, r["compute_s"] * 1e3, color="tab:blue" if not r["slowed"] else "tab:red",
-               label="compute" if i == 0 else None)
-        ax.bar(x, r["wait_s"] * 1e3, bottom=r["compute_s"] * 1e3, color="lightgray",
-               label="waiting in all_reduce" if i == 0 else None)
-        group = f"straggler +{r['delay'] * 1e3:.0f} ms" if r["delay"] else "no straggler"
-        labels.append((x, f"r{r['rank']}\n{group}" if r["rank"] == 0 else f"r{r['rank']}"))
-    ax.set_xticks([x for x, _ in labels], [t for _, t in labels], fontsize=8)
-    ax.set(ylabel="ms per step", title="One slow rank sets every rank's step time")
-    ax.legend(fontsize=8)
-    return ax
-
-
 # ---------------------------------------------------------------- order statistics
 def harmonic(n):
-    """H_n = 1 + 1/2 + ... + 1/n (H_0 = 0)."""
+    """H_n = 1 + 1/2 + ... + 1/n (H_0 = 0). Introduced in notebooks/07_large_minibatch.ipynb."""
     return float(np.sum(1.0 / np.arange(1, int(n) + 1))) if n > 0 else 0.0
 
 
@@ -129,7 +113,8 @@ def expected_step_time(num_workers, backup=0, mean_delay=1.0, compute_s=0.0):
     """Expected step time when each of N workers takes ``compute_s + Exp(mean_delay)`` and the
     step waits for the first ``N - backup`` of them: the (N-b)-th order statistic,
     ``compute_s + mean_delay * (H_N - H_b)`` (exact for exponential delays). With b = 0 it is
-    the expected maximum, which grows like ``log N``: more workers, slower steps."""
+    the expected maximum, which grows like ``log N``: more workers, slower steps.
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     if not 0 <= backup < num_workers:
         raise ValueError(f"need 0 <= backup < num_workers, got backup={backup}, "
                          f"num_workers={num_workers}")
@@ -139,30 +124,13 @@ def expected_step_time(num_workers, backup=0, mean_delay=1.0, compute_s=0.0):
 def simulate_step_times(num_workers, backup=0, mean_delay=1.0, compute_s=0.0, num_steps=10_000,
                         seed=0):
     """Monte Carlo of the same: ``num_steps`` steps, each the (N-b)-th smallest of N draws of
-    ``compute_s + Exp(mean_delay)``. Returns the array of step times."""
+    ``compute_s + Exp(mean_delay)``. Returns the array of step times.
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     if not 0 <= backup < num_workers:
         raise ValueError(f"need 0 <= backup < num_workers, got {backup}, {num_workers}")
     draws = compute_s + np.random.default_rng(seed).exponential(mean_delay,
                                                                 (num_steps, num_workers))
     return np.sort(draws, axis=1)[:, num_workers - backup - 1]
-
-
-def plot_order_statistics(workers=(1, 2, 4, 8, 16, 32, 64, 128, 256), backups=(0, 1, 2, 4),
-                          mean_delay=1.0, num_steps=2000, ax=None):
-    """Expected step time vs workers for several numbers of backups: formula (lines) and
-    simulation (dots)."""
-    import matplotlib.pyplot as plt
-    ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-    for b in backups:
-        ns = [n for n in workers if n > b]
-        ax.plot(ns, [expected_step_time(n, b, mean_delay) for n in ns], label=f"b = {b}")
-        ax.plot(ns, [simulate_step_times(n, b, mean_delay, num_steps=num_steps).mean()
-                     for n in ns], "k.", ms=4)
-    ax.set_xscale("log", base=2)
-    ax.set(xlabel="workers N", ylabel="expected wait / mean delay",
-           title="Waiting for the slowest: E[(N-b)-th of N], Exp delays")
-    ax.legend(title="backups (dots: simulated)", fontsize=8)
-    return ax
 
 
 # ---------------------------------------------------------------- backup workers on the PS
@@ -171,7 +139,8 @@ def backup_worker_runs(cluster, problem, X, y, theta0, lr, slow, backups=(0, 1),
     """Train with the synchronous parameter server (1 server, the other ranks workers) once per
     number of backup workers in ``backups``, with the workers in ``slow={rank: seconds}``
     slowed. Returns one row per run: steps, steps per second, mean gradients used per step,
-    gradients dropped, and the final full-data loss."""
+    gradients dropped, and the final full-data loss.
+    Introduced in notebooks/07_large_minibatch.ipynb."""
     from course_lib import ps
     spec = ps.make_spec(1, cluster.n - 1, world_size=cluster.n)
     rows = []

@@ -91,7 +91,9 @@ def _intervals(events):
 
 
 def overlap(tl, cat_a="backward", cat_b="allreduce"):
-    """Seconds during which some event of ``cat_a`` and some of ``cat_b`` were both running."""
+    """Seconds during which some event of ``cat_a`` and some of ``cat_b`` were both running.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     a, b = _intervals(tl.of(cat_a)), _intervals(tl.of(cat_b))
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
@@ -104,7 +106,9 @@ def overlap(tl, cat_a="backward", cat_b="allreduce"):
 
 
 def totals(tl):
-    """``{category: seconds}``, overlapping events of one category counted once."""
+    """``{category: seconds}``, overlapping events of one category counted once.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     return {cat: sum(e - s for s, e in _intervals(tl.of(cat)))
             for cat in sorted({e.cat for e in tl.events})}
 
@@ -112,7 +116,8 @@ def totals(tl):
 def chrome_trace(timelines, path=None):
     """The events as Chrome-trace JSON (``ph: "X"`` complete events, microseconds, one process
     per rank, compute and communication on separate threads); opens in ui.perfetto.dev or
-    chrome://tracing. Written to ``path`` when given; the dict is returned either way."""
+    chrome://tracing. Written to ``path`` when given; the dict is returned either way.
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     events = _events(timelines)
     t0 = min((e.start for e in events), default=0.0)
     trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
@@ -133,7 +138,8 @@ def chrome_trace(timelines, path=None):
 
 def gantt(timelines, ax=None, title=None, since=None):
     """A Gantt chart: per rank a compute row and a communication row, time in milliseconds from
-    the first event (or ``since``). Returns the matplotlib Axes."""
+    the first event (or ``since``). Returns the matplotlib Axes.
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 

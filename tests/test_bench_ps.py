@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from course_lib import bench_ps
+from course_lib.bench import ps as bench_ps
 
 
 def test_quadratic_gradient_is_the_sum_over_samples():

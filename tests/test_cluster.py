@@ -14,11 +14,8 @@ from course_lib import cluster as C
 from course_lib.launch import slurm_batch_script, slurm_config
 from course_lib.parallel_gd import check_full_gradient
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    with C.start_cluster(n=3, timeout=30) as c:
-        yield c
+CLUSTER_SIZE = 3  # the shared cluster of tests/conftest.py
+CLUSTER_TIMEOUT = 30
 
 
 def _tree(pids):

@@ -12,8 +12,8 @@ import torch
 
 from course_lib import cluster as CL
 from course_lib import collectives as C
-from course_lib import collectives_check as K
 from course_lib.launch import mpiexec_path
+from course_lib.testing import collectives as K
 
 MPIEXEC = mpiexec_path() or "mpiexec"
 needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC),
@@ -21,10 +21,7 @@ needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC),
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with CL.start_cluster(n=4, timeout=60) as c:
-        yield c
+CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
 
 
 class OneRank:
@@ -66,9 +63,9 @@ def test_bad_arguments_are_named():
 
 def test_integer_average_rounds_down():
     a = np.array([7, -7, 8], np.int64)
-    C._divide(a, 2)
+    C.divide(a, 2)
     t = torch.tensor([7, -7, 8])
-    C._divide(t, 2)
+    C.divide(t, 2)
     assert a.tolist() == t.tolist() == [3, -4, 4]
 
 
@@ -115,7 +112,7 @@ def test_rank_that_never_calls_is_named_by_the_others(cluster):
 # ---------------------------------------------------------------- under mpiexec
 def _launch(n, args, tmp_path, timeout=120):
     env = dict(os.environ, MPIEXEC_TIMEOUT=str(timeout - 15), OMP_NUM_THREADS="1")
-    command = [MPIEXEC, "-n", str(n), sys.executable, "-m", "course_lib.collectives_check", *args,
+    command = [MPIEXEC, "-n", str(n), sys.executable, "-m", "course_lib.testing.collectives", *args,
                "--timeout", "20", "--out", str(tmp_path)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
@@ -173,7 +170,7 @@ print("ok")
 def test_nccl_two_gpus_under_torchrun(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "course_lib.collectives_check", "--transport", "torch", "--backend", "nccl",
+         "-m", "course_lib.testing.collectives", "--transport", "torch", "--backend", "nccl",
          "--mismatch", "--timeout", "30", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300)
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]

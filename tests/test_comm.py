@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from course_lib import cluster as CL
-from course_lib import comm_check as K
 from course_lib.comm import CommTimeout, describe, get_comm
 from course_lib.launch import mpiexec_path
+from course_lib.testing import comm as K
 
 MPIEXEC = mpiexec_path() or "mpiexec"
 needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC),
@@ -21,7 +21,7 @@ needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC),
 # What every rank runs under mpiexec: the same checks as on the cluster, one JSON file per rank.
 SCRIPT = """
 import json, sys
-from course_lib import comm_check as K
+from course_lib.testing import comm as K
 transport, out = sys.argv[1], sys.argv[2]
 if transport == "torch":
     from course_lib.comm import init_torch_from_launcher
@@ -38,10 +38,7 @@ with open(f"{out}/rank{get_comm(transport).rank}.json", "w") as f:
 """
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with CL.start_cluster(n=2, timeout=60) as c:
-        yield c
+CLUSTER_SIZE = 2  # the shared cluster of tests/conftest.py
 
 
 def _check_errors(errors, rank, world_size):

@@ -7,14 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib import checks_compression, compression
-from course_lib.cluster import RemoteError, start_cluster
+from course_lib import compression
+from course_lib.checks import lab08_local_sgd_and_compression as checks_compression
+from course_lib.cluster import RemoteError
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    with start_cluster(n=2, backend="gloo", timeout=60) as c:
-        yield c
+CLUSTER_SIZE = 2  # the shared cluster of tests/conftest.py
+CLUSTER_BACKEND = "gloo"
 
 
 def test_topk_keeps_exactly_the_k_largest_magnitudes():
@@ -124,38 +122,3 @@ def test_wire_bytes_measured_on_loopback(cluster):
     assert counted == 3 * 2 * 1_000_000
     if loopback is not None:  # the kernel saw at least that much cross loopback
         assert loopback >= 0.99 * counted and idle >= 0
-
-
-def _wrong_topk(no_residual=False, signed=False, keep_sent=False, clamp=True, check_k=True):
-    def topk_compress(grad, residual, k):
-        if check_k and k < 1:
-            raise ValueError("k")
-        corrected = grad if (residual is None or no_residual) else grad + residual
-        k = min(k, len(grad)) if clamp else k
-        indices = torch.topk(corrected if signed else corrected.abs(), k).indices
-        new_residual = corrected.clone()
-        if not keep_sent:
-            new_residual[indices] = 0
-        return corrected[indices], indices, new_residual
-    return topk_compress
-
-
-@pytest.mark.parametrize("wrong,hint", [
-    (_wrong_topk(no_residual=True), "add the residual first"),
-    (_wrong_topk(signed=True), "by magnitude"),
-    (_wrong_topk(keep_sent=True), "set the sent entries of the residual to zero"),
-    (_wrong_topk(clamp=False), r"k = min\(k, len\(grad\)\)"),
-    (_wrong_topk(check_k=False), "raise ValueError for k < 1"),
-])
-def test_lab_compress_check_catches_mistakes(wrong, hint):
-    from course_lib.checks import CheckFailed
-    with pytest.raises(CheckFailed, match=hint):
-        checks_compression.check_topk_compress(wrong)
-
-
-def test_lab_compress_check_passes_the_reference():
-    assert checks_compression.check_topk_compress(compression.topk_compress) is True
-
-    def unfinished(grad, residual, k):
-        raise NotImplementedError
-    assert checks_compression.check_topk_compress(unfinished) is False

@@ -3,18 +3,17 @@
 import numpy as np
 import pytest
 
-from course_lib import ddp, ddp_check, timeline
+from course_lib import ddp, timeline
 from course_lib.buckets import assign_buckets
-from course_lib.cluster import RemoteError, start_cluster
+from course_lib.cluster import RemoteError
+from course_lib.testing import ddp as ddp_check
 
 WRAPPED = [(s, w, a) for s in ddp.STRATEGIES for w in ("ddp", "optimizer", "functional")
            for a in ddp.ALGORITHMS if not (s == "overlap" and w == "functional")]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    with start_cluster(n=2, backend="gloo", timeout=60) as c:
-        yield c
+CLUSTER_SIZE = 2  # the shared cluster of tests/conftest.py
+CLUSTER_BACKEND = "gloo"
 
 
 def test_buckets_fill_in_reverse_order_up_to_the_cap():
@@ -38,6 +37,17 @@ def test_n_ranks_equal_one_process_and_torch_ddp(cluster, strategy, wrapper, alg
     assert ddp_check.max_difference(runs, reference) < 1e-10
     assert ddp_check.max_difference(runs, torch_ddp[0]["params"]) < 1e-12
     assert not np.allclose(runs[0]["params"][0], runs[0]["params"][-1])   # it did train
+
+
+def test_the_naive_version_equals_one_process_and_torch_ddp(cluster):
+    reference = ddp_check.single_process(steps=3, batch=65)
+    torch_ddp = cluster.run(ddp_check.train_on_rank, "torch", steps=3, batch=65)
+    runs = cluster.run(ddp_check.train_on_rank, steps=3, batch=65, wrapper="naive")
+    assert ddp_check.max_difference(runs, reference) < 1e-10
+    assert ddp_check.max_difference(runs, torch_ddp[0]["params"]) < 1e-12
+    assert not np.allclose(runs[0]["params"][0], runs[0]["params"][-1])   # it did train
+    with pytest.raises(RemoteError, match="have no gradient"):  # no backward: named, not hung
+        cluster.run(ddp_check.train_on_rank, steps=1, batch=8, variant="unused", wrapper="naive")
 
 
 def test_float32_equals_one_process_to_1e_5(cluster):

@@ -7,8 +7,8 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from course_lib import figures_allreduce as fa  # noqa: E402
 from course_lib.data import shard_bounds  # noqa: E402
+from course_lib.figures import allreduce as fa  # noqa: E402
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))

@@ -5,14 +5,10 @@ import numpy as np
 import pytest
 
 from course_lib import data, gd, ps
-from course_lib.cluster import RemoteError, start_cluster
+from course_lib.cluster import RemoteError
 from course_lib.models import LinearRegression, SoftmaxRegression
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    with start_cluster(n=4, timeout=60) as c:
-        yield c
+CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
 
 
 @pytest.fixture(scope="module")

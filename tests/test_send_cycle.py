@@ -85,12 +85,11 @@ def test_bad_arguments():
         S.run_cycle([1], "send", world_size=1)
 
 
-def test_ring_over_course_comm_on_a_cluster():
-    from course_lib.cluster import RemoteError, start_cluster
-    with start_cluster(n=2, timeout=30) as cluster:
-        reports = cluster.run(S.ring_exchange, MIB, "sendrecv")
-        assert [(r["rank"], r["from"], r["got"]) for r in reports] == [(0, 1, 1.0), (1, 0, 0.0)]
-        with pytest.raises(RemoteError, match="CommTimeout") as info:
-            cluster.run(S.ring_exchange, 1024, "send", 1.0)
-        assert "rank 0: send to rank 1 of 128 x float64 (1024 bytes)" in info.value.errors[0]
-        assert cluster.run(S.ring_exchange, 8, "sendrecv")[0]["got"] == 1.0  # repaired
+def test_ring_over_course_comm_on_a_cluster(cluster):
+    from course_lib.cluster import RemoteError
+    reports = cluster.run(S.ring_exchange, MIB, "sendrecv")
+    assert [(r["rank"], r["from"], r["got"]) for r in reports] == [(0, 1, 1.0), (1, 0, 0.0)]
+    with pytest.raises(RemoteError, match="CommTimeout") as info:
+        cluster.run(S.ring_exchange, 1024, "send", 1.0)
+    assert "rank 0: send to rank 1 of 128 x float64 (1024 bytes)" in info.value.errors[0]
+    assert cluster.run(S.ring_exchange, 8, "sendrecv")[0]["got"] == 1.0  # repaired

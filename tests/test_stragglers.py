@@ -9,14 +9,11 @@ import numpy as np
 import pytest
 
 from course_lib import data, gd, ps, stragglers
-from course_lib.cluster import RemoteError, start_cluster
+from course_lib.cluster import RemoteError
 from course_lib.models import SoftmaxRegression
 
-
-@pytest.fixture(scope="module")
-def cluster():
-    with start_cluster(n=4, backend="gloo", timeout=60) as c:
-        yield c
+CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
+CLUSTER_BACKEND = "gloo"
 
 
 @pytest.fixture(scope="module")

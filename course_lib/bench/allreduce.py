@@ -1,0 +1,384 @@
+"""Benchmarks in the style of nccl-tests: ``python -m course_lib bench allreduce ...``.
+
+Introduced in notebooks/05_allreduce.ipynb. Each allreduce of :mod:`course_lib.collectives` runs
+side by side with the native one (``dist.all_reduce`` over Gloo or NCCL, ``MPI.Allreduce`` over
+mpi4py) in the same run, and one table per world size shows how they compare::
+
+    python -m course_lib bench allreduce --world-size 2,4 --sizes 1K-1M       # a local cluster
+    python -m course_lib bench allreduce --transport mpi --sizes 1M,16M --launcher mpiexec
+    mpiexec -n 2 python -m course_lib bench allreduce --transport mpi           # already launched
+
+Method. Rank r fills element i with r + 1 + (i mod 13), so the exact sum is a small integer that
+every dtype holds. After ``warmup`` untimed rounds, ``iters`` rounds run the algorithms round-robin
+(native, naive, ..., native, naive, ...) so that drift on a shared machine hits them all alike.
+Before each operation a rank refills its buffer (untimed) and waits at a barrier; its time runs
+from leaving the barrier to the end of its operation. Reported: the median over rounds of the
+MAXIMUM over ranks (a collective ends when its slowest rank does). After the timed rounds each
+algorithm runs once more and its result is compared with the exact sum: #wrong counts the
+elements that differ, summed over ranks.
+
+Columns: algbw = size / time; busbw = algbw * 2(N-1)/N, what each rank's link must carry per
+second in a bandwidth-optimal allreduce, comparable across N (nccl-tests' definition). On one
+machine the links are memory copies, so the ceiling printed is single-core memcpy bandwidth
+(a large numpy copy, bytes copied per second). "vs native" = native time / this time.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from course_lib.bench import common
+from course_lib.bench.common import (
+    BenchError,
+    argtype,
+    format_size,  # noqa: F401 - notebook 05 calls bench.format_size
+    memcpy_bandwidth,
+    parse_list,
+    parse_size,  # noqa: F401 - part of this benchmark's interface
+    parse_sizes,
+    text_table,
+)
+from course_lib.costmodel import algbw, busbw
+from course_lib.launch import launched_rank, run_ranks
+
+HELP = "every allreduce algorithm against the native one"
+
+COLUMNS = ["world_size", "transport", "backend", "algorithm", "size", "count", "type", "time_us",
+           "algbw", "busbw", "busbw_of_memcpy", "wrong", "vs_native", "memcpy", "iters", "warmup"]
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int32"]
+
+
+def format_table(rows, memcpy=None):
+    """Rows of :func:`allreduce_rank_bench` as nccl-tests-style text, one table per world size."""
+    groups, out = {}, []
+    for r in rows:
+        groups.setdefault((r["world_size"], r["transport"], r["backend"], r["type"]), []).append(r)
+    for (world_size, transport, backend, dtype), group in groups.items():
+        out.append(f"# allreduce over {transport} ({backend}), world size {world_size}, {dtype}: "
+                   f"median of {group[0]['iters']} rounds after {group[0]['warmup']} warm-up(s),"
+                   " algorithms interleaved, time of the slowest rank")
+        if memcpy:
+            out.append(f"# ceiling: single-core memcpy {memcpy:.2f} GB/s")
+        cells = []
+        for i, r in enumerate(group):
+            if i and r["size"] != group[i - 1]["size"]:
+                cells.append(None)  # a blank line between sizes
+            cells.append([r["size"], r["count"], r["type"], r["algorithm"], f"{r['time_us']:.1f}",
+                          f"{r['algbw']:.3f}", f"{r['busbw']:.3f}",
+                          f"{r['busbw'] / memcpy:.1%}" if memcpy else "-", r["wrong"],
+                          f"{r['vs_native']:.2f}x" if r.get("vs_native") else "-"])
+        out += text_table([["size", "count", "type", "algorithm", "time", "algbw", "busbw",
+                            "busbw/", "#wrong", "vs"],
+                           ["(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "memcpy", "",
+                            "native"]], cells, ">>><>>>>>>")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_csv(rows, path, memcpy=None):
+    """One CSV row per (world size, algorithm, size) with every column of :data:`COLUMNS`."""
+    common.write_csv(rows, path, COLUMNS, lambda r: dict(
+        memcpy=memcpy or "", busbw_of_memcpy=r["busbw"] / memcpy if memcpy else ""))
+
+
+# ---------------------------------------------------------------- what every rank runs
+def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10, warmup=2,
+                         timeout=30.0, check=True):
+    """Time ``algorithms`` ("native" or keys of collectives.ALGORITHMS) at ``sizes`` (bytes).
+
+    Runs on every rank (a cluster engine, or a process under mpiexec / torchrun); returns the
+    same rows on every rank: dicts with the keys of :data:`COLUMNS` but memcpy (bandwidths in
+    GB/s). ``timeout``: deadline of each point-to-point wait and barrier, in seconds.
+    ``check=False`` times the algorithms without their agreement round (native has none).
+    """
+    from course_lib.collectives import allreduce
+    from course_lib.comm import get_comm
+    comm = get_comm(transport, timeout=timeout)
+    p, device, backend = comm.world_size, *_device(comm)
+    ops = {name: _native(comm) if name == "native" else
+           (lambda buf, name=name: allreduce(buf, comm, algorithm=name, check=check))
+           for name in algorithms}
+    rows = []
+    for size in sizes:
+        src, buf, expected = _buffers(transport, dtype, device, size, comm.rank, p)
+        times, wrong = np.zeros((len(algorithms), iters)), np.zeros(len(algorithms))
+        for it in range(-warmup, iters):
+            for k, name in enumerate(algorithms):  # round-robin: drift hits every algorithm
+                _copy(buf, src)
+                comm.barrier()
+                _sync(device)
+                t = time.perf_counter()
+                ops[name](buf)
+                _sync(device)
+                if it >= 0:
+                    times[k, it] = time.perf_counter() - t
+        for k, name in enumerate(algorithms):  # after the timed rounds: is each result exact?
+            _copy(buf, src)
+            ops[name](buf)
+            wrong[k] = int((buf != expected).sum())
+        median = np.median(_reduce(comm, times, "max"), axis=1)
+        wrong = _reduce(comm, wrong, "sum")
+        n_bytes, count = buf.nbytes, len(buf)
+        for k, name in enumerate(algorithms):
+            rows.append(dict(
+                world_size=p, transport=transport, backend=backend, algorithm=name, size=n_bytes,
+                count=count, type=dtype, time_us=median[k] * 1e6,
+                algbw=algbw(n_bytes, median[k]) / 1e9, busbw=busbw(n_bytes, median[k], p) / 1e9,
+                wrong=int(wrong[k]), iters=iters, warmup=warmup,
+                vs_native=(float(median[algorithms.index("native")] / median[k])
+                           if "native" in algorithms else None)))
+        del src, buf, expected
+    return rows
+
+
+def fusion_rank_bench(transport, algorithm="native", count=256, tensor_bytes=4096, iters=5,
+                      warmup=1, timeout=30.0):
+    """The tiny-allreduce problem, measured on every rank: ``count`` float32 tensors of
+    ``tensor_bytes`` each, allreduced one after another, against tensor fusion (copy them into
+    one buffer, one allreduce, copy back). Returns ``{"separate_s", "fused_s"}``: medians over
+    rounds of the slowest rank. Introduced in notebooks/05_allreduce.ipynb."""
+    from course_lib.collectives import allreduce
+    from course_lib.comm import get_comm
+    comm = get_comm(transport, timeout=timeout)
+    device = _device(comm)[0]
+    op = _native(comm) if algorithm == "native" else \
+        (lambda buf: allreduce(buf, comm, algorithm=algorithm))
+    n = max(tensor_bytes // 4, 1)
+    if transport == "mpi":
+        tensors, fused = [np.ones(n, np.float32) for _ in range(count)], np.empty(n * count,
+                                                                                  np.float32)
+    else:
+        import torch
+        tensors = [torch.ones(n, device=device) for _ in range(count)]
+        fused = torch.empty(n * count, device=device)
+
+    def separate():
+        for t in tensors:
+            op(t)
+
+    def fuse():
+        for i, t in enumerate(tensors):
+            _copy(fused[i * n:(i + 1) * n], t)
+        op(fused)
+        for i, t in enumerate(tensors):
+            _copy(t, fused[i * n:(i + 1) * n])
+
+    times = np.zeros((2, iters))
+    for it in range(-warmup, iters):
+        for k, fn in enumerate((separate, fuse)):
+            comm.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if it >= 0:
+                times[k, it] = time.perf_counter() - t0
+    separate_s, fused_s = np.median(_reduce(comm, times, "max"), axis=1)
+    return {"separate_s": float(separate_s), "fused_s": float(fused_s)}
+
+
+def _device(comm):
+    """(device of the buffers, backend name) of a comm."""
+    if getattr(comm, "backend", "") == "nccl":
+        import torch
+        return f"cuda:{torch.cuda.current_device()}", "nccl"
+    return "cpu", getattr(comm, "backend", comm.transport)
+
+
+def _native(comm):
+    if comm.transport == "mpi":
+        return lambda buf: comm.mpi.Allreduce(comm.MPI.IN_PLACE, buf, op=comm.MPI.SUM)
+    return lambda buf: comm.dist.all_reduce(buf, group=comm.group)
+
+
+def _buffers(transport, dtype, device, size, rank, p):
+    """This rank's input, a buffer to reduce in place, and the exact sum over ranks."""
+    itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+    if size < itemsize:
+        raise BenchError(f"size {size} B is smaller than one {dtype}")
+    pattern = np.arange(size // itemsize, dtype=np.int64) % 13
+    src, expected = pattern + (rank + 1), pattern * p + p * (p + 1) // 2
+    if transport == "mpi":
+        if dtype == "bfloat16":
+            raise BenchError("numpy has no bfloat16: use --transport torch for it")
+        return src.astype(dtype), np.empty(len(src), dtype), expected.astype(dtype)
+    import torch
+    src, expected = (torch.from_numpy(a).to(device, getattr(torch, dtype)) for a in (src, expected))
+    return src, torch.empty_like(src), expected
+
+
+def _copy(dst, src):
+    np.copyto(dst, src) if isinstance(dst, np.ndarray) else dst.copy_(src)
+
+
+def _sync(device):
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+def _reduce(comm, values, op):
+    """Max or sum of a small float64 array over ranks, by the transport's native collective."""
+    values = np.ascontiguousarray(values, dtype=np.float64)
+    if comm.transport == "mpi":
+        comm.mpi.Allreduce(comm.MPI.IN_PLACE, values, op=getattr(comm.MPI, op.upper()))
+        return values
+    import torch
+    t = torch.from_numpy(values).to(_device(comm)[0])
+    comm.dist.all_reduce(t, op=getattr(comm.dist.ReduceOp, op.upper()), group=comm.group)
+    return t.cpu().numpy()
+
+
+# ---------------------------------------------------------------- the command line
+DEFAULT_ALGORITHMS = "native,naive,tree,ring,ring_pipelined"
+
+
+def arguments(parser):
+    """The options of ``python -m course_lib bench allreduce``."""
+    a = parser.add_argument
+    a("--transport", choices=["torch", "mpi"], default="torch",
+      help="torch.distributed (Gloo / NCCL) or mpi4py (default torch)")
+    a("--backend", choices=["gloo", "nccl"], default="gloo",
+      help="torch transport: Gloo on CPU, or NCCL with one GPU per rank (default gloo)")
+    a("--world-size", type=argtype(_world_sizes), default="2", help="ranks, a comma list like 2,4")
+    a("--sizes", type=argtype(parse_sizes), default="1K-1M",
+      help="bytes: a doubling range like 1K-64M or a list like 1M,16M (default 1K-1M)")
+    a("--algorithms", type=argtype(_algorithms), default=DEFAULT_ALGORITHMS,
+      help=f"comma list (default {DEFAULT_ALGORITHMS})")
+    a("--dtype", choices=DTYPES, default="float32")
+    a("--iters", type=int, default=10, help="timed rounds (default 10)")
+    a("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    a("--no-check", dest="check", action="store_false",
+      help="skip the agreement round (shapes, dtypes) that guards every from-scratch call")
+    a("--csv", help="also write one row per world size, algorithm and size to this file")
+    a("--launcher", choices=["cluster", "mpiexec", "torchrun", "inside"], default="cluster",
+      help="how ranks start: a local ipyparallel cluster (default), mpiexec or torchrun; "
+           "'inside': this process is a rank already (found out by itself under mpiexec/torchrun)")
+    a("--timeout", type=float, default=30.0, help="deadline of each operation, s (default 30)")
+    a("--time-limit", type=float, default=600.0,
+      help="deadline of the whole run of one world size, s (default 600)")
+    a("--rows-json", help=argparse.SUPPRESS)  # where a launched rank 0 leaves its rows
+
+
+def _world_sizes(text):
+    values = parse_list(text, what="--world-size", example="2,4")
+    if min(values) < 2:
+        raise ValueError(f"expected rank counts >= 2 like 2,4 (an allreduce needs 2), not {text!r}")
+    return values
+
+
+def _algorithms(text):
+    from course_lib.collectives import ALGORITHMS
+    names = [a.strip() for a in text.split(",") if a.strip()]
+    bad = [a for a in names if a != "native" and a not in ALGORITHMS]
+    if bad or not names:
+        raise ValueError(f"unknown algorithm(s) {bad}: choose from native, {', '.join(ALGORITHMS)}")
+    return names
+
+
+def main(args):
+    """Run ``bench allreduce`` with parsed ``args``; 0 when it ran and every result was exact."""
+    try:
+        if args.iters < 1 or args.warmup < 0:
+            raise BenchError("--iters must be >= 1 and --warmup >= 0")
+        if args.launcher == "inside" or launched_rank():
+            return _inside(args)
+        _check_backend(args, max(args.world_size))
+        memcpy, rows = memcpy_bandwidth(), []
+        for world_size in args.world_size:
+            print(f"# world size {world_size}: starting ranks ({args.launcher})", file=sys.stderr)
+            rows += (_on_cluster if args.launcher == "cluster" else _launch)(args, world_size,
+                                                                               memcpy)
+    except (RuntimeError, TimeoutError, ValueError) as e:  # BenchError, ClusterError, CommError
+        print(f"bench allreduce: {e}", file=sys.stderr)
+        return 1
+    return _report(rows, memcpy, args.csv)
+
+
+def _report(rows, memcpy, csv_path):
+    print(format_table(rows, memcpy))
+    if csv_path:
+        write_csv(rows, csv_path, memcpy)
+    wrong = sorted({r["algorithm"] for r in rows if r["wrong"]})
+    if wrong:
+        print(f"bench allreduce: WRONG results from {', '.join(wrong)}", file=sys.stderr)
+    return 1 if wrong else 0
+
+
+def _check_backend(args, gpus_needed):
+    if args.backend != "nccl":
+        return
+    if args.transport != "torch":
+        raise BenchError("--backend nccl goes with --transport torch (mpi moves CPU buffers)")
+    import torch
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < gpus_needed:
+        raise BenchError(f"--backend nccl needs one CUDA GPU per rank ({gpus_needed}); this "
+                         f"machine has {found}. On CPU use --backend gloo.")
+
+
+def _bench_args(args):
+    return (args.transport, args.algorithms, args.sizes, args.dtype, args.iters, args.warmup,
+            args.timeout, args.check)
+
+
+def _on_cluster(args, world_size, memcpy):
+    from course_lib.cluster import start_cluster
+    with start_cluster(n=world_size, backend=args.backend, timeout=args.time_limit,
+                       engines="mpi" if args.transport == "mpi" else "local",
+                       pg_timeout=args.timeout) as cluster:
+        return cluster.run(allreduce_rank_bench, *_bench_args(args))[0]
+
+
+def _launch(args, world_size, memcpy):
+    """Start ``world_size`` copies of this command under mpiexec or torchrun; rank 0's rows."""
+    with tempfile.TemporaryDirectory(prefix="course_lib-bench-") as tmp:
+        out = os.path.join(tmp, "rows.json")
+        inner = ["-m", "course_lib", "bench", "allreduce", "--launcher", "inside",
+                 "--rows-json", out, "--world-size", str(world_size),
+                 "--sizes", ",".join(map(str, args.sizes)),
+                 "--algorithms", ",".join(args.algorithms)]
+        for opt in ("transport", "backend", "dtype", "iters", "warmup", "timeout"):
+            inner += [f"--{opt}", str(getattr(args, opt))]
+        inner += [] if args.check else ["--no-check"]
+        env = dict(os.environ, MPIEXEC_TIMEOUT=str(int(args.time_limit)), OMP_NUM_THREADS="1",
+                   COURSE_LIB_MEMCPY_GBS=repr(memcpy))
+        run_ranks(args.launcher, world_size, inner, env, args.time_limit)
+        with open(out) as f:
+            return json.load(f)
+
+
+def _inside(args):
+    """This process is one rank, started by mpiexec or torchrun: run; rank 0 reports."""
+    if launched_rank() is None:
+        raise BenchError("--launcher inside is for ranks started by mpiexec or torchrun")
+    rank, local_rank = launched_rank()
+    import torch
+    torch.set_num_threads(1)
+    memcpy = os.environ.get("COURSE_LIB_MEMCPY_GBS")
+    memcpy = float(memcpy) if memcpy else memcpy_bandwidth() if rank == 0 else None
+    if args.transport == "torch":
+        from course_lib.comm import init_torch_from_launcher
+        if os.environ.get("MASTER_ADDR", "localhost") in ("localhost", "127.0.0.1"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only
+        if args.backend == "nccl":
+            _check_backend(args, local_rank + 1)
+            torch.cuda.set_device(local_rank)
+        init_torch_from_launcher(args.backend, timeout=args.timeout)
+    elif "RANK" in os.environ and "MASTER_PORT" in os.environ:
+        raise BenchError("--transport mpi needs ranks started by mpiexec, not torchrun")
+    rows = allreduce_rank_bench(*_bench_args(args))
+    if args.transport == "torch":
+        torch.distributed.destroy_process_group()
+    if rank != 0:
+        return 0
+    if args.rows_json:
+        with open(args.rows_json, "w") as f:
+            json.dump(rows, f)
+        return 0
+    return _report(rows, memcpy, args.csv)

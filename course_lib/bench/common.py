@@ -1,0 +1,123 @@
+"""What every benchmark shares: sizes and lists from the command line, text tables, CSV files.
+
+Each benchmark module in this package offers ``HELP`` (one line), ``arguments(parser)`` (its
+options) and ``main(args)`` (run, print, return an exit code); ``python -m course_lib bench``
+finds them by name, so adding ``bench/<name>.py`` adds ``bench <name>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import re
+import time
+
+import numpy as np
+
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run (bad setting, missing GPU, a launcher that failed)."""
+
+
+# ---------------------------------------------------------------- the command line
+def parse_size(text):
+    """'4K' -> 4096: bytes with an optional binary unit K, M or G (nccl-tests' -b / -e)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(I?B)?\s*", str(text).upper())
+    if not m:
+        raise ValueError(f"bad size {text!r}: use bytes with an optional unit, like 512, 4K, 64M")
+    return int(m.group(1)) * UNITS[m.group(2)]
+
+
+def parse_sizes(text):
+    """'1K-64M' -> 1K, 2K, 4K, ..., 64M (doubling, like ``-b 1K -e 64M -f 2``); '1M,16M' -> both."""
+    sizes = []
+    for item in text.split(","):
+        lo, dash, hi = item.partition("-")
+        lo = parse_size(lo)
+        hi = parse_size(hi) if dash else lo
+        if lo < 1 or hi < lo:
+            raise ValueError(f"bad size range {item!r}: need 1 <= first <= last")
+        while lo <= hi:
+            sizes.append(lo)
+            lo *= 2
+    return sizes
+
+
+def parse_list(text, convert=int, minimum=1, what="values", example="1,2,4"):
+    """'1,2,4' -> [1, 2, 4]: a comma list of numbers, each at least ``minimum`` (``minimum``
+    excluded for floats), or a ValueError that names ``what`` and shows ``example``."""
+    try:
+        values = [convert(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    low = bool(values) and (min(values) <= minimum if convert is float else min(values) < minimum)
+    if not values or low:
+        bound = f"> {minimum:g}" if convert is float else f">= {minimum}"
+        raise ValueError(f"{what}: expected a comma list of numbers {bound} like {example}, "
+                         f"not {text!r}")
+    return values
+
+
+def argtype(parse):
+    """``parse`` as an argparse ``type=``: its ValueError becomes a usage error."""
+    def parse_arg(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse_arg.__name__ = getattr(parse, "__name__", "value")
+    return parse_arg
+
+
+# ---------------------------------------------------------------- measurements and output
+def format_size(n_bytes):
+    """4194304 -> '4 MiB', 1536 -> '1536 B': the largest binary unit that divides it exactly."""
+    for unit in ("GiB", "MiB", "KiB"):
+        if n_bytes >= UNITS[unit[0]] and n_bytes % UNITS[unit[0]] == 0:
+            return f"{n_bytes // UNITS[unit[0]]} {unit}"
+    return f"{n_bytes} B"
+
+
+def memcpy_bandwidth(n_bytes=64 * 2**20, repeats=9):
+    """Single-core memcpy bandwidth in GB/s: bytes copied per second, median of ``repeats``.
+    Every benchmark prints it as the machine's ceiling."""
+    src = np.ones(n_bytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):  # the first copy also faults the pages in: not counted
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return n_bytes / float(np.median(times[1:])) / 1e9
+
+
+def text_table(header, rows, align=None):
+    """Lines of a fixed-width table: ``header`` is one or more rows of column titles (printed
+    as comments, starting with '#'), ``rows`` lists of cells; ``None`` in ``rows`` is a blank
+    line. ``align`` holds '<' or '>' per column (default: first left, the rest right)."""
+    header = [header] if header and isinstance(header[0], str) else header
+    n = len(header[0])
+    align = align or "<" + ">" * (n - 1)
+    cells = [[str(c) for c in r] for r in rows if r is not None]
+    widths = [max(len(r[i]) for r in header + cells) for i in range(n)]
+
+    def line(r):
+        return " ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths, strict=True))
+
+    out = ["#" + line(h)[1:] if line(h)[:1] == " " else "#" + line(h) for h in header]
+    out += ["" if r is None else line([str(c) for c in r]) for r in rows]
+    return out
+
+
+def write_csv(rows, path, columns=None, extra=None):
+    """Write ``rows`` (dicts) to ``path``, one per line, with ``columns`` (default: the keys of
+    the first row) plus ``extra`` fields in every row; prints where they went."""
+    columns = columns or list(rows[0]) if rows else columns or []
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(dict(r, **(extra(r) if extra else {})))
+    print(f"# {len(rows)} rows written to {path}")

@@ -1,0 +1,174 @@
+"""The check framework: run a student's function and the reference side by side on seeded cases.
+
+Every lab's checks (``checks/labNN_topic.py``) are built on it. In a lab notebook, right under
+the exercise cell::
+
+    from course_lib.checks import lab01_gradient_descent as checks
+    ok_epoch = checks.check_minibatch_epoch(minibatch_epoch)
+
+A check prints ``✓ check_name: 5/5 cases match the reference`` and returns True, or raises
+``CheckFailed`` (an ``AssertionError``) whose message names the case, the input sizes, what was
+expected and what came back, and a hint. A function that still raises ``NotImplementedError``
+gets a friendly notice and the check returns False without raising, so the generated student
+notebook runs from top to bottom.
+
+Adding a check for a new lab: build a list of ``Case`` (a label and a function returning fresh
+arguments) and call ``run_check``; pass ``diagnose`` to turn a mismatch into a targeted hint.
+Checks that run the student's code on a cluster's ranks send it with ``pack_function``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class CheckFailed(AssertionError):
+    """A student's function disagrees with the reference; the message says where and why."""
+
+
+@dataclass
+class Case:
+    """One test case: ``args()`` returns fresh positional arguments (new arrays, new rng)."""
+
+    label: str
+    args: Callable[[], tuple]
+
+
+def _is_tensor(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _as_array(x: Any) -> np.ndarray:
+    if _is_tensor(x):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=float)
+
+
+def _summary(a: np.ndarray) -> str:
+    """A short human summary of an array: shape and (first) values."""
+    flat = a.ravel()
+    head = np.array2string(flat[:4], precision=5, separator=", ")
+    more = " ..." if flat.size > 4 else ""
+    return f"shape {a.shape}, values {head}{more}"
+
+
+def compare(expected: Any, got: Any, name: str = "output", rtol: float = 1e-6,
+            atol: float = 1e-9) -> str | None:
+    """Describe the first difference between ``expected`` and ``got``, or return None.
+
+    Tuples and lists are compared element by element (length first); numbers, numpy arrays and
+    torch tensors by shape and ``np.allclose(got, expected, rtol, atol)``.
+    """
+    if isinstance(expected, (tuple, list)):
+        if not isinstance(got, (tuple, list, np.ndarray)) and not _is_tensor(got):
+            return (f"{name}: expected a sequence of length {len(expected)}, "
+                    f"got {type(got).__name__}")
+        if len(got) != len(expected):
+            return f"{name}: expected length {len(expected)}, got length {len(got)}"
+        for i, (e, g) in enumerate(zip(expected, got, strict=True)):
+            problem = compare(e, g, f"{name}[{i}]", rtol, atol)
+            if problem:
+                return problem
+        return None
+    try:
+        e, g = _as_array(expected), _as_array(got)
+    except (TypeError, ValueError):
+        return f"{name}: expected a number or an array, got {type(got).__name__}"
+    if e.shape != g.shape:
+        return f"{name}: expected shape {e.shape}, got shape {g.shape}"
+    if not np.allclose(g, e, rtol=rtol, atol=atol):
+        if e.ndim == 0:
+            return f"{name}: expected {e.item():.6g}, got {g.item():.6g}"
+        worst = np.unravel_index(np.argmax(np.abs(g - e)), e.shape)
+        return (f"{name}: values differ (largest difference at index {tuple(map(int, worst))}: "
+                f"expected {e[worst]:.6g}, got {g[worst]:.6g})\n"
+                f"  expected {_summary(e)}\n  got      {_summary(g)}")
+    return None
+
+
+def _changed_inputs(before: tuple, after: tuple) -> list[int]:
+    """Positions of array/tensor arguments whose values differ between two argument tuples."""
+    changed = []
+    for i, (b, a) in enumerate(zip(before, after, strict=True)):
+        if (isinstance(b, np.ndarray) or _is_tensor(b)) and compare(b, a, rtol=0, atol=0):
+            changed.append(i)
+    return changed
+
+
+def not_implemented(name: str) -> bool:
+    """Print the friendly 'not implemented yet' notice; return False."""
+    print(f"… {name}: not implemented yet — fill in the cell above, then run this check again.")
+    return False
+
+
+def run_check(name: str, student_fn: Callable, reference_fn: Callable, cases: Sequence[Case],
+              *, hint: str, output_names: Sequence[str] | None = None, rtol: float = 1e-6,
+              atol: float = 1e-9, result_name: str = "result", arg_names: Sequence[str] = (),
+              inputs_unchanged: bool = False,
+              diagnose: Callable[[Any, Any], str | None] | None = None) -> bool:
+    """Compare ``student_fn(*case.args())`` with ``reference_fn(*case.args())`` on every case.
+
+    Each side gets its own fresh arguments. ``output_names`` labels the parts of a tuple
+    result (``result_name`` a single result); ``inputs_unchanged`` makes it an error to modify
+    an array argument in place (``arg_names`` names them in the message);
+    ``diagnose(expected, got)`` may return a hint more specific than ``hint``. Prints the pass
+    line and returns True; returns False if the student function raises NotImplementedError;
+    raises CheckFailed otherwise.
+    """
+    for number, case in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases)} ({case.label})"
+        expected = reference_fn(*case.args())
+        args = case.args()
+        try:
+            got = student_fn(*args)
+        except NotImplementedError:
+            return not_implemented(name)
+        except CheckFailed as err:  # raised by a wrapper around the student's function
+            raise CheckFailed(f"{where}\n  {err}\nHint: {hint}") from None
+        except Exception as err:  # a crash in the student's code: report it as a failed check
+            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}"
+                              f"\nHint: {hint}") from err
+        if inputs_unchanged:
+            for i in _changed_inputs(case.args(), args):
+                arg = arg_names[i] if i < len(arg_names) else f"argument {i}"
+                raise CheckFailed(f"{where}\n  your function modified its input '{arg}' in place."
+                                  f"\nHint: make a new array ({arg} = {arg} - ...) instead of "
+                                  f"changing the caller's ({arg} -= ...).")
+        parts = list(output_names or [])
+        if parts and isinstance(expected, tuple):
+            if not isinstance(got, (tuple, list)) or len(got) != len(expected):
+                raise CheckFailed(f"{where}\n  expected a tuple ({', '.join(parts)}), got "
+                                  f"{type(got).__name__}\nHint: return {', '.join(parts)}")
+            problem = "\n  ".join(filter(None, (compare(e, g, n, rtol, atol) for e, g, n
+                                                 in zip(expected, got, parts, strict=True))))
+        else:
+            problem = compare(expected, got, result_name, rtol, atol)
+        if problem:
+            specific = diagnose(expected, got) if diagnose else None
+            raise CheckFailed(f"{where}\n  {problem}\nHint: {specific or hint}")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference")
+    return True
+
+
+def pack_function(fn: Callable) -> bytes:
+    """A student's function as bytes that engines can load (``cloudpickle.loads``): by value,
+    with the globals it uses, unless it comes from course_lib or an installed package.
+    (ipyparallel's own pickling drops a notebook function's globals such as ``np``.)"""
+    import cloudpickle
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    file = getattr(module, "__file__", None) or ""
+    by_value = (module is not None and module.__name__ != "__main__"
+                and not module.__name__.startswith("course_lib")
+                and not file.startswith((sys.prefix, sys.base_prefix)))
+    if by_value:  # a module of the student's own: the engines may not be able to import it
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(fn)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)

@@ -1,0 +1,294 @@
+"""Lab 02 checks: run a student's function on every rank of a real cluster, compare the results.
+
+Used in labs/02_parallel_computing.ipynb, right under each exercise::
+
+    from course_lib.checks import lab02_parallel_computing as checks
+    ok_ring = checks.check_ring_pass(ring_pass, cluster)
+    ok_grad = checks.check_global_gradient(global_gradient, cluster)
+
+The student's function is serialised with cloudpickle (by value, with the globals it uses, so
+a function defined in the notebook runs on the engines) and called on the first ``world_size``
+ranks of the cluster as ``fn(comm, ...)``, with ``comm`` a ``course_lib.comm`` communicator over
+those ranks (a torch.distributed group, Gloo on CPU) whose waits time out after ``timeout``
+seconds. Each case uses fresh seeded inputs; world sizes run from 2 to the cluster's size. A
+blocking send cycle ends in a ``CommTimeout`` on the ranks, which the check turns into a hint
+instead of a hang. The conventions are those of ``course_lib.checks``: a pass line and True,
+``CheckFailed`` with a hint, or False (with a notice) while the function is not written yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from course_lib.checks.framework import CheckFailed, compare, not_implemented, pack_function
+
+DEADLOCK_HINT = (
+    "the ranks waited for each other until the deadline: a blocking-send cycle. When every rank "
+    "first sends to its right neighbour and only then receives, each send waits for a receive "
+    "that is never posted (Gloo's send always waits for the matching receive; MPI's does once "
+    "the message is larger than its eager limit). Use comm.sendrecv(sendbuf, right, recvbuf, "
+    "left), or let even ranks send first and odd ranks receive first.")
+
+
+@dataclass
+class _Case:
+    label: str
+    world_size: int
+    kind: str      # "ring" or "gradient"
+    params: tuple
+
+
+# ---------------------------------------------------------------- on the engines
+def _rank_inputs(kind, params, rank, world_size):
+    """This rank's arguments for a case (after ``comm``), rebuilt from the seed on each side."""
+    if kind == "ring":
+        shape, dtype, seed = params
+        rng = np.random.default_rng([seed, rank])
+        if np.issubdtype(np.dtype(dtype), np.integer):
+            return (rng.integers(-1000, 1000, size=shape).astype(dtype),)
+        return (rng.normal(size=shape).astype(dtype),)
+    from course_lib import data
+    n_total, n_features, seed = params
+    X, y, _ = data.make_linear(n_total, n_features, noise=0.5, seed=seed)
+    theta = np.random.default_rng(seed + 1).normal(size=X.shape[1])
+    X_r, y_r = data.shard(X, y, rank, world_size)
+    return X_r.copy(), y_r.copy(), theta, n_total
+
+
+def _plain(x):
+    """Tensors to numpy arrays (lists and tuples element-wise), so any answer pickles back."""
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if hasattr(x, "detach") and hasattr(x, "numpy"):
+        return x.detach().cpu().numpy()
+    return x
+
+
+def _call_student(fn_bytes, world_size, kind, params, timeout):
+    """On every cluster rank: call the student's function on the first ``world_size`` ranks."""
+    import cloudpickle
+    import torch.distributed as dist
+
+    from course_lib.comm import TorchComm
+    rank = dist.get_rank()
+    group = None
+    if world_size < dist.get_world_size():  # every rank takes part in creating the group
+        group = dist.new_group(list(range(world_size)))
+    if rank >= world_size:
+        return None
+    comm = TorchComm(group=group, timeout=timeout)
+    fn = cloudpickle.loads(fn_bytes)
+    result = _plain(fn(comm, *_rank_inputs(kind, params, rank, world_size)))
+    if group is not None:
+        dist.destroy_process_group(group)
+    return result
+
+
+def _train_on_rank(fn_bytes, n_samples, n_features, lr, num_epochs, seed, timeout):
+    """On every cluster rank: batch GD on this rank's shard with the student's gradient."""
+    import cloudpickle
+
+    from course_lib.comm import get_comm
+    comm = get_comm("torch", timeout=timeout)
+    fn = cloudpickle.loads(fn_bytes)
+    X_r, y_r, _, n_total = _rank_inputs("gradient", (n_samples, n_features, seed), comm.rank,
+                                        comm.world_size)
+    theta = np.zeros(X_r.shape[1])
+    thetas = [theta]
+    for _ in range(num_epochs):
+        theta = theta - lr * np.asarray(_plain(fn(comm, X_r, y_r, theta, n_total)))
+        thetas.append(theta)
+    return np.array(thetas)
+
+
+# ---------------------------------------------------------------- on the client
+def _run_case(name, where, fn_bytes, cluster, case, timeout, hint):
+    """One case on the cluster; returns the per-rank results, or None if not implemented."""
+    from course_lib.cluster import ClusterError, ClusterTimeout, RemoteError
+    try:
+        results = cluster.run(_call_student, fn_bytes, case.world_size, case.kind, case.params,
+                              timeout, timeout=timeout + 30)
+    except RemoteError as err:
+        texts = dict(err.errors)
+        if any(t.startswith("NotImplementedError") for t in texts.values()):
+            return None
+        waits = ("CommTimeout", "CommError")  # ranks left waiting for a partner
+        crashed = {r: t for r, t in texts.items() if not t.startswith(waits)}
+        if crashed:  # a real error on some rank: the others then wait for it in vain
+            rank = min(crashed)
+            raise CheckFailed(f"{where}\n  your function raised on rank(s) {sorted(crashed)}; "
+                              f"rank {rank}: {crashed[rank].splitlines()[0]}\nHint: {hint}"
+                              ) from None
+        timed_out = sorted(r for r, t in texts.items() if t.startswith("CommTimeout"))
+        first = texts[(timed_out or sorted(texts))[0]].splitlines()[0]
+        raise CheckFailed(f"{where}\n  {first}\nHint: {DEADLOCK_HINT}") from None
+    except ClusterTimeout as err:
+        raise CheckFailed(f"{where}\n  {err}\nHint: {DEADLOCK_HINT}") from None
+    except ClusterError as err:
+        raise CheckFailed(f"{where}\n  {err}\nHint: {hint}") from None
+    return results[:case.world_size]
+
+
+def _run_check(name, student_fn, cluster, cases, expected_fn, diagnose, hint, timeout):
+    if cluster.n < 2:
+        raise ValueError(f"{name} needs a cluster of at least 2 engines, this one has {cluster.n}")
+    fn_bytes = pack_function(student_fn)
+    for number, case in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases)} ({case.label})"
+        results = _run_case(name, where, fn_bytes, cluster, case, timeout, hint)
+        if results is None:
+            return not_implemented(name)
+        expected = expected_fn(case)
+        for rank, got in enumerate(results):
+            problem = compare(expected, got, f"rank {rank}'s result")
+            if problem:
+                specific = diagnose(case, expected, got, rank)
+                raise CheckFailed(f"{where}\n  {problem}\nHint: {specific or hint}")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference on every rank")
+    return True
+
+
+def _world_sizes(cluster):
+    return list(range(2, cluster.n + 1))
+
+
+# ---------------------------------------------------------------- exercise 1: ring_pass
+def _ring_expected(case):
+    return [_rank_inputs("ring", case.params, r, case.world_size)[0]
+            for r in range(case.world_size)]
+
+
+def _diagnose_ring(case, expected, got, rank):
+    """Tell aliasing, wrong order and a wrong length apart."""
+    if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+        return (f"return a list of world_size = {len(expected)} arrays, entry r holding rank "
+                "r's value (your own value included, at index rank).")
+    try:
+        got = [np.asarray(g) for g in got]
+        for i in range(len(got)):
+            for j in range(i + 1, len(got)):
+                if np.array_equal(got[i], got[j]) and not np.array_equal(expected[i],
+                                                                          expected[j]):
+                    return (f"entries {i} and {j} hold the same array: you stored one buffer "
+                            "and kept receiving into it. Allocate a new receive buffer every "
+                            "step (np.empty_like(value)).")
+        matches = [next((j for j, e in enumerate(expected) if np.array_equal(g, e)), None)
+                   for g in got]
+    except (TypeError, ValueError):
+        return None
+    if None not in matches:
+        return (f"rank {rank} received every value but stored them at the wrong index "
+                f"(entry i holds rank {matches}[i]'s value). In step s a rank receives the value "
+                "that started on rank (rank - s - 1) % world_size.")
+    return None
+
+
+def check_ring_pass(student_fn: Callable, cluster, seed: int = 0, timeout: float = 5.0) -> bool:
+    """Lab 02, exercise 1: ``ring_pass(comm, value)`` returns every rank's value on every rank.
+
+    Runs on the cluster for world sizes 2 .. cluster.n, with float64, int64, 2-D float32 and a
+    1 MiB payload; every rank must return the list of all values in rank order (compared with
+    the inputs, as ``course_lib.parallel_gd.ring_pass`` returns them). A deadlock ends after
+    ``timeout`` seconds with a hint.
+    """
+    cases = []
+    for k in _world_sizes(cluster):
+        cases += [_Case(f"world_size={k}, value shape (3,) float64", k, "ring",
+                        ((3,), "float64", seed + k))]
+    k = cluster.n
+    cases += [_Case(f"world_size={k}, value shape (4,) int64", k, "ring", ((4,), "int64", seed)),
+              _Case(f"world_size={k}, value shape (2, 3) float32", k, "ring",
+                    ((2, 3), "float32", seed + 1)),
+              _Case(f"world_size={k}, a large value: 131072 float64 (1 MiB)", k, "ring",
+                    ((131072,), "float64", seed + 2))]
+    return _run_check("check_ring_pass", student_fn, cluster, cases, _ring_expected,
+                      _diagnose_ring, timeout=timeout,
+                      hint="world_size - 1 steps; in each, comm.sendrecv(the value you received "
+                           "last, right, a fresh buffer, left); store what arrives at index "
+                           "(rank - step - 1) % world_size.")
+
+
+# ---------------------------------------------------------------- exercise 2: global_gradient
+def _gradient_parts(case):
+    """Per-shard gradient sums and sizes, and the full gradient, for a gradient case."""
+    from course_lib.models import LinearRegression
+    k = case.world_size
+    parts = [_rank_inputs("gradient", case.params, r, k) for r in range(k)]
+    sums = [LinearRegression().grad_sum(theta, X_r, y_r) for X_r, y_r, theta, _ in parts]
+    return sums, [len(p[1]) for p in parts], sum(sums) / case.params[0]
+
+
+def _gradient_expected(case):
+    return _gradient_parts(case)[2]
+
+
+def _diagnose_gradient(case, expected, got, rank):
+    """Map the mismatch to the usual mistakes: no 1/m, own shard only, mean of shard means."""
+    sums, sizes, full = _gradient_parts(case)
+    m, k = case.params[0], case.world_size
+    try:
+        got = np.asarray(got, dtype=float)
+    except (TypeError, ValueError):
+        return None
+    if got.shape != full.shape:
+        return None
+    close = lambda a: bool(np.allclose(got, a, rtol=1e-6, atol=1e-9))
+    if close(full * m):
+        return f"that is the SUM of the gradients: divide by m = n_total = {m}."
+    if close(sums[rank] / m) or (sizes[rank] and close(sums[rank] / sizes[rank])) \
+            or close(sums[rank]):
+        return (f"that is rank {rank}'s own shard only: each rank must combine its gradient "
+                "sum with the sums of all the other ranks (ring_pass them, then add).")
+    means = [s / n for s, n in zip(sums, sizes, strict=True) if n]
+    if means and close(sum(means) / k):
+        return (f"that is the mean of the shard means (1/k times the sum of each shard's mean "
+                f"gradient). It equals the full gradient only when all shards have the same "
+                f"size; here they have {sizes}. Add the shard SUMS and divide by m = {m}.")
+    if means and close(sum(means)):
+        return f"that is the sum of the shard means: add the shard SUMS, then divide by m = {m}."
+    return None
+
+
+def check_global_gradient(student_fn: Callable, cluster, seed: int = 0,
+                          timeout: float = 5.0) -> bool:
+    """Lab 02, exercise 2: ``global_gradient(comm, X_shard, y_shard, theta, n_total)``.
+
+    Every rank must return the full-data gradient ``X.T @ (X @ theta - y) / m`` of the
+    linear-regression loss, as ``course_lib.parallel_gd.global_gradient`` does, for world sizes
+    2 .. cluster.n: even shards, uneven ones, 1000 samples and an empty shard.
+    """
+    cases = [_Case(f"world_size={k}, m=40, 3 features (shards {_sizes(40, k)})", k, "gradient",
+                   (40, 3, seed + k)) for k in _world_sizes(cluster)]
+    k = cluster.n
+    for m, d, s in ((10, 2, 1), (1000, 8, 2), (k - 1, 3, 3)):
+        cases.append(_Case(f"world_size={k}, m={m}, {d} features (shards {_sizes(m, k)})", k,
+                           "gradient", (m, d, seed + s)))
+    return _run_check("check_global_gradient", student_fn, cluster, cases, _gradient_expected,
+                      _diagnose_gradient, timeout=timeout,
+                      hint="g = X_shard.T @ (X_shard @ theta - y_shard) (a sum, fine for an "
+                           "empty shard); bring every rank's g to every rank (ring_pass), add "
+                           "them, divide by n_total.")
+
+
+def _sizes(m, k):
+    from course_lib.data import shard_bounds
+    return [b - a for a, b in (shard_bounds(m, r, k) for r in range(k))]
+
+
+# ---------------------------------------------------------------- use it: train on the cluster
+def train_on_cluster(student_fn: Callable, cluster, n_samples=200, n_features=3, lr=0.1,
+                     num_epochs=30, seed=0, timeout=10.0):
+    """Batch GD with ``student_fn`` as the gradient, each rank on its own shard of the data.
+
+    Returns ``(thetas, spread)``: rank 0's parameters after every epoch (``num_epochs + 1``
+    rows) and the largest difference between any two ranks' parameters (0 when every rank
+    computes the same gradient). Compare ``thetas`` with ``course_lib.gd.batch_gd`` on all the
+    data (data from ``data.make_linear(n_samples, n_features, noise=0.5, seed=seed)``).
+    """
+    per_rank = cluster.run(_train_on_rank, pack_function(student_fn), n_samples, n_features, lr,
+                           num_epochs, seed, timeout, timeout=timeout + 30 + num_epochs)
+    spread = max(float(np.max(np.abs(t - per_rank[0]))) for t in per_rank)
+    return per_rank[0], spread

@@ -1,0 +1,387 @@
+"""Lab 05 checks: a student's ring reduce-scatter, all-gather and allreduce, run on real ranks.
+
+Introduced in labs/05_allreduce.ipynb. The student's functions are defined in the notebook and
+run on every engine of a small cluster (they are sent with cloudpickle, so the helpers and
+imports they use travel with them)::
+
+    from course_lib.checks import lab05_allreduce as checks
+    cluster = start_cluster(n=3)
+    checks.check_ring_reduce_scatter(ring_reduce_scatter, cluster)
+    checks.check_ring_allgather(ring_allgather, cluster)
+    checks.check_ring_allreduce(ring_allreduce, cluster)   # against dist.all_reduce
+
+Each case gives every rank a 1-D torch tensor (lengths that do not divide by the world size,
+shorter than it, several dtypes). Values are multiples of 1/4 small enough that every sum is
+exact in every dtype, so results are compared exactly, and a wrong chunk can be decoded into
+"which ranks' data does it hold" to give a targeted hint. The student's comm counts what each
+rank sends, so a correct result reached by something other than the ring (too many messages, a
+wrong neighbour, whole buffers) fails too. A rank that waits past its deadline (a blocking send
+cycle) comes back as a hint, never a hang. Like every check of :mod:`course_lib.checks`, a
+function that still raises ``NotImplementedError`` makes the check print a notice and return
+False.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from course_lib.checks.framework import (
+    Case,
+    CheckFailed,
+    compare,
+    not_implemented,
+    pack_function,
+)
+from course_lib.data import shard_bounds
+
+# seconds each point-to-point wait of the student's code may take: a short deadline, so that a
+# blocking send cycle comes back as a hint within seconds (the library's waits default to 30 s)
+STUDENT_TIMEOUT = 5.0
+MARK = -10_000  # placeholder values of the all-gather cases are <= MARK; real sums are not
+
+SCHEDULE = {
+    "reduce-scatter": "At step s = 0 .. N-2, rank r sends chunk (r - s - 1) mod N to rank "
+                      "(r + 1) mod N and adds the chunk (r - s - 2) mod N that arrives from rank "
+                      "(r - 1) mod N into its buffer; then rank r holds the full sum of chunk r "
+                      "and returns shard_bounds(len(buf), r, N).",
+    "all-gather": "At step s = 0 .. N-2, rank r sends chunk (r - s) mod N to rank (r + 1) mod N "
+                  "(its own chunk first, then the one it has just received) and receives chunk "
+                  "(r - s - 1) mod N from rank (r - 1) mod N straight into its buffer.",
+}
+SENDRECV = ("use comm.sendrecv(sendbuf, right, recvbuf, left) for each step: it posts the "
+            "receive before the send, so a ring of them cannot block")
+
+
+# ---------------------------------------------------------------- on every rank
+# ``run_student`` unpacks the student's function (sent by ``pack_function``), builds this rank's
+# case from a seed, runs it over a :class:`CountingComm` that records every message, and returns
+# what came back and what was sent; ``run_timed`` times it beside ``dist.all_reduce``.
+class CountingComm:
+    """Forwards everything to ``comm`` and records (peer, bytes) of each message this rank sends."""
+
+    def __init__(self, comm):
+        self._comm, self.sent = comm, []
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _count(self, buf, dst):
+        self.sent.append((int(dst), int(buf.numel() * buf.element_size())
+                          if hasattr(buf, "numel") else int(buf.nbytes)))
+
+    def send(self, buf, dst, tag=0, timeout=None):
+        self._count(buf, dst)
+        return self._comm.send(buf, dst, tag, timeout)
+
+    def isend(self, buf, dst, tag=0):
+        self._count(buf, dst)
+        return self._comm.isend(buf, dst, tag)
+
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None):
+        self._count(sendbuf, dst)
+        return self._comm.sendrecv(sendbuf, dst, recvbuf, src, tag, timeout)
+
+
+def case_inputs(exercise, n, dtype, seed, world_size):
+    """Every rank's input buffer as numpy arrays (the same on the client and on every engine).
+
+    Values are multiples of 1/4 (integers for integer dtypes), so every sum is exact. For
+    "all-gather" rank r holds the final chunk r and marks element i of every other chunk with
+    MARK * (r + 1) - i (no sum is that negative), so an untouched chunk can be recognised."""
+    rng = [np.random.default_rng([seed, n, q]) for q in range(world_size)]
+    if np.dtype(dtype).kind in "iu":
+        data = [g.integers(-1000, 1000, n) for g in rng]
+    else:
+        data = [g.integers(-64, 64, n) / 4 for g in rng]
+    data = [x.astype(dtype) for x in data]
+    if exercise != "all-gather":
+        return data
+    full = np.sum(data, axis=0, dtype=np.float64).astype(dtype)
+    out = []
+    for r in range(world_size):
+        x = (MARK * (r + 1) - np.arange(n)).astype(dtype)
+        a, b = shard_bounds(n, r, world_size)
+        x[a:b] = full[a:b]
+        out.append(x)
+    return out
+
+
+def run_student(payload, exercise, n, dtype, seed, timeout=STUDENT_TIMEOUT):
+    """On every rank: run the student's function (cloudpickled) on this rank's case input.
+
+    Returns {"returned": what it returned (a tuple of ints, or a short description), "buf":
+    the buffer afterwards, "sent": [(peer, bytes)], "native": dist.all_reduce of the input}."""
+    import cloudpickle
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.comm import get_comm
+    fn = cloudpickle.loads(payload)
+    comm = CountingComm(get_comm("torch", timeout=timeout))
+    x = case_inputs(exercise, n, dtype, seed, comm.world_size)[comm.rank]
+    native = None
+    if exercise == "allreduce":  # the production allreduce of the same input, first
+        t = torch.from_numpy(x.copy())
+        dist.all_reduce(t)
+        native = t.numpy()
+    buf = torch.from_numpy(x.copy())
+    out = fn(buf, comm)
+    returned = None
+    if exercise == "reduce-scatter":
+        try:
+            returned = tuple(int(v) for v in out)
+        except (TypeError, ValueError):
+            returned = "None" if out is None else f"a {type(out).__name__}"
+    return {"returned": returned, "buf": buf.numpy().copy(), "sent": comm.sent, "native": native}
+
+
+def run_timed(payload, sizes, repeats, timeout=STUDENT_TIMEOUT):
+    """On every rank: for each size (bytes of float32), the median over ``repeats`` rounds of
+    the slowest rank's time, for the student's allreduce and for ``dist.all_reduce``."""
+    import time
+
+    import cloudpickle
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.comm import get_comm
+    fn, comm = cloudpickle.loads(payload), get_comm("torch", timeout=timeout)
+    ops = (lambda b: fn(b, comm), dist.all_reduce)
+    medians = []
+    for size in sizes:
+        x, times = torch.ones(max(size // 4, 1)), torch.zeros(2, repeats, dtype=torch.float64)
+        for i in range(-1, repeats):  # round -1 warms up
+            for k, op in enumerate(ops):
+                buf = x.clone()
+                comm.barrier()
+                t = time.perf_counter()
+                op(buf)
+                if i >= 0:
+                    times[k, i] = time.perf_counter() - t
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        medians.append(times.median(dim=1).values.tolist())
+    return medians
+
+
+# ---------------------------------------------------------------- on the client
+def _cases(world_size):
+    """(label, n, dtype): ragged, divisible, shorter than the world size, several dtypes."""
+    N = world_size
+    specs = [(4 * N + 2, "float32", "length not divisible by the world size"),
+             (4 * N, "float64", "length divisible by the world size"),
+             (N - 1, "float32", "length smaller than the world size: a chunk is empty"),
+             (3 * N + 1, "int32", "integers"),
+             (5 * N + 2, "float16", "half precision"),
+             (10_001, "float32", "a longer buffer")]
+    return [Case(f"n={n}, {dtype}, world size {N}: {text}", lambda n=n, dtype=dtype: (n, dtype))
+            for n, dtype, text in specs]
+
+
+def _remote_failure(name, where, err, schedule):
+    """Turn a failure on the engines into False (not implemented) or a CheckFailed with a hint."""
+    from course_lib.cluster import ClusterTimeout, RemoteError
+    if isinstance(err, RemoteError):
+        errors = err.errors
+        if any(text.startswith("NotImplementedError") for text in errors.values()):
+            return not_implemented(name)
+        lines = "\n  ".join(f"rank {r}: {text.splitlines()[0]}" for r, text in errors.items())
+        if any("CommTimeout" in text for text in errors.values()):
+            hint = (f"a rank waited past its deadline. Either every rank sends before anyone "
+                    f"receives (a blocking send cycle: comm.send blocks until the peer "
+                    f"receives; {SENDRECV}), or the ranks disagree on peers, on the number of "
+                    f"steps or on a chunk's length (a receive buffer must have exactly the "
+                    f"length of the chunk sent to it; an empty chunk sends nothing). {schedule}")
+        elif any(text.startswith(("NameError", "PicklingError")) for text in errors.values()):
+            hint = ("your function runs on the engines: define or import everything it uses "
+                    "inside the notebook cells, and do not use the cluster object in it.")
+        else:
+            hint = f"read the traceback above (cluster.run shows each rank's). {schedule}"
+        raise CheckFailed(f"{where}\n  your function raised on rank(s) {sorted(errors)}:\n  "
+                          f"{lines}\nHint: {hint}") from None
+    if isinstance(err, ClusterTimeout):
+        raise CheckFailed(f"{where}\n  {err}\nHint: your function did not return: an endless "
+                          f"loop, or a wait without a deadline? {SENDRECV}.") from None
+    raise CheckFailed(f"{where}\n  {type(err).__name__}: {err}") from None
+
+
+def _decode(got, parts):
+    """Integer weights k (0..2 each) with got == sum_q k[q] * parts[q], or None."""
+    weights = (0, 1, 2) if 3 ** len(parts) <= 729 else (0, 1)
+    for k in itertools.product(weights, repeat=len(parts)):
+        if np.array_equal(got, sum(kq * p for kq, p in zip(k, parts, strict=True))):
+            return k
+    return None
+
+
+def _hint_reduce(rank, N, got_buf, inputs, full):
+    """Why chunk ``rank`` of rank ``rank`` is not the sum: whose data it holds instead."""
+    chunk = rank
+    a, b = shard_bounds(len(full), chunk, N)
+    parts = [x[a:b].astype(np.float64) for x in inputs]
+    for c in range(N):
+        c0, c1 = shard_bounds(len(full), c, N)
+        if c != chunk and c1 > c0 and np.array_equal(got_buf[c0:c1], full[c0:c1]):
+            return (f"rank {rank} holds the full sum in chunk {c}, not in chunk {chunk}: the "
+                    f"schedule is shifted. {SCHEDULE['reduce-scatter']}")
+    k = _decode(got_buf[a:b].astype(np.float64), parts)
+    if k is None:
+        return None
+    who = [q for q in range(N) if k[q]]
+    if max(k) == 2:
+        twice = [q for q in range(N) if k[q] == 2]
+        return (f"chunk {chunk} of rank {rank} counts rank(s) {twice}'s data twice: a chunk was "
+                f"added into twice. {SCHEDULE['reduce-scatter']}")
+    if who == [rank] and np.array_equal(got_buf, inputs[rank].astype(np.float64)):
+        return (f"rank {rank}'s buffer did not change: nothing received was added to it. After "
+                f"each sendrecv, add the received chunk into the buffer (buf[a:b] += tmp). "
+                f"{SCHEDULE['reduce-scatter']}")
+    if len(who) == 1 and who != [rank]:
+        return (f"chunk {chunk} of rank {rank} holds rank {who[0]}'s data only: the received "
+                f"chunk replaced the buffer's instead of being added to it (the reduction is "
+                f"missing: buf[a:b] += tmp, not buf[a:b] = tmp).")
+    return (f"chunk {chunk} of rank {rank} holds the data of {len(who)} of {N} ranks {who}: an "
+            f"off-by-one in the step schedule (N-1 steps, range(N - 1); the chunk sent at step s "
+            f"is the one added at step s-1). {SCHEDULE['reduce-scatter']}")
+
+
+def _hint_gather(rank, N, got_buf, start, full):
+    """Which chunks of rank ``rank`` are right, untouched, or hold someone else's marks."""
+    missing, foreign = [], []
+    for c in range(N):
+        a, b = shard_bounds(len(full), c, N)
+        if np.array_equal(got_buf[a:b], full[a:b]):
+            continue
+        if np.array_equal(got_buf[a:b], start[a:b]):
+            missing.append(c)
+        elif np.all(got_buf[a:b] <= MARK):
+            foreign.append(c)
+    if foreign:
+        return (f"rank {rank}'s chunk(s) {foreign} hold another rank's placeholder values: a "
+                f"chunk was passed on before it had arrived. {SCHEDULE['all-gather']}")
+    if len(missing) == N - 1:
+        return (f"rank {rank} received nothing into its buffer: receive chunk (r - s - 1) mod N "
+                f"straight into buf. {SCHEDULE['all-gather']}")
+    if missing:
+        return (f"rank {rank} never received chunk(s) {missing}: one step short? N-1 steps, "
+                f"range(N - 1). {SCHEDULE['all-gather']}")
+    return (f"rank {rank}'s chunks hold wrong values: receive each chunk into its own place. "
+            f"{SCHEDULE['all-gather']}")
+
+
+def _check_traffic(where, exercise, rank, N, n, itemsize, sent):
+    """The ring sends one chunk per step, to the right neighbour, N-1 times per phase."""
+    chunk = [(b - a) * itemsize for a, b in (shard_bounds(n, c, N) for c in range(N))]
+    phases = ["reduce-scatter", "all-gather"] if exercise == "allreduce" else [exercise]
+    expected = []
+    for phase in phases:
+        first = -1 if phase == "reduce-scatter" else 0
+        expected += [chunk[(rank + first - s) % N] for s in range(N - 1)]
+    right = (rank + 1) % N
+    wrong_peer = sorted({dst for dst, _ in sent if dst != right})
+    if wrong_peer:
+        problem = f"rank {rank} sent to rank(s) {wrong_peer}; the ring only sends to rank {right}"
+    elif sorted(b for _, b in sent if b) != sorted(b for b in expected if b):
+        problem = (f"rank {rank} sent {len(sent)} message(s) of {[b for _, b in sent]} bytes; "
+                   f"the ring sends N-1 = {N - 1} per phase, here {expected} bytes: one chunk "
+                   f"per step; check the number of steps, range(N - 1)")
+    else:
+        return
+    raise CheckFailed(f"{where}\n  the values are right but this is not the ring: {problem}."
+                      f"\nHint: {' '.join(SCHEDULE[p] for p in phases)}")
+
+
+def _check(name, exercise, student_fn, cluster, seed, timeout):
+    try:
+        payload = pack_function(student_fn)
+    except Exception as e:
+        raise CheckFailed(f"{name}: your function cannot be sent to the engines ({e}).\nHint: "
+                          "do not refer to the cluster or open files inside it.") from None
+    N = cluster.n
+    cases = _cases(N)
+    for number, case in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases)} ({case.label})"
+        n, dtype = case.args()
+        try:
+            results = cluster.run(run_student, payload, exercise, n, dtype, seed, timeout,
+                                  timeout=timeout + 20)
+        except Exception as err:  # RemoteError, ClusterTimeout, EngineDied
+            if _remote_failure(name, where, err, SCHEDULE.get(exercise, "")) is False:
+                return False
+        inputs = case_inputs(exercise, n, dtype, seed, N)
+        full = np.sum(case_inputs("reduce-scatter", n, dtype, seed, N), axis=0,
+                      dtype=np.float64)
+        for rank, res in enumerate(results):
+            got = res["buf"].astype(np.float64)
+            if exercise == "reduce-scatter":
+                a, b = shard_bounds(n, rank, N)
+                if res["returned"] != (a, b):
+                    raise CheckFailed(f"{where}\n  rank {rank} returned {res['returned']}; it owns "
+                                      f"chunk {rank} = shard_bounds({n}, {rank}, {N}) = {(a, b)}"
+                                      f"\nHint: return (start, stop) of the chunk rank r owns, "
+                                      f"chunk r: shard_bounds(len(buf), comm.rank, N)")
+                problem = compare(full[a:b], got[a:b], f"rank {rank}: chunk {rank} = buf[{a}:{b}]",
+                                  rtol=0, atol=0)
+                hint = problem and _hint_reduce(rank, N, got, inputs, full)
+            else:
+                problem = compare(full, got, f"rank {rank}: buf", rtol=0, atol=0)
+                if problem and exercise == "all-gather":
+                    hint = _hint_gather(rank, N, got, inputs[rank], full)
+                elif problem:
+                    hint = _hint_allreduce(rank, N, got, full)
+                if not problem and exercise == "allreduce":
+                    problem = compare(res["native"], got, f"rank {rank}: buf vs dist.all_reduce",
+                                      rtol=0, atol=0)
+                    hint = None
+            if problem:
+                fallback = " ".join(SCHEDULE[p] for p in SCHEDULE if exercise in (p, "allreduce"))
+                raise CheckFailed(f"{where}\n  {problem}\nHint: {hint or fallback}")
+            _check_traffic(where, exercise, rank, N, n, np.dtype(dtype).itemsize, res["sent"])
+    print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference on {N} ranks")
+    return True
+
+
+def _hint_allreduce(rank, world_size, got, full):
+    a, b = shard_bounds(len(full), rank, world_size)
+    if np.array_equal(got[a:b], full[a:b]):
+        return (f"rank {rank}'s own chunk {rank} is right but the others are not: run the "
+                f"all-gather after the reduce-scatter, on the same buffer.")
+    return (f"even rank {rank}'s own chunk {rank} is wrong: the reduce-scatter must come first "
+            f"(and pass check_ring_reduce_scatter).")
+
+
+def check_ring_reduce_scatter(student_fn, cluster, seed=0, timeout=STUDENT_TIMEOUT):
+    """Lab 05, exercise 1: ``student_fn(buf, comm) -> (start, stop)`` on every rank of ``cluster``.
+
+    On each of 6 cases rank r must return ``shard_bounds(len(buf), r, N)`` and hold the exact
+    sum over ranks in that chunk, having sent N-1 chunks to rank r+1. Prints a pass line and
+    returns True, returns False while the function raises NotImplementedError, and raises
+    ``CheckFailed`` with a hint otherwise."""
+    return _check("check_ring_reduce_scatter", "reduce-scatter", student_fn, cluster, seed,
+                  timeout)
+
+
+def check_ring_allgather(student_fn, cluster, seed=0, timeout=STUDENT_TIMEOUT):
+    """Lab 05, exercise 2: ``student_fn(buf, comm)``: rank r's chunk r is valid on entry; on exit
+    every rank holds every chunk, having sent N-1 chunks to rank r+1."""
+    return _check("check_ring_allgather", "all-gather", student_fn, cluster, seed, timeout)
+
+
+def check_ring_allreduce(student_fn, cluster, seed=0, timeout=STUDENT_TIMEOUT):
+    """Lab 05, exercise 3: ``student_fn(buf, comm)`` must leave on every rank exactly what
+    ``dist.all_reduce`` (sum) gives for the same inputs, in 2(N-1) ring steps."""
+    return _check("check_ring_allreduce", "allreduce", student_fn, cluster, seed, timeout)
+
+
+# ---------------------------------------------------------------- use it: how fast is it?
+
+
+def time_allreduce(student_fn, cluster, sizes=(4096, 65536, 1 << 20), repeats=5):
+    """Lab 05, use it: time ``student_fn(buf, comm)`` and ``dist.all_reduce`` side by side.
+
+    Returns one dict per size: size (bytes), yours_us and native_us (microseconds, median over
+    ``repeats`` rounds of the slowest rank). A timing, not a check: it asserts nothing."""
+    medians = cluster.run(run_timed, pack_function(student_fn), list(sizes), repeats)[0]
+    return [{"size": size, "yours_us": 1e6 * yours, "native_us": 1e6 * native}
+            for size, (yours, native) in zip(sizes, medians, strict=True)]

@@ -1,0 +1,306 @@
+"""Lab 06 checks: a student's bucket assignment and bucketed, overlapped gradient averaging.
+
+Introduced in labs/06_data_parallel_sgd.ipynb, on the framework of :mod:`course_lib.checks`::
+
+    checks.check_assign_buckets(assign_buckets)                   # in the notebook's process
+    ok, timelines = checks.check_overlapped_averager(OverlappedAverager, cluster)
+
+The second check sends the student's class to every rank of a small cluster (cloudpickle) and
+trains the same MLP on the digits twice, once averaged by the student's class and once by
+torch's ``DistributedDataParallel``; the parameters must agree to 1e-5 (float32) after every
+step. Every ``dist.all_reduce`` the class makes is recorded (launch time, completion time,
+blocking or not), so the check also sees whether the first bucket's allreduce was launched
+while backward was still computing gradients, and returns the ranks' timelines to draw.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import numpy as np
+
+from course_lib.checks.framework import Case, CheckFailed, not_implemented, pack_function
+
+HIDDEN, CAP_BYTES, BATCH, STEPS, LR = (128, 128, 128), 40_000, 64, 4, 0.1
+WAIT_DEADLINE = 10.0  # seconds a student's work.wait() may take before it is an error
+TOLERANCE = 1e-5
+BUCKET_HINT = ("walk i from the last parameter to the first, reversed(range(len(sizes))); append i "
+               "to the open bucket and count its bytes; as soon as the bucket holds at least "
+               "cap_bytes, close it and open a new one; at the end keep the open bucket if it is "
+               "not empty.")
+
+
+# ---------------------------------------------------------------- exercise 1 (local)
+def _bucket_cases(seed: int) -> list[Case]:
+    rng = np.random.default_rng(seed)
+    mlp = [4 * n for n in (64 * 128, 128, 128 * 128, 128, 128 * 128, 128, 128 * 10, 10)]
+    specs = [(mlp, 40_000, "an MLP's parameters, two weights larger than the cap"),
+             (mlp, 10**9, "a cap larger than the whole model: one bucket"),
+             (mlp, 1, "a cap of 1 byte: every parameter alone"),
+             ([400] * 6, 800, "six equal parameters, two fill a bucket exactly"),
+             ([100, 5000, 100, 100, 5000, 100], 1000, "large parameters between small ones"),
+             (list(rng.integers(1, 200, 12) * 4), 600, "twelve random sizes"),
+             ([], 100, "a model without parameters: no bucket")]
+    return [Case(f"{len(s)} parameters, cap {cap} bytes: {text}",
+                 lambda s=s, cap=cap: (list(s), cap)) for s, cap, text in specs]
+
+
+def _as_lists(buckets):
+    return [[int(i) for i in b] for b in buckets]
+
+
+def _diagnose_buckets(got, sizes, cap):
+    try:
+        got = _as_lists(got)
+    except TypeError:
+        return "return a list of buckets, each a list of parameter indices."
+    flat = [i for b in got for i in b]
+    if sorted(flat) != list(range(len(sizes))):
+        return "every parameter index must appear in exactly one bucket."
+    if any(not b for b in got):
+        return "never return an empty bucket."
+    if flat == sorted(flat) and len(sizes) > 1:
+        return ("your buckets follow the model's order; backward produces the LAST layer's "
+                "gradient first, so walk the parameters in reverse: reversed(range(len(sizes))).")
+    for b in got[:-1]:
+        if sum(sizes[i] for i in b) < cap:
+            return (f"bucket {b} holds {sum(sizes[i] for i in b)} bytes, less than the cap of "
+                    f"{cap}, yet you closed it: close a bucket only once it holds at least "
+                    "cap_bytes (a large parameter may join it and push it over the cap).")
+    for b in got:
+        if len(b) > 1 and sum(sizes[i] for i in b[:-1]) >= cap:
+            return (f"bucket {b} already held {sum(sizes[i] for i in b[:-1])} >= {cap} bytes "
+                    "before its last parameter: close it as soon as it holds at least cap_bytes "
+                    "(>=, not >).")
+    return BUCKET_HINT
+
+
+def check_assign_buckets(student_fn, seed: int = 0) -> bool:
+    """Lab 06, exercise 1: ``assign_buckets(sizes, cap_bytes)`` -> lists of parameter indices,
+    as ``course_lib.ddp.assign_buckets``, on 6 cases; ``sizes`` must be left unchanged."""
+    from course_lib.ddp import assign_buckets
+    name = "check_assign_buckets"
+    cases = _bucket_cases(seed)
+    for number, case in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases)} ({case.label})"
+        sizes, cap = case.args()
+        expected = _as_lists(assign_buckets(list(sizes), cap))
+        given = list(sizes)
+        try:
+            got = student_fn(given, cap)
+        except NotImplementedError:
+            return not_implemented(name)
+        except Exception as err:
+            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}"
+                              f"\nHint: {BUCKET_HINT}") from err
+        if given != sizes:
+            raise CheckFailed(f"{where}\n  your function changed the caller's list of sizes."
+                              "\nHint: walk it with reversed(range(len(sizes))) instead of "
+                              "sizes.reverse().")
+        try:
+            same = _as_lists(got) == expected
+        except TypeError:
+            same = False
+        if not same:
+            raise CheckFailed(f"{where}\n  sizes {sizes}\n  expected {expected}\n  got      "
+                              f"{got}\nHint: {_diagnose_buckets(got, sizes, cap)}")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference")
+    return True
+
+
+# ---------------------------------------------------------------- exercise 2 (on the ranks)
+class _RecordedWork:
+    """A ``dist.all_reduce(..., async_op=True)`` handle whose wait has a deadline."""
+
+    def __init__(self, work, record):
+        self._work, self._record = work, record
+        work.get_future().add_done_callback(lambda _: record.__setitem__("end",
+                                                                         time.perf_counter()))
+
+    def wait(self, timeout=None):
+        try:
+            return self._work.wait(timeout or timedelta(seconds=WAIT_DEADLINE))
+        except RuntimeError as e:
+            raise TimeoutError(f"an allreduce of {self._record['bytes']} bytes did not complete "
+                               f"within {WAIT_DEADLINE:g}s on this rank: {e}") from None
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class _Recorder:
+    """Replaces ``torch.distributed.all_reduce`` while the student's code runs."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist, self.original, self.calls = dist, dist.all_reduce, []
+
+    def __call__(self, tensor, *args, async_op=False, **kwargs):
+        record = dict(start=time.perf_counter(), end=None, async_op=bool(async_op),
+                      bytes=tensor.numel() * tensor.element_size())
+        self.calls.append(record)
+        work = self.original(tensor, *args, async_op=async_op, **kwargs)
+        if not async_op:
+            record["end"] = time.perf_counter()
+            return work
+        return _RecordedWork(work, record)
+
+    def __enter__(self):
+        self.dist.all_reduce = self
+        return self
+
+    def __exit__(self, *exc):
+        self.dist.all_reduce = self.original
+
+
+def run_averager(payload, steps=STEPS, cap_bytes=CAP_BYTES, hidden=HIDDEN, batch=BATCH,
+                 lr=LR, seed=0):
+    """On every rank: train an MLP on the digits with the student's averager and with torch DDP.
+
+    Returns per step the largest parameter difference between the two, the first step's
+    gradient ratios (student / torch DDP, student / this rank's own), the recorded allreduces,
+    the times at which the last gradient became ready and backward returned, and a Timeline.
+    """
+    import cloudpickle
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from course_lib import data, models, timeline
+    cls = cloudpickle.loads(payload)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    X, y, _, _ = data.load_digits()
+    X, y = torch.from_numpy(X).float(), torch.from_numpy(y).long()
+    order = np.random.default_rng(seed).permutation(len(X))
+    lo, hi = data.shard_bounds(batch, rank, world)
+    mine, ref = (models.mlp(64, list(hidden), 10, seed=seed) for _ in range(2))
+    ref_net = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=cap_bytes / 2**20)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (mine, ref)]
+    ready = []
+    for p in mine.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+    averager = cls(mine, cap_bytes)
+    tl, out = timeline.Timeline(rank), dict(diffs=[], steps=[])
+    for s in range(steps):
+        idx = order[s * batch:(s + 1) * batch][lo:hi]
+        ready.clear()
+        with _Recorder() as rec:
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(mine(X[idx]), y[idx])
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            local = [p.grad.clone() for p in mine.parameters()] if s == 0 else None
+            averager.wait()
+            t3 = time.perf_counter()
+        F.cross_entropy(ref_net(X[idx]), y[idx]).backward()
+        if s == 0:
+            g_mine = torch.cat([p.grad.reshape(-1) for p in mine.parameters()])
+            g_ref = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
+            g_local = torch.cat([g.reshape(-1) for g in local])
+            out["sum_ratio"] = float(g_mine.norm() / g_ref.norm().clamp_min(1e-30))
+            out["is_local"] = bool(torch.allclose(g_mine, g_local, atol=1e-7)) and world > 1
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        out["diffs"].append(max(float((a - b).abs().max()) for a, b in
+                                zip(mine.parameters(), ref.parameters(), strict=True)))
+        out["steps"].append(dict(calls=rec.calls, last_grad=max(ready, default=t2),
+                                 backward_end=t2))
+        tl.add("forward", "forward", t0, t1)
+        tl.add("backward", "backward", t1, t2)
+        tl.add("wait", "wait", t2, t3)
+        for k, c in enumerate(rec.calls):
+            tl.add(f"allreduce {k}", "allreduce", c["start"], c["end"] or t3, bytes=c["bytes"])
+    out["timeline"] = tl
+    return out
+
+
+def _expected_buckets(cap_bytes, hidden):
+    from course_lib import ddp, models
+    sizes = [p.numel() * 4 for p in models.mlp(64, list(hidden), 10).parameters()]
+    return len(ddp.assign_buckets(sizes, cap_bytes))
+
+
+def _judge(results, world):
+    """Raise CheckFailed with a hint for the first thing wrong; None when all is right."""
+    n_buckets = _expected_buckets(CAP_BYTES, HIDDEN)
+    r0 = results[0]
+    for step, st in enumerate(r0["steps"]):
+        calls = st["calls"]
+        if not calls and step > 0:
+            return (f"step {step}: no dist.all_reduce was called (step 0 made "
+                    f"{len(r0['steps'][0]['calls'])}).", "wait() must leave the buckets ready "
+                    "for the next backward pass: reset every pending count to the bucket's "
+                    "number of parameters (and forget the finished works).")
+        if not calls:
+            return (f"step {step}: no dist.all_reduce was called.",
+                    "launch dist.all_reduce(flat, async_op=True) from the hook when the "
+                    "bucket's last gradient has arrived (pending count reaches 0).")
+        if any(not c["async_op"] for c in calls):
+            return (f"step {step}: dist.all_reduce was called without async_op=True, so the "
+                    "backward pass stopped until each allreduce finished.",
+                    "work = dist.all_reduce(flat, async_op=True); keep the work and call "
+                    "work.wait() in wait().")
+        if len(calls) != n_buckets:
+            return (f"step {step}: {len(calls)} allreduce(s) per step, expected one per bucket "
+                    f"({n_buckets}).", "launch each bucket's allreduce once, when its pending "
+                    "count reaches 0, and reset the counts in wait() for the next step.")
+    if r0["is_local"]:
+        return ("the gradients after wait() are this rank's own: the averages never came back.",
+                "after work.wait(), divide the bucket's flat buffer by the world size and copy "
+                "each parameter's slice back into p.grad.")
+    if abs(r0["sum_ratio"] - world) < 0.05 * world:
+        return (f"the gradients are {world}x torch DDP's: a sum over the ranks, not a mean.",
+                "divide the flat buffer by dist.get_world_size() after the allreduce.")
+    diffs = [max(r["diffs"][s] for r in results) for s in range(len(r0["diffs"]))]
+    bad = [s for s, d in enumerate(diffs) if not d <= TOLERANCE]
+    if bad:
+        s = bad[0]
+        where = ("from the first step: copy the right slice of each bucket back into each "
+                 "p.grad" if s == 0 else "only from a later step: reset every bucket's pending "
+                 "count (and forget its work) in wait(), ready for the next backward pass")
+        return (f"step {s}: parameters differ from torch DDP's by {diffs[s]:.2e} "
+                f"(> {TOLERANCE:g}).", f"the averages go wrong {where}.")
+    st = r0["steps"][-1]
+    first = min(c["start"] for c in st["calls"])
+    if first >= st["last_grad"]:
+        return ("the parameters match, but the first allreduce started only after the last "
+                "gradient was computed: no overlap with backward.",
+                "launch each bucket from the hook (grad_ready) as soon as its last gradient "
+                "arrives, not in wait().")
+    return None
+
+
+def check_overlapped_averager(student_cls, cluster, steps: int = STEPS):
+    """Lab 06, exercise 2: ``student_cls(model, cap_bytes)`` averages the gradients bucket by
+    bucket from hooks; ``.wait()`` after backward. Trains ``steps`` steps on every rank of
+    ``cluster`` beside torch DDP. Returns ``(ok, timelines)``: ``(False, None)`` while not
+    implemented; raises CheckFailed with a hint when something is wrong."""
+    from course_lib.cluster import ClusterTimeout, RemoteError
+    name = "check_overlapped_averager"
+    try:
+        results = cluster.run(run_averager, pack_function(student_cls), steps, timeout=60)
+    except RemoteError as e:
+        if any(t.startswith("NotImplementedError") for t in e.errors.values()):
+            return not_implemented(name), None
+        first = "\n  ".join(f"rank {r}: {t.strip().splitlines()[-1]}"
+                            for r, t in sorted(e.errors.items()))
+        raise CheckFailed(f"{name}: your class raised on the ranks:\n  {first}\nHint: read "
+                          "each rank's traceback above; every rank must launch the same "
+                          "allreduces in the same order, and wait() must wait for each of "
+                          "them.") from None
+    except ClusterTimeout as e:
+        raise CheckFailed(f"{name}: {e}\nHint: a rank waited for an allreduce another rank "
+                          "never launched: are the buckets and their order the same on every "
+                          "rank?") from None
+    problem = _judge(results, cluster.n)
+    if problem:
+        raise CheckFailed(f"{name}: {problem[0]}\nHint: {problem[1]}")
+    st = results[0]["steps"][-1]
+    lead = (st["backward_end"] - min(c["start"] for c in st["calls"])) * 1e3
+    print(f"✓ {name}: {steps} steps on {cluster.n} ranks equal torch DDP's to "
+          f"{max(max(r['diffs']) for r in results):.1e}; {len(st['calls'])} bucket "
+          f"allreduces per step, the first launched {lead:.1f} ms before backward ended")
+    return True, [r["timeline"] for r in results]

@@ -1,0 +1,324 @@
+"""Lab 08 checks: top-k with error feedback, its exchange between ranks, and training with it.
+
+Introduced in labs/08_local_sgd_and_compression.ipynb, on the framework of
+:mod:`course_lib.checks`: ``check_topk_compress(topk_compress)`` (in this process, by properties,
+since top-k may break ties any way), ``check_topk_allreduce(topk_allreduce, cluster)`` (on every
+rank, against the reference, counting the bytes handed to the collectives with
+:class:`CollectiveCounter`) and ``check_training(topk_allreduce, cluster)`` (training with and
+without error feedback, next to the reference and to uncompressed SGD).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from course_lib.checks.framework import CheckFailed, not_implemented, pack_function
+
+EXERCISE_1 = ("corrected = grad + residual (residual None means zeros); k = min(k, len(grad)); "
+              "indices = torch.topk(corrected.abs(), k).indices; values = corrected[indices]; "
+              "new_residual = corrected.clone(); new_residual[indices] = 0.")
+
+
+# ---------------------------------------------------------------- exercise 1, in this process
+def _compress_cases(seed):
+    """(label, grad, residual, k) with torch tensors; ties and edge cases included."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    ties = torch.tensor([2.0, -2.0, 0.5, 2.0, 1.0, -2.0, 0.25, 1.0])
+    return [
+        ("n=20, k=5, no residual", torch.randn(20, generator=g), None, 5),
+        ("n=1000, k=10, with a residual", torch.randn(1000, generator=g),
+         0.5 * torch.randn(1000, generator=g), 10),
+        ("ties: four entries of magnitude 2, k=2", ties, None, 2),
+        ("ties in grad + residual, k=3", ties, torch.tensor([0, 0, 1.5, 0, 1, 0, 0, 1.0]), 3),
+        ("k == n: everything is sent", torch.randn(7, generator=g), torch.randn(7, generator=g), 7),
+        ("k > n: everything is sent", torch.randn(5, generator=g), None, 9),
+        ("float64, n=300, k=30", torch.randn(300, generator=g, dtype=torch.float64),
+         torch.randn(300, generator=g, dtype=torch.float64), 30),
+        ("a zero gradient, k=3", torch.zeros(12), None, 3),
+    ]
+
+
+def _problem_1(grad, residual, k, got):
+    """What is wrong with ``got = (values, indices, new_residual)``, or None."""
+    import torch
+    corrected = grad if residual is None else grad + residual
+    n, kk = len(grad), min(k, len(grad))
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        return "return three things: values, indices, new_residual", None
+    values, indices, new_residual = (torch.as_tensor(x) for x in got)
+    if values.shape != (kk,) or indices.shape != (kk,):
+        return (f"expected {kk} values and {kk} indices, got shapes {tuple(values.shape)} and "
+                f"{tuple(indices.shape)}", "send exactly min(k, len(grad)) entries.")
+    idx = indices.long()
+    if len(set(idx.tolist())) != kk or (kk and (idx.min() < 0 or idx.max() >= n)):
+        return "indices must be distinct positions in 0..n-1", EXERCISE_1
+    if new_residual.shape != grad.shape or new_residual.dtype != grad.dtype:
+        return (f"new_residual must have grad's shape and dtype {tuple(grad.shape)} {grad.dtype}, "
+                f"got {tuple(new_residual.shape)} {new_residual.dtype}", None)
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[idx] = False
+    if kk < n and corrected.abs()[idx].min() < corrected.abs()[rest].max():
+        hint = EXERCISE_1
+        if residual is not None and grad.abs()[idx].min() >= grad.abs()[rest].max():
+            hint = "choose among grad + residual, not grad alone: add the residual first."
+        elif corrected[idx].min() >= corrected[rest].max():
+            hint = "choose by magnitude, corrected.abs(): a large negative entry counts too."
+        return "these are not the k entries of largest magnitude of grad + residual", hint
+    if not torch.equal(values, corrected[idx]):
+        hint = EXERCISE_1
+        if torch.equal(values, corrected[idx].abs()):
+            hint = "send the signed values corrected[indices], not their magnitudes."
+        elif residual is not None and torch.equal(values, grad[idx]):
+            hint = "send grad + residual at those positions: the residual rides along."
+        return "values are not (grad + residual)[indices]", hint
+    expected = corrected.clone()
+    expected[idx] = 0
+    if not torch.equal(new_residual, expected):
+        if torch.equal(new_residual, corrected):
+            hint = "set the sent entries of the residual to zero: they have been sent."
+        elif not new_residual.any():
+            hint = "keep everything that was not sent in the residual (error feedback)."
+        else:
+            hint = "new_residual = (grad + residual) with the sent entries set to zero."
+        return "new_residual + sent != grad + residual", hint
+    return None
+
+
+def check_topk_compress(student_fn: Callable, seed: int = 0) -> bool:
+    """Lab 08, exercise 1: ``topk_compress(grad, residual, k) -> (values, indices,
+    new_residual)`` on 8 cases (ties, k >= n, float64, no residual), without changing its
+    inputs, and a ValueError for k = 0."""
+    import torch
+    name = "check_topk_compress"
+    cases = _compress_cases(seed)
+    for number, (label, grad, residual, k) in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases) + 1} ({label})"
+        args = (grad.clone(), None if residual is None else residual.clone(), k)
+        try:
+            got = student_fn(*args)
+        except NotImplementedError:
+            return not_implemented(name)
+        except Exception as err:
+            hint = ("with k >= len(grad) send everything: k = min(k, len(grad))." if k > len(grad)
+                    else "residual=None means no residual yet (zeros)." if residual is None
+                    else EXERCISE_1)
+            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}\n"
+                              f"Hint: {hint}") from err
+        if not torch.equal(args[0], grad) or (residual is not None
+                                              and not torch.equal(args[1], residual)):
+            raise CheckFailed(f"{where}\n  your function changed its input grad or residual in "
+                              "place.\nHint: make new tensors (corrected = grad + residual).")
+        problem = _problem_1(grad, residual, k, got)
+        if problem:
+            text, hint = problem
+            raise CheckFailed(f"{where}\n  {text}\nHint: {hint or EXERCISE_1}")
+    where = f"{name}: case {len(cases) + 1}/{len(cases) + 1} (k=0)"
+    try:
+        student_fn(torch.ones(4), None, 0)
+    except ValueError:
+        pass
+    except Exception as err:
+        raise CheckFailed(f"{where}\n  raised {type(err).__name__}, not ValueError\nHint: "
+                          "if k < 1: raise ValueError(...) before anything else.") from err
+    else:
+        raise CheckFailed(f"{where}\n  k=0 was accepted\nHint: top-0 sends nothing and learns "
+                          "nothing: raise ValueError for k < 1.")
+    print(f"✓ {name}: {len(cases) + 1}/{len(cases) + 1} cases pass (ties, k >= n, k = 0)")
+    return True
+
+
+# ---------------------------------------------------------------- exercise 2, on the ranks
+class CollectiveCounter:
+    """While active, records ``(collective, bytes handed to it)`` for every call this process
+    makes to ``dist.all_reduce``, ``all_gather``, ``broadcast`` and ``all_to_all_single``."""
+
+    OPS = ("all_reduce", "all_gather", "broadcast", "all_to_all_single")
+
+    def __enter__(self):
+        import torch.distributed as dist
+        self.calls, self._saved = [], {op: getattr(dist, op) for op in self.OPS}
+        for op, fn in self._saved.items():
+            def counted(tensor, *args, _op=op, _fn=fn, **kwargs):
+                t = args[0] if _op == "all_gather" else tensor  # all_gather(out_list, tensor)
+                self.calls.append((_op, int(t.numel() * t.element_size())))
+                return _fn(tensor, *args, **kwargs)
+            setattr(dist, op, counted)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for op, fn in self._saved.items():
+            setattr(dist, op, fn)
+
+
+def exchange_inputs(n, seed, rank, with_residual, shared):
+    """This rank's (grad, residual) for a case; ``shared``: the same k large entries on every
+    rank, so the ranks pick overlapping indices (their values must be added, not assigned)."""
+    import torch
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    grad = torch.randn(n, generator=g)
+    if shared:
+        grad[: n // 10 + 1] += 20.0
+    residual = 0.5 * torch.randn(n, generator=g) if with_residual else None
+    return grad, residual
+
+
+def exchange_on_rank(payload, n, k, seed, with_residual, shared, timeout=10.0):
+    """On every rank: the student's exchange (or the reference, ``payload=None``) on this rank's
+    case; returns its mean, new residual and the collectives it called with their bytes."""
+    import cloudpickle
+    import torch.distributed as dist
+
+    from course_lib.compression import topk_allreduce
+    fn = topk_allreduce if payload is None else cloudpickle.loads(payload)
+    grad, residual = exchange_inputs(n, seed, dist.get_rank(), with_residual, shared)
+    with CollectiveCounter() as counter:
+        mean, new_residual = fn(grad, residual, k)
+    return {"mean": mean.numpy().copy(), "residual": new_residual.numpy().copy(),
+            "calls": counter.calls}
+
+
+def _remote(name, where, err):
+    from course_lib.cluster import ClusterTimeout, RemoteError
+    if isinstance(err, RemoteError):
+        if any("NotImplementedError" in text for text in err.errors.values()):
+            return not_implemented(name)
+        first = min(err.errors)
+        raise CheckFailed(f"{where}\n  your function raised on rank(s) {sorted(err.errors)}: "
+                          f"{err.errors[first].splitlines()[0]}\nHint: read the traceback; "
+                          "everything it uses must be defined or imported in the notebook."
+                          ) from None
+    if isinstance(err, ClusterTimeout):
+        raise CheckFailed(f"{where}\n  {err}\nHint: every rank must call the same collectives "
+                          "with the same sizes (k values, then k indices).") from None
+    raise CheckFailed(f"{where}\n  {type(err).__name__}: {err}") from None
+
+
+def check_topk_allreduce(student_fn: Callable, cluster, seed: int = 0) -> bool:
+    """Lab 08, exercise 2: ``topk_allreduce(flat_grad, residual, k) -> (mean, new_residual)``
+    on every rank of ``cluster``: equal to :func:`compression.topk_allreduce` on 4 cases, and
+    handing the collectives exactly k values and k int32 indices per rank."""
+    name = "check_topk_allreduce"
+    try:
+        payload = pack_function(student_fn)
+    except Exception as e:
+        raise CheckFailed(f"{name}: your function cannot be sent to the engines ({e}).") from None
+    cases = [(1000, 10, True, False, "n=1000, k=10, with a residual"),
+             (200, 21, False, True, "every rank picks the same indices"),
+             (50, 50, True, False, "k == n: everything is sent"),
+             (4810, 49, False, False, "the size of the lecture's model")]
+    for number, (n, k, with_residual, shared, label) in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases)} ({label}, {cluster.n} ranks)"
+        try:
+            yours = cluster.run(exchange_on_rank, payload, n, k, seed, with_residual, shared)
+        except Exception as err:
+            if _remote(name, where, err) is False:
+                return False
+        ref = cluster.run(exchange_on_rank, None, n, k, seed, with_residual, shared)
+        for rank, (got, want) in enumerate(zip(yours, ref, strict=True)):
+            if not np.allclose(got["mean"], want["mean"], rtol=1e-5, atol=1e-6):
+                hint = "add every rank's values at its indices, then divide by the world size."
+                if np.allclose(got["mean"], cluster.n * want["mean"], rtol=1e-5, atol=1e-6):
+                    hint = "divide the sum by the world size: every rank needs the mean."
+                elif shared:
+                    hint = ("ranks picked the same indices here: add their values "
+                            "(dense.index_add_(0, idx, vals)), do not assign (dense[idx] = vals).")
+                raise CheckFailed(f"{where}\n  rank {rank}: the mean differs from the reference "
+                                  f"(largest difference "
+                                  f"{np.abs(got['mean'] - want['mean']).max():.3g})\nHint: {hint}")
+            if not np.array_equal(got["residual"], want["residual"]):
+                raise CheckFailed(f"{where}\n  rank {rank}: new_residual differs\nHint: return "
+                                  "the new residual that your topk_compress gave this rank.")
+            sent = sum(b for _, b in got["calls"])
+            expected = sum(b for _, b in want["calls"])
+            if sent != expected:
+                ops = sorted({op for op, _ in got["calls"]})
+                hint = ("all-gather the k values and the k indices (two all_gather calls); "
+                        "send indices as int32 (indices.to(torch.int32)), 4 bytes each.")
+                if "all_reduce" in ops:
+                    hint = "an allreduce of the whole vector sends n numbers: " + hint
+                raise CheckFailed(f"{where}\n  rank {rank} handed {sent} bytes to {ops}; "
+                                  f"k values + k int32 indices are {expected} bytes\nHint: {hint}")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference on {cluster.n} ranks")
+    return True
+
+
+def count_scheme_bytes(n, steps=3, ratio=0.01):
+    """On every rank (a self-check of :mod:`compression`): per scheme, the bytes the compressor
+    counted over ``steps`` steps and the collectives it called with the bytes handed to each
+    (after the first call's agreement round, which is not counted)."""
+    import torch
+
+    from course_lib.compression import make_compressor
+    counted, calls = {}, {}
+    for name in ("none", "fp16", "topk"):
+        comp = make_compressor(name, ratio=ratio)
+        comp.allreduce(torch.randn(n))
+        comp.bytes_sent = 0.0
+        with CollectiveCounter() as counter:
+            for _ in range(steps):
+                comp.allreduce(torch.randn(n))
+        counted[name], calls[name] = comp.bytes_sent, counter.calls
+    return counted, calls
+
+
+def disagree_on_rank(n):
+    """On every rank (a self-check): top-k on a gradient one element longer on each rank."""
+    import torch
+    import torch.distributed as dist
+
+    from course_lib.compression import TopK
+    return TopK(0.1).allreduce(torch.zeros(n + dist.get_rank()))
+
+
+# ---------------------------------------------------------------- using it: training
+def train_with(student_fn: Callable, cluster, ratio=0.01, steps=200, **kwargs):
+    """Train with the student's exchange, with and without error feedback, and with an
+    uncompressed float32 allreduce: ``{"float32": ..., "error feedback": ..., "no error
+    feedback": ...}``, each rank 0's record from :func:`local_sgd.run_compressed`."""
+    from course_lib import local_sgd
+    payload = pack_function(student_fn)
+    return {"float32": local_sgd.run_compressed(cluster, "none", steps=steps, **kwargs),
+            "error feedback": local_sgd.run_compressed(cluster, "topk", ratio, True, payload,
+                                                       steps=steps, **kwargs),
+            "no error feedback": local_sgd.run_compressed(cluster, "topk", ratio, False, payload,
+                                                          steps=steps, **kwargs)}
+
+
+def check_training(student_fn: Callable, cluster, ratio=0.01, steps=200, margin=0.2) -> bool:
+    """Lab 08, using exercise 2: with error feedback the final training loss is within
+    ``margin`` (relative) of uncompressed SGD and of the reference top-k, the bytes per step are
+    the reference's, and without error feedback the loss is more than ``margin`` worse."""
+    from course_lib import local_sgd
+    name = "check_training"
+    try:
+        runs = train_with(student_fn, cluster, ratio, steps)
+    except Exception as err:
+        if _remote(name, f"{name}: training with your topk_allreduce", err) is False:
+            return False
+    ref = local_sgd.run_compressed(cluster, "topk", ratio, True, steps=steps)
+    dense, ef, no_ef = (runs[key] for key in ("float32", "error feedback", "no error feedback"))
+    loss = {key: run["loss"][-1] for key, run in runs.items()}
+    fails = []
+    if ef["bytes_per_step"] != ref["bytes_per_step"]:
+        fails.append(f"bytes per step {ef['bytes_per_step']:.0f}, reference "
+                     f"{ref['bytes_per_step']:.0f}")
+    if not loss["error feedback"] <= (1 + margin) * max(loss["float32"], ref["loss"][-1]):
+        fails.append(f"with error feedback the loss is {loss['error feedback']:.4f}, more than "
+                     f"{margin:.0%} above float32 SGD's {loss['float32']:.4f} and the "
+                     f"reference's {ref['loss'][-1]:.4f}")
+    if not loss["no error feedback"] > (1 + margin) * loss["error feedback"]:
+        fails.append(f"without error feedback the loss is {loss['no error feedback']:.4f}, not "
+                     f"clearly worse than with it ({loss['error feedback']:.4f}): is the "
+                     "residual=None case really dropping what was not sent?")
+    if fails:
+        raise CheckFailed(f"{name} (top-{ratio:g}, {steps} steps, {cluster.n} ranks)\n  "
+                          + "\n  ".join(fails) + "\nHint: exercises 1 and 2 must pass first; "
+                          "then compare your functions with the reference on one step.")
+    print(f"✓ {name}: with error feedback loss {loss['error feedback']:.4f} (float32 SGD "
+          f"{loss['float32']:.4f}) sending {ef['bytes_per_step'] / dense['bytes_per_step']:.1%} "
+          f"of the bytes; without it {loss['no error feedback']:.4f}")
+    return True

@@ -1,0 +1,120 @@
+"""Figures of notebook 06 (data-parallel SGD): gradient buckets, and the synchronous step.
+
+Introduced in notebooks/06_data_parallel_sgd.ipynb. ``bucket_figure`` draws a model's
+parameters in the order backward produces their gradients (last layer first), each as wide as
+its bytes, coloured by the bucket :func:`course_lib.ddp.assign_buckets` puts it in;
+``sync_step_figure`` draws one step of synchronous data parallelism on N ranks. Every function
+returns a matplotlib ``Figure`` (built without pyplot) and saves it when given ``path``;
+``save_all(out_dir)`` writes the PNGs::
+
+    python -c "from course_lib.figures import data_parallel_sgd as f; f.save_all('images')"
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib as mpl
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+
+def _finish(fig, path):
+    if path is not None:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
+
+
+def bucket_figure(names, sizes, cap_bytes, title=None, path=None):
+    """Parameters in reverse order (backward's order), width = bytes, colour = bucket.
+
+    ``names`` and ``sizes`` (bytes) are in model order, as ``model.named_parameters()`` gives
+    them. Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    from course_lib.ddp import assign_buckets
+    if len(names) != len(sizes) or not sizes:
+        raise ValueError(f"need one size per name, got {len(names)} names, {len(sizes)} sizes")
+    buckets = assign_buckets(list(sizes), cap_bytes)
+    total = float(sum(sizes))
+    fig = Figure(figsize=(10, 2.6))
+    ax = fig.add_subplot()
+    colours = mpl.colormaps["tab10"]
+    x = 0.0
+    for b, indices in enumerate(buckets):
+        start = x
+        for i in indices:
+            w = sizes[i] / total
+            ax.add_patch(Rectangle((x, 0.2), w, 0.6, facecolor=colours(b % 10), alpha=0.75,
+                                   edgecolor="white", linewidth=1.0))
+            if w > 0.06:
+                ax.text(x + w / 2, 0.5, names[i], ha="center", va="center", fontsize=8)
+            x += w
+        bucket_bytes = sum(sizes[i] for i in indices)
+        ax.annotate("", (start, 0.1), (x, 0.1),
+                    arrowprops=dict(arrowstyle="<->", color=colours(b % 10)))
+        ax.text((start + x) / 2, -0.05, f"bucket {b}\n{bucket_bytes / 2**10:.0f} KiB",
+                ha="center", va="top", fontsize=8, color=colours(b % 10))
+    ax.set(xlim=(0, 1), ylim=(-0.45, 1.0), yticks=[],
+           xlabel="share of the gradient bytes, in the order backward produces them "
+                  "(last layer first) →")
+    ax.set_xticks([])
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title or f"{len(sizes)} tensors, {total / 2**10:.0f} KiB, cap "
+                          f"{cap_bytes / 2**10:g} KiB: {len(buckets)} buckets")
+    return _finish(fig, path)
+
+
+def sync_step_figure(world_size=3, path=None):
+    """One step of synchronous data parallelism: broadcast once, then on every rank a local
+    gradient, one allreduce (average) across all ranks, the same update.
+
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    fig = Figure(figsize=(10, 0.9 + 0.8 * world_size))
+    ax = fig.add_subplot()
+    phases = [("same start\n(broadcast from rank 0)", "tab:brown"),
+              ("forward + backward\non this rank's B/N samples", "tab:orange"),
+              ("allreduce:\nsum of the N gradients", "tab:purple"),
+              ("divide by N:\nthe global-batch gradient", "tab:red"),
+              ("update\nθ ← θ − η ĝ", "tab:green")]
+    width, gap = 1.6, 0.35
+    for r in range(world_size):
+        y = world_size - 1 - r
+        ax.text(-0.2, y + 0.35, f"rank {r}", ha="right", va="center", fontsize=9)
+        for k, (label, colour) in enumerate(phases):
+            if k == 2:
+                continue
+            ax.add_patch(Rectangle((k * (width + gap), y), width, 0.7, facecolor=colour,
+                                   alpha=0.35, edgecolor=colour))
+            if r == 0:
+                ax.text(k * (width + gap) + width / 2, world_size - 0.05, label, ha="center",
+                        va="bottom", fontsize=8)
+    x = 2 * (width + gap)
+    ax.add_patch(Rectangle((x, 0), width, world_size - 0.3, facecolor="tab:purple", alpha=0.35,
+                           edgecolor="tab:purple"))
+    ax.text(x + width / 2, world_size - 0.05, phases[2][0], ha="center", va="bottom",
+            fontsize=8)
+    for r in range(world_size):
+        y = world_size - 1 - r + 0.35
+        for k in range(4):
+            ax.add_patch(FancyArrowPatch((k * (width + gap) + width, y),
+                                         ((k + 1) * (width + gap), y), arrowstyle="->",
+                                         mutation_scale=10, color="0.4"))
+    ax.set(xlim=(-1.0, 5 * (width + gap)), ylim=(-0.2, world_size + 0.9))
+    ax.axis("off")
+    ax.set_title("one synchronous step: every rank ends with the same parameters")
+    return _finish(fig, path)
+
+
+def save_all(out_dir):
+    """Write notebook 06's figures as PNGs into ``out_dir``; returns the paths."""
+    from course_lib import models
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = models.mlp(64, [256, 256], 10)
+    names = [n for n, _ in model.named_parameters()]
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    files = {"06_buckets.png": lambda p: bucket_figure(names, sizes, 128 * 2**10, path=p),
+             "06_sync_step.png": lambda p: sync_step_figure(3, path=p)}
+    for name, draw in files.items():
+        draw(out / name)
+    return [out / name for name in files]

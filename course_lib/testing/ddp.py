@@ -1,0 +1,208 @@
+"""What runs on the ranks to check the from-scratch data parallelism against the real thing.
+
+Introduced in notebooks/06_data_parallel_sgd.ipynb. ``train_on_rank`` trains a small network on
+the digits with this rank's slice of every global batch and returns the parameters after each
+step; ``single_process`` does the same with the whole batch in one process. Equal parameters
+mean N ranks with B/N samples each == one process with B samples; equal to ``strategy="torch"``
+means equal to torch's DistributedDataParallel::
+
+    runs = cluster.run(testing.ddp.train_on_rank, "overlap")    # one list per rank
+    ref = testing.ddp.single_process()
+    max(abs(a - b).max() for a, b in zip(runs[0]["params"], ref))   # ~1e-16 in float64
+
+The loss of a rank is its summed loss times N / B, so the average over the ranks is the mean
+over the global batch even when B is not divisible by N. Variants of the network exercise the
+corner cases: ``tied`` (one weight used twice), ``frozen`` (the first layer does not train) and
+``unused`` (a layer no rank uses, and one only rank 0 uses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import data, ddp, models, timeline
+from course_lib.data import shard_bounds
+
+VARIANTS = ("mlp", "tied", "frozen", "unused")
+
+
+class Net(nn.Module):
+    """``models.mlp`` on the digits, plus the layers a variant needs."""
+
+    def __init__(self, hidden=(64,), variant="mlp", seed=0):
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
+        self.variant = variant
+        self.body = models.mlp(64, list(hidden), 10, seed=seed)
+        if variant in ("tied", "unused"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed + 1)
+                self.a, self.b = nn.Linear(10, 10, bias=False), nn.Linear(10, 10)
+        if variant == "tied":
+            self.b.weight = self.a.weight
+        if variant == "frozen":
+            self.body[0].requires_grad_(False)
+
+    def forward(self, x):
+        out = self.body(x)
+        if self.variant == "tied":
+            return self.b(torch.relu(self.a(out)))
+        if self.variant == "unused":  # a is used by rank 0 only, b by nobody
+            import torch.distributed as dist
+            if dist.is_initialized() and dist.get_rank() == 0:
+                return out + 0.1 * self.a(out)
+        return out
+
+
+def _setup(batch, steps, hidden, variant, dtype, seed):
+    X, y, _, _ = data.load_digits()
+    rng = np.random.default_rng(seed)
+    order = [rng.choice(len(X), size=batch, replace=False) for _ in range(steps)]
+    net = Net(hidden, variant, seed).to(getattr(torch, dtype))
+    return torch.from_numpy(X).to(getattr(torch, dtype)), torch.from_numpy(y).long(), order, net
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hidden=(64,),
+                  variant="mlp", dtype="float64", bucket_cap_mb=0.01, lr=0.1, momentum=0.9,
+                  wrapper="ddp", record=False, seed=0, accumulate=1):
+    """Train on this rank's slices; returns ``{"params": [flat vector after each step],
+    "no_grad": [trainable parameters whose grad was None at the last step], "timeline":
+    Timeline or None}``.
+
+    ``strategy`` is one of ``ddp.STRATEGIES`` or ``"torch"`` (torch's DDP); ``wrapper`` picks
+    ``"ddp"`` (the DDP-like module), ``"optimizer"`` (Horovod style), ``"functional"``
+    (``ddp.average_gradients`` after backward) or ``"naive"`` (``ddp.average_gradients_naive``).
+    ``accumulate=k`` cuts the rank's slice into k micro-batches, all but the last backward
+    inside ``no_sync()`` (gradient accumulation).
+    """
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    X, y, order, model = _setup(batch, steps, hidden, variant, dtype, seed)
+    tl = timeline.Timeline(rank) if record else None
+    unused = variant == "unused"
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    net = model
+    if strategy == "torch":
+        net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
+                                                  find_unused_parameters=unused)
+    elif wrapper == "ddp":
+        net = ddp.DistributedDataParallel(model, strategy, bucket_cap_mb, algorithm,
+                                          find_unused_parameters=unused, timeline=tl,
+                                          first_bucket_mb=bucket_cap_mb)
+    elif wrapper == "optimizer":
+        ddp.broadcast_parameters(model)
+        opt = ddp.DistributedOptimizer(opt, model.named_parameters(), strategy, bucket_cap_mb,
+                                       algorithm, find_unused_parameters=unused, timeline=tl,
+                                       first_bucket_mb=bucket_cap_mb)
+        ddp.broadcast_optimizer_state(opt)
+    elif wrapper not in ("functional", "naive"):
+        raise ValueError("wrapper must be 'ddp', 'optimizer', 'functional' or 'naive', not "
+                         f"{wrapper!r}")
+    params = []
+    for idx in order:
+        lo, hi = shard_bounds(batch, rank, world)
+        for m in range(accumulate):
+            a, b = shard_bounds(hi - lo, m, accumulate)
+            part = idx[lo + a:lo + b]
+            quiet = m < accumulate - 1 and hasattr(net, "no_sync")
+            with net.no_sync() if quiet else contextlib.nullcontext():
+                loss = F.cross_entropy(net(X[part]), y[part], reduction="sum")
+                (loss * (world / batch)).backward()
+        if wrapper == "functional" and strategy != "torch":
+            ddp.average_gradients(model.parameters(), strategy, bucket_cap_mb, algorithm)
+        elif wrapper == "naive":  # one blocking allreduce per gradient, whatever the strategy
+            ddp.average_gradients_naive(model.parameters())
+        if tl is not None and wrapper != "optimizer":  # the Horovod-style one records its own
+            with tl.span("step"):
+                opt.step()
+        else:
+            opt.step()
+        no_grad = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        opt.zero_grad()
+        params.append(_flat(model))
+    return {"params": params, "no_grad": no_grad, "timeline": tl}
+
+
+def single_process(steps=3, batch=64, hidden=(64,), variant="mlp", dtype="float64", lr=0.1,
+                   momentum=0.9, seed=0):
+    """The reference: one process, the whole global batch each step; flat parameters per step."""
+    X, y, order, model = _setup(batch, steps, hidden, variant, dtype, seed)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    params = []
+    for idx in order:
+        F.cross_entropy(model(X[idx]), y[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+        params.append(_flat(model))
+    return params
+
+
+def max_difference(runs, reference):
+    """The largest element-wise difference, over ranks and steps, from ``reference``."""
+    return max(float(np.abs(a - b).max()) for run in runs
+               for a, b in zip(run["params"], reference, strict=True))
+
+
+def missing_rank(timeout=2.0, strategy="overlap"):
+    """Rank 0 trains one step; the other ranks never call backward. Rank 0 must fail with a
+    ``DDPError`` naming itself, the bucket and its size within ``timeout``; returns
+    ``(error message or None, seconds waited)``."""
+    import time
+
+    import torch.distributed as dist
+    X, y, order, model = _setup(8, 1, (16,), "mlp", "float32", 0)
+    net = ddp.DistributedDataParallel(model, strategy, timeout=timeout)
+    if dist.get_rank() != 0:
+        return None, 0.0
+    start = time.perf_counter()
+    try:
+        F.cross_entropy(net(X[order[0]]), y[order[0]]).backward()
+    except ddp.DDPError as e:
+        return str(e), time.perf_counter() - start
+    return None, time.perf_counter() - start
+
+
+def unused_without_flag():
+    """A reducer over two layers of which backward reaches one, without
+    ``find_unused_parameters``: ``finish`` must raise a DDPError naming the other."""
+    net = nn.ModuleDict({"used": nn.Linear(2, 1), "spare": nn.Linear(2, 1)})
+    reducer = ddp.OverlappingReducer(net.named_parameters())
+    net["used"](torch.ones(1, 2)).sum().backward()
+    reducer.finish()
+
+
+def broadcasts_on_rank():
+    """Ranks start from different weights and optimizer states; after ``broadcast_parameters``
+    and ``broadcast_optimizer_state`` they hold rank 0's. Returns (weights, momentum, lr)."""
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    model = models.mlp(4, 3, 2, seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.25 if rank == 0 else 1.0, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()  # creates momentum buffers, different on every rank
+    ddp.broadcast_parameters(model)
+    ddp.broadcast_optimizer_state(opt)
+    mom = [opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()]
+    return _flat(model), torch.cat(mom).numpy(), opt.param_groups[0]["lr"]
+
+
+def mismatched_models(where="wrapper"):
+    """Rank 1 builds a wider model than rank 0: the wrapper's first broadcast (``"wrapper"``)
+    or the gradient buckets (``"reducer"``) must raise a DDPError on every rank that lists
+    both layouts, before any gradient moves."""
+    import torch.distributed as dist
+    model = models.mlp(4, (16,) if dist.get_rank() == 0 else (17,), 2)
+    if where == "wrapper":
+        ddp.DistributedDataParallel(model, timeout=5.0)
+    model(torch.ones(1, 4)).sum().backward()
+    ddp.average_gradients(model.parameters(), timeout=5.0)

@@ -1,0 +1,46 @@
+"""One shared cluster per size for the whole test session.
+
+Starting a cluster costs seconds (each engine imports PyTorch), so test modules do not start their
+own: a module says ``CLUSTER_SIZE = 3`` (default 2; ``CLUSTER_BACKEND``, ``CLUSTER_TIMEOUT`` too)
+and its tests take the ``cluster`` fixture. The cluster is kept for later modules of the same size
+and rebuilt only when a test has stopped it; a broken process group or a killed engine is
+repaired by the cluster itself on its next ``run``.
+"""
+
+import pytest
+
+from course_lib.cluster import start_cluster
+
+_CLUSTERS = {}
+
+
+def _backend(backend):
+    if backend == "auto":
+        import torch
+        return "auto" if torch.cuda.is_available() else "gloo"  # the same cluster on a CPU
+    return backend
+
+
+def shared_cluster(n, backend="auto", timeout=60):
+    """The session's cluster of ``n`` ranks, started on first use (or again if stopped)."""
+    key = (n, _backend(backend))
+    cluster = _CLUSTERS.get(key)
+    if cluster is None or cluster.stopped:
+        cluster = _CLUSTERS[key] = start_cluster(n=n, backend=backend, timeout=60)
+    cluster.timeout = timeout  # each module's default deadline for cluster.run
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    module = request.module
+    return shared_cluster(getattr(module, "CLUSTER_SIZE", 2),
+                          getattr(module, "CLUSTER_BACKEND", "auto"),
+                          getattr(module, "CLUSTER_TIMEOUT", 60))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_clusters():
+    yield
+    for cluster in _CLUSTERS.values():
+        cluster.stop()

@@ -1,0 +1,189 @@
+"""Lab 02 checks on a real 3-engine cluster: right answers pass, realistic wrong ones fail with
+the right hint, a deadlock ends at the deadline, and the cluster is usable afterwards.
+
+Also the references they compare with: ``parallel_gd.ring_pass`` against the native all_gather,
+``parallel_gd.global_gradient`` over ``course_lib.comm`` against the native allreduce and the
+single-process gradient. The student functions below are defined in this test module, which
+the engines cannot import: the checks send them by value (cloudpickle), as from a notebook.
+"""
+
+import numpy as np
+import pytest
+
+from course_lib import gd, models, parallel_gd
+from course_lib.checks import CheckFailed
+from course_lib.checks import lab02_parallel_computing as CP
+from course_lib.data import make_linear
+
+TIMEOUT = 2.0  # seconds a deadlocked student function waits before its CommTimeout
+
+
+CLUSTER_SIZE = 3  # the shared cluster of tests/conftest.py
+CLUSTER_TIMEOUT = 30
+
+
+# ---------------------------------------------------------------- student answers, right ones
+def ring_oddeven(comm, value):
+    """Blocking send and recv, deadlock-free: even ranks send first, odd ranks receive first."""
+    p, r = comm.world_size, comm.rank
+    values = [None] * p
+    values[r] = value.copy()
+    for step in range(p - 1):
+        incoming = np.empty_like(value)
+        if r % 2 == 0:
+            comm.send(values[(r - step) % p], (r + 1) % p)
+            comm.recv(incoming, (r - 1) % p)
+        else:
+            comm.recv(incoming, (r - 1) % p)
+            comm.send(values[(r - step) % p], (r + 1) % p)
+        values[(r - step - 1) % p] = incoming
+    return values
+
+
+def ring_native(comm, value):
+    """torch.distributed's own all_gather over the same group: the production answer."""
+    import torch
+    import torch.distributed as dist
+    out = [torch.empty_like(torch.from_numpy(value)) for _ in range(comm.world_size)]
+    dist.all_gather(out, torch.from_numpy(value.copy()), group=comm.group)
+    return out  # tensors: the check accepts them
+
+
+def gradient_ring(comm, X_shard, y_shard, theta, n_total):
+    return sum(ring_oddeven(comm, X_shard.T @ (X_shard @ theta - y_shard))) / n_total
+
+
+# ---------------------------------------------------------------- wrong ones
+def ring_send_then_recv(comm, value):
+    p, r = comm.world_size, comm.rank
+    values = [None] * p
+    values[r] = value.copy()
+    for step in range(p - 1):
+        incoming = np.empty_like(value)
+        comm.send(values[(r - step) % p], (r + 1) % p)
+        comm.recv(incoming, (r - 1) % p)
+        values[(r - step - 1) % p] = incoming
+    return values
+
+
+def ring_one_buffer(comm, value):
+    p, r = comm.world_size, comm.rank
+    values = [None] * p
+    values[r] = value.copy()
+    incoming, outgoing = np.empty_like(value), value.copy()
+    for step in range(p - 1):
+        comm.sendrecv(outgoing, (r + 1) % p, incoming, (r - 1) % p)
+        values[(r - step - 1) % p] = incoming  # the same buffer every time
+        outgoing = incoming.copy()
+    return values
+
+
+def ring_wrong_order(comm, value):
+    p, r = comm.world_size, comm.rank
+    values, outgoing = [value.copy()], value.copy()
+    for _ in range(p - 1):
+        incoming = np.empty_like(value)
+        comm.sendrecv(outgoing, (r + 1) % p, incoming, (r - 1) % p)
+        values.append(incoming)  # arrival order, not rank order
+        outgoing = incoming
+    return values
+
+
+def ring_stub(comm, value):
+    raise NotImplementedError
+
+
+def gradient_no_division(comm, X_shard, y_shard, theta, n_total):
+    return sum(parallel_gd.ring_pass(comm, X_shard.T @ (X_shard @ theta - y_shard)))
+
+
+def gradient_own_shard(comm, X_shard, y_shard, theta, n_total):
+    return X_shard.T @ (X_shard @ theta - y_shard) / n_total
+
+
+def gradient_mean_of_means(comm, X_shard, y_shard, theta, n_total):
+    mean = X_shard.T @ (X_shard @ theta - y_shard) / max(len(X_shard), 1)
+    return sum(parallel_gd.ring_pass(comm, mean)) / comm.world_size
+
+
+def gradient_mean_on_empty_shard(comm, X_shard, y_shard, theta, n_total):
+    mean = models.LinearRegression().grad(theta, X_shard, y_shard)  # fails on an empty shard
+    return sum(parallel_gd.ring_pass(comm, mean * len(X_shard))) / n_total
+
+
+def gradient_send_then_recv(comm, X_shard, y_shard, theta, n_total):
+    return sum(ring_send_then_recv(comm, X_shard.T @ (X_shard @ theta - y_shard))) / n_total
+
+
+# ---------------------------------------------------------------- the tests
+@pytest.mark.parametrize("fn", [parallel_gd.ring_pass, ring_oddeven, ring_native])
+def test_ring_pass_accepts_right_answers(cluster, fn, capsys):
+    assert CP.check_ring_pass(fn, cluster, timeout=TIMEOUT) is True
+    assert "✓ check_ring_pass: 5/5 cases" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn,hint", [
+    (ring_send_then_recv, "blocking-send cycle"),
+    (ring_one_buffer, "Allocate a new receive buffer"),
+    (ring_wrong_order, "at the wrong index"),
+])
+def test_ring_pass_rejects_wrong_answers_with_a_hint(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        CP.check_ring_pass(fn, cluster, timeout=TIMEOUT)
+
+
+def test_a_deadlock_fails_within_the_deadline_and_the_cluster_recovers(cluster):
+    import time
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match=r"(?s)case 1/5 .*CommTimeout: rank \d: send to rank"):
+        CP.check_ring_pass(ring_send_then_recv, cluster, timeout=TIMEOUT)
+    assert time.monotonic() - start < 20
+    assert CP.check_ring_pass(parallel_gd.ring_pass, cluster, timeout=TIMEOUT)
+
+
+def test_not_implemented_returns_false(cluster, capsys):
+    assert CP.check_ring_pass(ring_stub, cluster) is False
+    assert "not implemented yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn", [parallel_gd.global_gradient, gradient_ring])
+def test_global_gradient_accepts_right_answers(cluster, fn):
+    assert CP.check_global_gradient(fn, cluster, timeout=TIMEOUT) is True
+
+
+@pytest.mark.parametrize("fn,hint", [
+    (gradient_no_division, "divide by m"),
+    (gradient_own_shard, "own shard only"),
+    (gradient_mean_of_means, "mean of the shard means"),
+    (gradient_mean_on_empty_shard, r"(?s)raised on rank\(s\) \[2\].*empty"),
+    (gradient_send_then_recv, "blocking-send cycle"),
+])
+def test_global_gradient_rejects_wrong_answers_with_a_hint(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        CP.check_global_gradient(fn, cluster, timeout=TIMEOUT)
+
+
+def test_references_agree_with_the_native_allreduce_and_one_process(cluster):
+    via_comm = cluster.run(parallel_gd.comm_shard_gradient, 1000, 5, 0)
+    native = cluster.run(parallel_gd.shard_gradient, 1000, 5, 0)
+    expected = parallel_gd.full_gradient(1000, 5, 0)
+    assert [r["n_local"] for r in via_comm] == [334, 333, 333]
+    for mine, theirs in zip(via_comm, native, strict=True):
+        np.testing.assert_allclose(mine["full"], theirs["full"], rtol=1e-12)
+        np.testing.assert_allclose(mine["full"], expected, rtol=1e-12)
+    assert all(np.array_equal(r["full"], via_comm[0]["full"]) for r in via_comm)  # bitwise
+
+
+def test_train_on_cluster_follows_single_process_batch_gd(cluster):
+    thetas, spread = CP.train_on_cluster(gradient_ring, cluster, n_samples=50, num_epochs=10)
+    X, y, _ = make_linear(50, 3, noise=0.5, seed=0)
+    hist = gd.batch_gd(models.LinearRegression(), X, y, np.zeros(4), 0.1, 10)
+    assert spread == 0.0 and thetas.shape == (11, 4)
+    np.testing.assert_allclose(thetas, np.array(hist.thetas), rtol=1e-10, atol=1e-12)
+
+
+def test_needs_two_engines():
+    class One:
+        n = 1
+    with pytest.raises(ValueError, match="at least 2 engines"):
+        CP.check_ring_pass(parallel_gd.ring_pass, One())

@@ -1,0 +1,247 @@
+"""Tests for course_lib.checks_allreduce: on a real 3-rank cluster, the lab 05 checks pass correct
+ring reduce-scatter / all-gather / allreduce functions written independently of
+course_lib.collectives, and fail realistic wrong ones with a CheckFailed carrying a targeted hint;
+an unimplemented function makes them return False without raising."""
+
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+
+from course_lib.checks import CheckFailed
+from course_lib.checks import lab05_allreduce as CA
+from course_lib.data import shard_bounds
+
+# the engines cannot import this test module: send its functions by value, as in a notebook
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+CLUSTER_SIZE = 3  # the shared cluster of tests/conftest.py
+
+
+def _ring(comm):
+    return comm.rank, comm.world_size, (comm.rank + 1) % comm.world_size, \
+        (comm.rank - 1) % comm.world_size
+
+
+# ---------------------------------------------------------------- reduce-scatter variants
+def reduce_scatter(buf, comm, send_shift=1, steps=None, combine="add", owner_shift=0):
+    """The ring reduce-scatter, with knobs that turn it into the usual mistakes."""
+    rank, N, right, left = _ring(comm)
+    bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+    for s in range(N - 1 if steps is None else steps(N)):
+        s0, s1 = bounds[(rank - s - send_shift) % N]
+        r0, r1 = bounds[(rank - s - send_shift - 1) % N]
+        tmp = torch.empty_like(buf[r0:r1])
+        comm.sendrecv(buf[s0:s1], right, tmp, left)
+        if combine == "add":
+            buf[r0:r1] += tmp
+        elif combine == "copy":
+            buf[r0:r1] = tmp
+    return bounds[(rank + owner_shift) % N]
+
+
+def good_reduce_scatter(buf, comm):
+    return reduce_scatter(buf, comm)
+
+
+def good_reduce_scatter_nonblocking(buf, comm):
+    """Same schedule with isend / irecv and a preallocated receive buffer."""
+    rank, N, right, left = _ring(comm)
+    bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+    tmp = torch.empty(bounds[0][1] - bounds[0][0], dtype=buf.dtype)
+    for s in range(N - 1):
+        s0, s1 = bounds[(rank - s - 1) % N]
+        r0, r1 = bounds[(rank - s - 2) % N]
+        recv = comm.irecv(tmp[:r1 - r0], left)
+        send = comm.isend(buf[s0:s1], right)
+        recv.wait()
+        send.wait()
+        buf[r0:r1] += tmp[:r1 - r0]
+    return bounds[rank]
+
+
+def shifted_schedule(buf, comm):
+    return reduce_scatter(buf, comm, send_shift=0)
+
+
+def one_step_short(buf, comm):
+    return reduce_scatter(buf, comm, steps=lambda N: N - 2)
+
+
+def one_step_too_many(buf, comm):
+    return reduce_scatter(buf, comm, steps=lambda N: N)
+
+
+def copies_instead_of_adding(buf, comm):
+    return reduce_scatter(buf, comm, combine="copy")
+
+
+def drops_what_it_receives(buf, comm):
+    return reduce_scatter(buf, comm, combine="drop")
+
+
+def returns_next_chunk(buf, comm):
+    return reduce_scatter(buf, comm, owner_shift=1)
+
+
+def returns_nothing(buf, comm):
+    reduce_scatter(buf, comm)
+
+
+def blocking_send_cycle(buf, comm):
+    rank, N, right, left = _ring(comm)
+    bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+    for s in range(N - 1):
+        s0, s1 = bounds[(rank - s - 1) % N]
+        r0, r1 = bounds[(rank - s - 2) % N]
+        tmp = torch.empty_like(buf[r0:r1])
+        comm.send(buf[s0:s1], right)   # every rank sends first: nobody receives
+        comm.recv(tmp, left)
+        buf[r0:r1] += tmp
+    return bounds[rank]
+
+
+def one_size_receive_buffer(buf, comm):
+    """Receives every chunk into a buffer as long as chunk 0: an empty chunk never arrives."""
+    rank, N, right, left = _ring(comm)
+    bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+    tmp = torch.empty(bounds[0][1] - bounds[0][0], dtype=buf.dtype)
+    for s in range(N - 1):
+        s0, s1 = bounds[(rank - s - 1) % N]
+        r0, r1 = bounds[(rank - s - 2) % N]
+        comm.sendrecv(buf[s0:s1], right, tmp, left)
+        buf[r0:r1] += tmp[:r1 - r0]
+    return bounds[rank]
+
+
+def uses_an_undefined_helper(buf, comm):
+    return helper_defined_nowhere(buf)  # noqa: F821
+
+
+def direct_to_owners(buf, comm):
+    """Right values, but each chunk goes straight to its owner: not the ring."""
+    rank, N, _, _ = _ring(comm)
+    bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+    a, b = bounds[rank]
+    for p in range(N):
+        if p != rank:
+            tmp = torch.empty_like(buf[a:b])
+            comm.sendrecv(buf[slice(*bounds[p])], p, tmp, p)
+            buf[a:b] += tmp
+    return a, b
+
+
+def not_implemented(buf, comm):
+    raise NotImplementedError
+
+
+def test_reduce_scatter_passes_correct_solutions(cluster, capsys):
+    assert CA.check_ring_reduce_scatter(good_reduce_scatter, cluster) is True
+    assert CA.check_ring_reduce_scatter(good_reduce_scatter_nonblocking, cluster, seed=1)
+    assert "✓ check_ring_reduce_scatter: 6/6 cases" in capsys.readouterr().out
+
+
+def test_not_implemented_returns_false(cluster, capsys):
+    assert CA.check_ring_reduce_scatter(not_implemented, cluster) is False
+    assert CA.check_ring_allgather(not_implemented, cluster) is False
+    assert "not implemented yet" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (shifted_schedule, r"holds the full sum in chunk 1, not in chunk 0: the schedule is shifted"),
+    (one_step_short, r"holds the data of 1 of 3 ranks \[0\]: an off-by-one"),
+    (one_step_too_many, r"not the ring: rank 0 sent 3 message.*N-1 = 2 per phase"),
+    (copies_instead_of_adding, r"the reduction is missing"),
+    (drops_what_it_receives, r"buffer did not change: nothing received was added"),
+    (returns_next_chunk, r"rank 0 returned \(5, 10\); it owns chunk 0 .* = \(0, 5\)"),
+    (returns_nothing, r"rank 0 returned None"),
+    (direct_to_owners, r"not the ring: rank 0 sent to rank\(s\) \[2\]"),
+])
+def test_reduce_scatter_mistakes_get_targeted_hints(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint) as info:
+        CA.check_ring_reduce_scatter(fn, cluster)
+    assert "case 1/6" in str(info.value) and "Hint:" in str(info.value)
+
+
+def test_blocking_send_cycle_becomes_a_hint_and_the_cluster_recovers(cluster):
+    with pytest.raises(CheckFailed, match=r"(?s)CommTimeout.*blocking send cycle.*sendrecv"):
+        CA.check_ring_reduce_scatter(blocking_send_cycle, cluster, timeout=1.0)
+    assert CA.check_ring_reduce_scatter(good_reduce_scatter, cluster)
+
+
+def test_wrong_receive_length_and_missing_names_get_hints(cluster):
+    with pytest.raises(CheckFailed, match=r"(?s)case 3/6 .*CommTimeout.*exactly the length"):
+        CA.check_ring_reduce_scatter(one_size_receive_buffer, cluster, timeout=1.0)
+    with pytest.raises(CheckFailed, match=r"(?s)NameError.*define or import everything"):
+        CA.check_ring_reduce_scatter(uses_an_undefined_helper, cluster)
+
+
+# ---------------------------------------------------------------- all-gather variants
+def allgather(buf, comm, shift=0, steps=None):
+    rank, N, right, left = _ring(comm)
+    bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+    for s in range(N - 1 if steps is None else steps(N)):
+        s0, s1 = bounds[(rank - s - shift) % N]
+        r0, r1 = bounds[(rank - s - shift - 1) % N]
+        comm.sendrecv(buf[s0:s1], right, buf[r0:r1], left)
+    return buf
+
+
+def good_allgather(buf, comm):
+    return allgather(buf, comm)
+
+
+def allgather_reduce_scatter_indices(buf, comm):
+    return allgather(buf, comm, shift=1)
+
+
+def allgather_one_step_short(buf, comm):
+    return allgather(buf, comm, steps=lambda N: N - 2)
+
+
+def test_allgather(cluster, capsys):
+    assert CA.check_ring_allgather(good_allgather, cluster) is True
+    assert "✓ check_ring_allgather: 6/6" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"another rank's placeholder values"):
+        CA.check_ring_allgather(allgather_reduce_scatter_indices, cluster)
+    with pytest.raises(CheckFailed, match=r"never received chunk\(s\) \[1\]: one step short"):
+        CA.check_ring_allgather(allgather_one_step_short, cluster)
+
+
+# ---------------------------------------------------------------- the composed allreduce
+def good_allreduce(buf, comm):
+    good_reduce_scatter(buf, comm)
+    good_allgather(buf, comm)
+    return buf
+
+
+def reduce_scatter_only(buf, comm):
+    good_reduce_scatter(buf, comm)
+    return buf
+
+
+def test_allreduce_against_native(cluster, capsys):
+    assert CA.check_ring_allreduce(good_allreduce, cluster) is True
+    assert "✓ check_ring_allreduce: 6/6" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"run the all-gather after the reduce-scatter"):
+        CA.check_ring_allreduce(reduce_scatter_only, cluster)
+
+
+def test_time_allreduce_returns_a_row_per_size(cluster):
+    rows = CA.time_allreduce(good_allreduce, cluster, sizes=(4096, 8192), repeats=1)
+    assert [r["size"] for r in rows] == [4096, 8192]
+    assert all(r["yours_us"] > 0 and r["native_us"] > 0 for r in rows)
+
+
+def test_case_inputs_are_exact_and_marked():
+    for dtype in ("float16", "float32", "int32"):
+        xs = CA.case_inputs("reduce-scatter", 17, dtype, 0, 3)
+        exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        assert np.array_equal(np.sum(xs, axis=0, dtype=np.float64), exact)
+        assert np.array_equal(exact.astype(dtype).astype(np.float64), exact)
+    marked = CA.case_inputs("all-gather", 10, "float32", 0, 3)
+    a, b = shard_bounds(10, 1, 3)
+    assert (marked[1][:a] <= CA.MARK).all() and (marked[1][a:b] > CA.MARK).all()
