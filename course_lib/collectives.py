@@ -100,13 +100,14 @@ def naive_allreduce(buf, comm, op="sum", check=True):
     if comm.rank == 0:
         tmp = _scratch(flat, flat.shape[0])
         for src in range(1, comm.world_size):
-            _reduce_into(flat, comm.recv(tmp, src, tag=TAG_NAIVE), op)
+            _reduce_into(flat, comm.recv(tmp, src, tag=TAG_NAIVE, check_size=False), op)
         if op == "average":
             divide(flat, comm.world_size)
-        wait_all([comm.isend(flat, dst, tag=TAG_NAIVE) for dst in range(1, comm.world_size)])
+        wait_all([comm.isend(flat, dst, tag=TAG_NAIVE, check_size=False)
+                  for dst in range(1, comm.world_size)])
     else:
-        comm.send(flat, 0, tag=TAG_NAIVE)
-        comm.recv(flat, 0, tag=TAG_NAIVE)
+        comm.send(flat, 0, tag=TAG_NAIVE, check_size=False)
+        comm.recv(flat, 0, tag=TAG_NAIVE, check_size=False)
     return buf
 
 
@@ -126,20 +127,20 @@ def tree_allreduce(buf, comm, op="sum", check=True):
     mask = 1
     while mask < world_size:  # reduce: leaves first, partial results flow towards rank 0
         if rank & mask:
-            comm.send(flat, rank - mask, tag=TAG_TREE_UP)
+            comm.send(flat, rank - mask, tag=TAG_TREE_UP, check_size=False)
             break
         if rank + mask < world_size:
-            _reduce_into(flat, comm.recv(tmp, rank + mask, tag=TAG_TREE_UP), op)
+            _reduce_into(flat, comm.recv(tmp, rank + mask, tag=TAG_TREE_UP, check_size=False), op)
         mask <<= 1
     if rank == 0 and op == "average":
         divide(flat, world_size)
     if rank != 0:  # broadcast: receive from the parent, then serve the subtree below
-        comm.recv(flat, rank - mask, tag=TAG_TREE_DOWN)
+        comm.recv(flat, rank - mask, tag=TAG_TREE_DOWN, check_size=False)
     children = []
     while mask > 1:
         mask >>= 1
         if rank + mask < world_size:
-            children.append(comm.isend(flat, rank + mask, tag=TAG_TREE_DOWN))
+            children.append(comm.isend(flat, rank + mask, tag=TAG_TREE_DOWN, check_size=False))
     wait_all(children)
     return buf
 
@@ -156,10 +157,11 @@ def _pipelined_step(flat, comm, op, send, recv, seg, tmp):
     right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
 
     def post_sends():
-        return [comm.isend(flat[a:b], right, tag=TAG_RS) for a, b in _segments(*send, seg)]
+        return [comm.isend(flat[a:b], right, tag=TAG_RS, check_size=False)
+                for a, b in _segments(*send, seg)]
 
     sends = post_sends() if comm.rank < right else None  # one rank of a pair sends first:
-    receives = [(a, b, comm.irecv(tmp[a - recv[0]:b - recv[0]], left, tag=TAG_RS))
+    receives = [(a, b, comm.irecv(tmp[a - recv[0]:b - recv[0]], left, tag=TAG_RS, check_size=False))
                 for a, b in _segments(*recv, seg)]  # NCCL runs a pair's operations in order
     sends = post_sends() if sends is None else sends
     for a, b, request in receives:
@@ -180,7 +182,7 @@ def _ring_reduce_scatter(flat, comm, op, segment=0):
             _pipelined_step(flat, comm, op, send, recv, segment, tmp)
             continue
         (s0, s1), (r0, r1) = send, recv
-        comm.sendrecv(flat[s0:s1], right, tmp[:r1 - r0], left, tag=TAG_RS)
+        comm.sendrecv(flat[s0:s1], right, tmp[:r1 - r0], left, tag=TAG_RS, check_size=False)
         _reduce_into(flat[r0:r1], tmp[:r1 - r0], op)
     start, stop = chunks[rank]
     if op == "average":  # divide only the chunk this rank owns: 1/N of the work
@@ -195,7 +197,7 @@ def _ring_allgather(flat, comm):
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     for step in range(world_size - 1):
         (s0, s1), (r0, r1) = chunks[(rank - step) % world_size], chunks[(left - step) % world_size]
-        comm.sendrecv(flat[s0:s1], right, flat[r0:r1], left, tag=TAG_AG)
+        comm.sendrecv(flat[s0:s1], right, flat[r0:r1], left, tag=TAG_AG, check_size=False)
 
 
 def ring_reduce_scatter(buf, comm, op="sum", check=True):

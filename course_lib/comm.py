@@ -70,14 +70,29 @@ def describe(buf):
     return f"{n} x {dtype} ({n * buf.itemsize} bytes)"
 
 
+def nbytes(buf):
+    """The size in bytes of a numpy or torch buffer.
+
+    Introduced in notebooks/02_parallel_computing.ipynb."""
+    return buf.nbytes if is_numpy(buf) else buf.numel() * buf.element_size()
+
+
+# A checked message's size travels ahead of it under its own tag (the message's tag plus this),
+# so that size headers and payloads each match in order, whatever else is in flight.
+HEADER_TAG = 1 << 30
+
+
 class Request:
     """A posted send or receive; ``wait()`` blocks until it is done or its deadline passes.
 
     Introduced in notebooks/02_parallel_computing.ipynb."""
 
-    def __init__(self, comm, op, kind, peer, buf, handle):
+    def __init__(self, comm, op, kind, peer, buf, handle, tag=0, checked=False):
         self.comm, self.op, self.kind, self.peer, self.buf = comm, op, kind, peer, buf
-        self.handle = handle
+        self.handle, self.tag, self.checked = handle, tag, checked
+        # a checked receive is posted once its message's size is known (``posted``); a size
+        # mismatch found then is kept in ``error`` and raised by ``wait``
+        self.posted, self.error, self.header = not (checked and kind == "recv"), None, None
         self.done = False
 
     def wait(self, timeout=None):
@@ -85,10 +100,13 @@ class Request:
         if not self.done:
             timeout = self.comm.timeout if timeout is None else timeout
             try:
-                done = self.comm._wait(self.handle, timeout)
+                done = self.comm._complete(self, timeout)
+            except CommError:
+                raise
             except RuntimeError as e:
                 raise CommError(f"{self._what()} failed: {str(e).splitlines()[0]}") from e
             if not done:
+                self.comm._forget(self)
                 raise self._timed_out(timeout)
             self.done = True
         return self.buf
@@ -102,6 +120,15 @@ class Request:
         return CommTimeout(f"{self._what()} did not complete within {timeout:g}s; is rank "
                            f"{self.peer} alive and calling the matching "
                            f"{'recv' if self.kind == 'send' else 'send'}?")
+
+    def _size_error(self, sent):
+        """The error of a receive whose message (``sent`` bytes) does not fit its buffer."""
+        mine, item = nbytes(self.buf), self.buf.itemsize
+        elements = f"{sent // item} x {str(self.buf.dtype).replace('torch.', '')}" \
+            if sent % item == 0 else "not a whole number of elements"
+        return CommError(f"{self._what()}: rank {self.peer} sent {sent} bytes ({elements}) but "
+                         f"the receive buffer holds {mine} bytes: a send and its receive must "
+                         f"have the same size (the message was received and dropped)")
 
 
 def wait_work(work, timeout, what, error=None):
@@ -134,12 +161,21 @@ def wait_all(requests, timeout=None):
 class Comm:
     """What both transports share: rank, world size, deadline, and the blocking forms.
 
+    Every message is checked by default (``check_size=True``): a message longer or shorter
+    than its receive buffer raises :class:`CommError` on the receiving rank, naming both ranks
+    and both sizes, and the message is drained so that no process dies and the next message
+    arrives intact. (MPI alone would truncate a longer message with an error and accept a
+    shorter one silently; Gloo would abort the receiving process.) Over torch this costs an
+    8-byte header message per message; the course's collectives, whose sizes the ranks agree
+    on first, pass ``check_size=False``.
+
     Introduced in notebooks/02_parallel_computing.ipynb."""
 
     transport = "?"
 
     def __init__(self, rank, world_size, timeout=DEFAULT_TIMEOUT):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self._unposted = {}  # (peer, tag) -> checked receives waiting for their sizes, in order
 
     def _peer(self, peer, op):
         if not (isinstance(peer, (int, np.integer)) and 0 <= peer < self.world_size):
@@ -149,6 +185,18 @@ class Comm:
             raise ValueError(f"rank {self.rank}: {op} to itself; copy the buffer instead")
         return int(peer)
 
+    def _queue(self, request):
+        """Keep a checked receive in line: messages from one peer and tag match in order."""
+        if not request.posted:
+            self._unposted.setdefault((request.peer, request.tag), []).append(request)
+        return request
+
+    def _forget(self, request):
+        """A request that timed out leaves the line of receives waiting for their sizes."""
+        line = self._unposted.get((request.peer, request.tag), [])
+        if request in line:
+            line.remove(request)
+
     def _wait_all(self, requests, timeout):
         deadline = time.monotonic() + timeout
         for r in requests:
@@ -157,18 +205,18 @@ class Comm:
             except CommTimeout:
                 raise r._timed_out(timeout) from None  # name the whole deadline
 
-    def send(self, buf, dst, tag=0, timeout=None):
+    def send(self, buf, dst, tag=0, timeout=None, check_size=True):
         """Send ``buf`` to rank ``dst``; returns once the buffer may be reused."""
-        self.isend(buf, dst, tag, _op="send").wait(timeout)
+        self.isend(buf, dst, tag, check_size=check_size, _op="send").wait(timeout)
 
-    def recv(self, buf, src, tag=0, timeout=None):
+    def recv(self, buf, src, tag=0, timeout=None, check_size=True):
         """Receive from rank ``src`` into ``buf`` (in place); returns ``buf``."""
-        return self.irecv(buf, src, tag, _op="recv").wait(timeout)
+        return self.irecv(buf, src, tag, check_size=check_size, _op="recv").wait(timeout)
 
-    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None):
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None, check_size=True):
         """Send to ``dst`` and receive from ``src`` at once: the step of every ring."""
-        reqs = [self.irecv(recvbuf, src, tag, _op="sendrecv"),
-                self.isend(sendbuf, dst, tag, _op="sendrecv")]
+        reqs = [self.irecv(recvbuf, src, tag, check_size=check_size, _op="sendrecv"),
+                self.isend(sendbuf, dst, tag, check_size=check_size, _op="sendrecv")]
         wait_all(reqs, timeout)
         return recvbuf
 
@@ -181,7 +229,9 @@ class TorchComm(Comm):
     """Messages over torch.distributed: Gloo for CPU tensors, NCCL for CUDA tensors.
 
     A Gloo wait that times out closes the connection to that peer, so the process group has to
-    be re-created afterwards (``Cluster.run`` does this on its next call).
+    be re-created afterwards (``Cluster.run`` does this on its next call). A checked message
+    (the default; not on NCCL) is an 8-byte size header under its own tag, then the data; the
+    receive of the data is posted once its size is known to fit.
     Introduced in notebooks/02_parallel_computing.ipynb.
     """
 
@@ -201,23 +251,75 @@ class TorchComm(Comm):
             raise ValueError(f"buffers must be contiguous, got strides {tuple(t.stride())}")
         return t
 
-    def isend(self, buf, dst, tag=0, _op="isend"):
+    def _checked(self, check_size):
+        return check_size and self.backend != "nccl"  # NCCL: sizes are the caller's to agree
+
+    def isend(self, buf, dst, tag=0, check_size=True, _op="isend"):
         dst = self._peer(dst, _op)
         t = self._tensor(buf)
-        work = None if t.numel() == 0 else self.dist.isend(t, dst, group=self.group, tag=tag)
-        return Request(self, _op, "send", dst, buf, work)
+        req = Request(self, _op, "send", dst, buf, None, tag, self._checked(check_size))
+        if req.checked:
+            import torch
+            size = torch.tensor([nbytes(t)], dtype=torch.int64)
+            req.header = (self.dist.isend(size, dst, group=self.group, tag=tag + HEADER_TAG),
+                          size)
+        req.handle = None if t.numel() == 0 else self.dist.isend(t, dst, group=self.group,
+                                                                 tag=tag)
+        return req
 
-    def irecv(self, buf, src, tag=0, _op="irecv"):
+    def irecv(self, buf, src, tag=0, check_size=True, _op="irecv"):
         src = self._peer(src, _op)
         t = self._tensor(buf)
-        work = None if t.numel() == 0 else self.dist.irecv(t, src, group=self.group, tag=tag)
-        return Request(self, _op, "recv", src, buf, work)
+        req = Request(self, _op, "recv", src, buf, None, tag, self._checked(check_size))
+        if req.checked:  # the size first; the data is received once it is known to fit
+            import torch
+            size = torch.zeros(1, dtype=torch.int64)
+            req.header = (self.dist.irecv(size, src, group=self.group, tag=tag + HEADER_TAG),
+                          size)
+        elif t.numel():
+            req.handle = self.dist.irecv(t, src, group=self.group, tag=tag)
+        return self._queue(req)
 
-    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None):
+    def _post(self, req, deadline):
+        """Post the checked receives from ``req``'s peer and tag, in order, up to ``req``: each
+        waits for its size; a mismatched message is received into scratch and dropped. False
+        when a size did not arrive before ``deadline``."""
+        import torch
+        line = self._unposted[(req.peer, req.tag)]
+        while not req.posted:
+            r = line[0]
+            work, size = r.header
+            if not self._wait(work, deadline - time.monotonic()):
+                return False
+            line.pop(0)
+            sent, t = int(size[0]), self._tensor(r.buf)
+            if sent != nbytes(t):
+                r.error = r._size_error(sent)
+                r.handle = self.dist.irecv(torch.empty(sent, dtype=torch.uint8), r.peer,
+                                           group=self.group, tag=r.tag) if sent else None
+            elif sent:
+                r.handle = self.dist.irecv(t, r.peer, group=self.group, tag=r.tag)
+            r.posted = True
+        return True
+
+    def _complete(self, req, timeout):
+        deadline = time.monotonic() + timeout
+        if not req.posted and not self._post(req, deadline):
+            return False
+        if req.kind == "send" and req.header is not None:
+            if not self._wait(req.header[0], deadline - time.monotonic()):
+                return False
+        if not self._wait(req.handle, deadline - time.monotonic()):
+            return False
+        if req.error is not None:
+            raise req.error
+        return True
+
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None, check_size=True):
         """As :meth:`Comm.sendrecv`; on NCCL both go in one group (``batch_isend_irecv``), since
         NCCL runs a pair of ranks' separate operations in order and two receives first deadlock."""
         if self.backend != "nccl":
-            return super().sendrecv(sendbuf, dst, recvbuf, src, tag, timeout)
+            return super().sendrecv(sendbuf, dst, recvbuf, src, tag, timeout, check_size)
         pairs = [(self.dist.irecv, self._tensor(recvbuf), self._peer(src, "sendrecv"), "recv",
                   recvbuf),
                  (self.dist.isend, self._tensor(sendbuf), self._peer(dst, "sendrecv"), "send",
@@ -225,7 +327,8 @@ class TorchComm(Comm):
         live = [self.dist.P2POp(op, t, peer, self.group, tag) for op, t, peer, _, _ in pairs
                 if t.numel()]
         works = iter(self.dist.batch_isend_irecv(live) if live else ())
-        wait_all([Request(self, "sendrecv", kind, peer, buf, next(works) if t.numel() else None)
+        wait_all([Request(self, "sendrecv", kind, peer, buf, next(works) if t.numel() else None,
+                          tag)
                   for _, t, peer, kind, buf in pairs], timeout)
         return recvbuf
 
@@ -254,6 +357,7 @@ class MpiComm(Comm):
     """Messages over MPI: numpy arrays or CPU tensors, sent as bytes (any dtype, fp16 too).
 
     Waits poll ``Test`` (MPI progresses inside MPI calls), so a deadline or a Ctrl-C can stop them.
+    A checked receive probes its message's size (``Iprobe``) before it is posted.
     Introduced in notebooks/02_parallel_computing.ipynb.
     """
 
@@ -277,32 +381,62 @@ class MpiComm(Comm):
             return [np.empty(0, np.uint8), self.MPI.BYTE]
         return [buf.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE]
 
-    def isend(self, buf, dst, tag=0, _op="isend"):
-        dst = self._peer(dst, _op)
-        return Request(self, _op, "send", dst, buf, self.mpi.Isend(self._bytes(buf), dst, tag))
+    def isend(self, buf, dst, tag=0, check_size=True, _op="isend"):
+        dst = self._peer(dst, _op)  # an MPI message carries its size: nothing to add
+        return Request(self, _op, "send", dst, buf, self.mpi.Isend(self._bytes(buf), dst, tag),
+                       tag)
 
-    def irecv(self, buf, src, tag=0, _op="irecv"):
+    def irecv(self, buf, src, tag=0, check_size=True, _op="irecv"):
         src = self._peer(src, _op)
-        return Request(self, _op, "recv", src, buf, self.mpi.Irecv(self._bytes(buf), src, tag))
+        data = self._bytes(buf)
+        req = Request(self, _op, "recv", src, buf, None, tag, check_size)
+        if not check_size:
+            req.handle = self.mpi.Irecv(data, src, tag)
+        return self._queue(req)
 
-    def _wait(self, req, timeout):
+    def _post(self, req):
+        """Post the checked receives from ``req``'s peer and tag, in order, whose messages have
+        arrived (``Iprobe`` tells their size); a mismatched one is received and dropped. True
+        once ``req`` is posted."""
+        line = self._unposted[(req.peer, req.tag)]
+        status = self.MPI.Status()
+        while not req.posted:
+            r = line[0]
+            if not self.mpi.Iprobe(r.peer, r.tag, status):
+                return False
+            line.pop(0)
+            sent = status.Get_count(self.MPI.BYTE)
+            if sent != nbytes(r.buf):
+                self.mpi.Recv([np.empty(sent, np.uint8), self.MPI.BYTE], r.peer, r.tag)
+                r.error = r._size_error(sent)
+            else:
+                r.handle = self.mpi.Irecv(self._bytes(r.buf), r.peer, r.tag)
+            r.posted = True
+        return True
+
+    def _complete(self, req, timeout):
         deadline = time.monotonic() + timeout
         spins = 0
-        while not req.Test():
+        while True:
+            if req.posted or self._post(req):
+                if req.error is not None:
+                    raise req.error
+                if req.handle.Test():
+                    return True
             spins += 1
             if spins % 64 == 0:
                 if time.monotonic() > deadline:
-                    try:
-                        req.Cancel()
-                    except self.MPI.Exception:  # an Ibarrier cannot be cancelled
-                        pass
+                    if req.handle is not None:
+                        req.handle.Cancel()
                     return False
                 os.sched_yield()  # let a rank sharing this core run
-        return True
 
     def _wait_all(self, requests, timeout):
-        """One polling loop over all requests (``Testall``): a ring step pays one loop, not two."""
+        """One polling loop over all requests (``Testall``): a ring step pays one loop, not two.
+        Checked receives not posted yet are completed one by one instead."""
         pending = [r for r in requests if not r.done]
+        if not all(r.posted and r.error is None for r in pending):
+            return super()._wait_all(requests, timeout)
         handles = [r.handle for r in pending]
         deadline = time.monotonic() + timeout
         spins = 0
@@ -321,9 +455,13 @@ class MpiComm(Comm):
     def barrier(self, timeout=None):
         """Every rank waits here until all have arrived (``Ibarrier``, with a deadline)."""
         timeout = self.timeout if timeout is None else timeout
-        if not self._wait(self.mpi.Ibarrier(), timeout):
-            raise CommTimeout(f"rank {self.rank}: barrier over mpi did not complete within "
-                              f"{timeout:g}s (world size {self.world_size}): a rank is missing")
+        barrier, deadline = self.mpi.Ibarrier(), time.monotonic() + timeout
+        while not barrier.Test():
+            if time.monotonic() > deadline:  # an Ibarrier cannot be cancelled
+                raise CommTimeout(f"rank {self.rank}: barrier over mpi did not complete within "
+                                  f"{timeout:g}s (world size {self.world_size}): a rank is "
+                                  "missing")
+            os.sched_yield()
 
 
 # ---------------------------------------------------------------- getting one

@@ -72,16 +72,18 @@ def _tensors(obj):
     return [t[1] if isinstance(t, tuple) else t for t in obj]
 
 
-def broadcast_parameters(params, root=0, timeout=DEFAULT_TIMEOUT):
+def broadcast_parameters(params, root=0, timeout=DEFAULT_TIMEOUT, check=True):
     """Copy rank ``root``'s parameters (and buffers, for a module) to every rank, in place:
-    one broadcast per dtype, of all tensors of that dtype flattened together.
+    one broadcast per dtype, of all tensors of that dtype flattened together. ``check=False``
+    skips the agreement on sizes, for tensors whose sizes the ranks agreed on already.
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
     dist = dist_or_fail()
     tensors = _tensors(params)
-    agree(layout(tensors), "the tensors to broadcast [count, elements, checksum]", timeout,
-          tensors[0].device if tensors else "cpu")
+    if check:
+        agree(layout(tensors), "the tensors to broadcast [count, elements, checksum]", timeout,
+              tensors[0].device if tensors else "cpu")
     for dtype in sorted({t.dtype for t in tensors}, key=str):
         group = [t for t in tensors if t.dtype == dtype]
         flat = torch.cat([t.detach().reshape(-1) for t in group])
@@ -178,15 +180,21 @@ class DistributedDataParallel(torch.nn.Module):
     average over the ranks. ``buckets`` lists the parameter names of each bucket; the first
     bucket holds about ``first_bucket_mb`` (as in torch DDP), the others ``bucket_cap_mb``.
 
+    Buffers (BatchNorm's running mean and variance ...) are not trained, so no gradient keeps
+    them equal: with ``broadcast_buffers=True`` (torch's default) rank 0's buffers are copied
+    to every rank before each forward, as torch DDP does (not after a forward under
+    ``no_sync()`` or ``torch.no_grad()``, again as torch does).
+
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
 
     def __init__(self, module, strategy="overlap", bucket_cap_mb=25, algorithm="native",
                  find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT,
-                 first_bucket_mb=FIRST_BUCKET_MB):
+                 first_bucket_mb=FIRST_BUCKET_MB, broadcast_buffers=True):
         super().__init__()
-        self.module, self.timeline = module, timeline
-        broadcast_parameters(module, timeout=timeout)
+        self.module, self.timeline, self.timeout = module, timeline, timeout
+        broadcast_parameters(module, timeout=timeout)  # the ranks agree on every size here
+        self.broadcast_buffers, self._sync_buffers_next = broadcast_buffers, True
         self.reducer = make_reducer(module.named_parameters(), strategy, bucket_cap_mb, algorithm,
                                     find_unused_parameters, timeline, timeout,
                                     on_first_grad=lambda: _queue_at_end_of_backward(self._finish),
@@ -209,7 +217,12 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         start = time.perf_counter()
+        buffers = list(self.module.buffers())
+        if self.broadcast_buffers and buffers and self._sync_buffers_next:
+            broadcast_parameters(buffers, timeout=self.timeout, check=False)
         out = self.module(*args, **kwargs)
+        # torch DDP: the next forward syncs buffers only if this one will average gradients
+        self._sync_buffers_next = torch.is_grad_enabled() and self.reducer.enabled
         if self.timeline is not None:
             self.timeline.add("forward", "forward", start, time.perf_counter())
             if isinstance(out, torch.Tensor) and out.requires_grad:

@@ -225,7 +225,9 @@ def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32,
                time_limit=time_limit, delay=delay, stop_after=dict(stop_after or {}),
                crash_after=dict(crash_after or {}), backup_workers=int(backup_workers),
                slow={int(r): float(s) for r, s in (slow or {}).items()})
-    addresses = [a for a in cluster.run(bind_server, spec, host) if a is not None]
+    bound = cluster.run(bind_server, spec, host)  # in rank order; None on non-servers
+    # server s of the spec (``spec["ps"][s]``) holds shard s: its address goes to place s
+    addresses = [bound[r] for r in spec["ps"]]
     t0 = time.perf_counter()
     results = cluster.run(run_role, spec, addresses, problem, X, y,
                           np.asarray(theta0, np.float64), cfg, timeout=time_limit + 30,
@@ -233,7 +235,8 @@ def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32,
     results = [{"role": "worker", "died": True, "steps": 0} if isinstance(r, Exception) else r
                for r in results]  # async: a worker whose process died
     elapsed = time.perf_counter() - t0
-    servers = [r for r in results if r["role"] == "ps"]
+    servers = sorted((r for r in results if r["role"] == "ps"),  # shard order = spec order
+                     key=lambda r: spec["ps"].index(r["server"]))
     workers = [r for r in results if r["role"] == "worker"]
     theta = np.concatenate([s["theta"] for s in servers])
     return PSResult(theta, servers, workers, mode, elapsed)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from course_lib import cluster as C
 from course_lib.checks import CheckFailed
 from course_lib.checks import lab05_allreduce as CA
 from course_lib.data import shard_bounds
@@ -117,6 +118,19 @@ def one_size_receive_buffer(buf, comm):
     return bounds[rank]
 
 
+def reversed_reduce_scatter(buf, comm):
+    """Sends to the left and receives from the right."""
+    rank, N, right, left = _ring(comm)
+    bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+    for s in range(N - 1):
+        s0, s1 = bounds[(rank - s - 1) % N]
+        r0, r1 = bounds[(rank - s - 2) % N]
+        tmp = torch.empty_like(buf[r0:r1])
+        comm.sendrecv(buf[s0:s1], left, tmp, right)
+        buf[r0:r1] += tmp
+    return bounds[rank]
+
+
 def uses_an_undefined_helper(buf, comm):
     return helper_defined_nowhere(buf)  # noqa: F821
 
@@ -173,7 +187,8 @@ def test_blocking_send_cycle_becomes_a_hint_and_the_cluster_recovers(cluster):
 
 
 def test_wrong_receive_length_and_missing_names_get_hints(cluster):
-    with pytest.raises(CheckFailed, match=r"(?s)case 3/6 .*CommTimeout.*exactly the length"):
+    with pytest.raises(CheckFailed, match=r"(?s)case 1/6 .*CommError.*received 16 bytes from "
+                       r"rank \d into a buffer of 20 bytes.*exactly the length"):
         CA.check_ring_reduce_scatter(one_size_receive_buffer, cluster, timeout=1.0)
     with pytest.raises(CheckFailed, match=r"(?s)NameError.*define or import everything"):
         CA.check_ring_reduce_scatter(uses_an_undefined_helper, cluster)
@@ -200,6 +215,37 @@ def allgather_reduce_scatter_indices(buf, comm):
 
 def allgather_one_step_short(buf, comm):
     return allgather(buf, comm, steps=lambda N: N - 2)
+
+
+def reversed_allgather(buf, comm):
+    rank, N, right, left = _ring(comm)
+    bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+    for s in range(N - 1):
+        s0, s1 = bounds[(rank - s) % N]
+        r0, r1 = bounds[(rank - s - 1) % N]
+        comm.sendrecv(buf[s0:s1], left, buf[r0:r1], right)
+    return buf
+
+
+def allgather_sends_its_own_chunk(buf, comm):
+    rank, N, right, left = _ring(comm)
+    bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+    for s in range(N - 1):
+        r0, r1 = bounds[(rank - s - 1) % N]
+        comm.sendrecv(buf[slice(*bounds[rank])], right, buf[r0:r1], left)
+    return buf
+
+
+@pytest.mark.parametrize("check, fn, hint", [
+    ("check_ring_reduce_scatter", reversed_reduce_scatter, "RIGHT neighbour: the ring is reversed"),
+    ("check_ring_allgather", reversed_allgather, "RIGHT neighbour: the ring is reversed"),
+    ("check_ring_allgather", allgather_sends_its_own_chunk, "same chunk at every step"),
+])
+def test_messages_that_do_not_fit_get_a_hint_and_no_engine_dies(cluster, check, fn, hint):
+    pids = [p["pid"] for p in cluster.run(C.engine_info)]
+    with pytest.raises(CheckFailed, match=rf"(?s)case 1/6 .*CommError.*Hint: .*{hint}"):
+        getattr(CA, check)(fn, cluster, timeout=1.0)
+    assert [p["pid"] for p in cluster.run(C.engine_info)] == pids  # the same engines, alive
 
 
 def test_allgather(cluster, capsys):

@@ -29,6 +29,7 @@ if transport == "torch":
 report = {"numpy": K.p2p_roundtrips(transport, kind="numpy"),
           "torch": K.p2p_roundtrips(transport, kind="torch"),
           "errors": K.p2p_errors(transport),
+          "mismatch": K.p2p_size_mismatch(transport),
           "recv_timeout": K.p2p_timeout(1, "recv", transport, timeout=1.0, linger=1.2)}
 if transport == "mpi":  # a Gloo timeout breaks the process group: one timeout is all it gets
     report["barrier_timeout"] = K.p2p_timeout(0, "barrier", transport, timeout=1.0, linger=1.2)
@@ -51,6 +52,17 @@ def _check_errors(errors, rank, world_size):
         errors["non-contiguous"]
 
 
+def _check_mismatch(got, transport, world_size):
+    """Rank 1's report of K.p2p_size_mismatch: each wrong size named, each right one intact."""
+    def error(sent, op="recv"):
+        return (f"rank 1: {op} from rank 0 of 4 x float32 (16 bytes) over {transport} (world "
+                f"size {world_size}): rank 0 sent {sent * 4} bytes ({sent} x float32) but the "
+                "receive buffer holds 16 bytes: a send and its receive must have the same size "
+                "(the message was received and dropped)")
+    assert got == [error(5), error(3), error(0), [3.0] * 4,   # blocking, one after the other
+                   error(5, "irecv"), [1.0] * 4, [2.0] * 4], got  # posted first, waited reversed
+
+
 def _check_timeout(result, rank, silent, transport, world_size, op="recv"):
     message, seconds = result
     if op == "recv":
@@ -67,6 +79,14 @@ def _check_timeout(result, rank, silent, transport, world_size, op="recv"):
 @pytest.mark.parametrize("kind", ["torch", "numpy"])
 def test_every_operation_over_torch(cluster, kind):
     assert cluster.run(K.p2p_roundtrips, "torch", kind=kind) == [[], []]
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_a_message_that_does_not_fit_is_an_error_on_the_receiver_and_nobody_dies(cluster, kind):
+    reports = cluster.run(K.p2p_size_mismatch, "torch", kind=kind)
+    assert reports[0] == "sent"
+    _check_mismatch(reports[1], "torch", 2)
+    assert cluster.run(K.p2p_roundtrips, "torch", big_bytes=1024) == [[], []]  # the same group
 
 
 def test_bad_calls_over_torch(cluster):
@@ -86,6 +106,13 @@ def test_timeout_over_torch_names_op_rank_peer_and_size(cluster):
     assert cluster.run(K.p2p_roundtrips, "torch", big_bytes=1024) == [[], []]  # repaired
 
 
+def test_a_timeout_caught_on_the_rank_still_gets_the_group_repaired(cluster):
+    said = cluster.run(K.p2p_timeout, 1, "recv", "torch", 1.0, 0.0, True, timeout=20)
+    assert said[1] is None and "did not complete within 1s" in said[0][0]  # caught by rank 0
+    assert cluster.run(K.p2p_roundtrips, "torch", big_bytes=1024) == [[], []]  # repaired first
+    assert cluster.run(CL.allreduce_ranks) == [1.0, 1.0]
+
+
 # ---------------------------------------------------------------- under mpiexec
 def _launch(n, transport, tmp_path):
     env = dict(os.environ, MPIEXEC_TIMEOUT="60", OMP_NUM_THREADS="1")
@@ -103,6 +130,10 @@ def test_every_operation_under_mpiexec(transport, n, tmp_path):
     for rank, report in enumerate(reports):
         assert report["numpy"] == [] and report["torch"] == []
         _check_errors(report["errors"], rank, n)
+        assert report["mismatch"] == ("sent" if rank == 0 else None if rank > 1 else
+                                      report["mismatch"])
+        if rank == 1:
+            _check_mismatch(report["mismatch"], transport, n)
         if rank == 1:
             assert report["recv_timeout"] is None
         else:

@@ -50,6 +50,32 @@ def test_the_naive_version_equals_one_process_and_torch_ddp(cluster):
         cluster.run(ddp_check.train_on_rank, steps=1, batch=8, variant="unused", wrapper="naive")
 
 
+@pytest.mark.parametrize("strategy", ["per_parameter", "overlap"])
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_batchnorm_buffers_equal_torch_ddp_every_step_on_every_rank(cluster, strategy,
+                                                                     broadcast_buffers):
+    kwargs = dict(variant="batchnorm", steps=4, batch=64, broadcast_buffers=broadcast_buffers)
+    torch_ddp = cluster.run(ddp_check.train_on_rank, "torch", **kwargs)
+    runs = cluster.run(ddp_check.train_on_rank, strategy, **kwargs)
+    for ours, theirs in zip(runs, torch_ddp, strict=True):  # every rank, every step
+        for name in ("params", "buffers"):
+            for a, b in zip(ours[name], theirs[name], strict=True):
+                assert np.abs(a - b).max() < 1e-12, (name, strategy)
+    # after a step each rank's buffers hold its own slice's statistics on top of what it started
+    # the step with: rank 0's (broadcast) or its own (not), as in torch DDP
+    assert np.abs(runs[0]["buffers"][-1] - runs[1]["buffers"][-1]).max() > 1e-3
+
+
+def test_buffers_follow_rank_0_with_gradient_accumulation(cluster):
+    kwargs = dict(variant="batchnorm", steps=3, batch=64, accumulate=2)
+    torch_ddp = cluster.run(ddp_check.train_on_rank, "torch", **kwargs)
+    runs = cluster.run(ddp_check.train_on_rank, "overlap", **kwargs)
+    for ours, theirs in zip(runs, torch_ddp, strict=True):
+        for a, b in zip(ours["buffers"] + ours["params"], theirs["buffers"] + theirs["params"],
+                        strict=True):
+            assert np.abs(a - b).max() < 1e-12
+
+
 def test_float32_equals_one_process_to_1e_5(cluster):
     reference = ddp_check.single_process(steps=4, batch=63, dtype="float32")
     for strategy in ("per_parameter", "overlap"):

@@ -49,6 +49,20 @@ def test_sync_equals_single_process_minibatch_sgd(cluster, linear, num_servers, 
     assert result.pushes == steps * num_workers * num_servers and result.pushes_per_s > 0
 
 
+def test_a_spec_not_in_rank_order_labels_each_shard_with_the_values_it_holds(cluster, linear):
+    problem, X, y, theta0 = linear
+    theta0 = np.linspace(-1, 1, 21)
+    X = np.random.default_rng(0).normal(size=(64, 21))
+    y = X @ np.ones(21)
+    spec = {"ps": [3, 1], "worker": [2, 0], "idle": []}
+    result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, num_epochs=1, batch_size=32)
+    ref = gd.minibatch_sgd(problem, X, y, theta0, 0.1, 1, 32, seed=0).final_theta
+    assert np.abs(result.theta - ref).max() < 1e-6
+    assert [s["server"] for s in result.servers] == [3, 1]
+    assert [s["shard"] for s in result.servers] == [(0, 11), (11, 21)]
+    assert [len(s["theta"]) for s in result.servers] == [11, 10]
+
+
 def test_sync_softmax_uneven_shards(cluster):
     X, y, _, _ = data.load_digits()
     X, y = X[:200], y[:200]

@@ -24,6 +24,7 @@ False.
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
 
@@ -187,7 +188,10 @@ def _remote_failure(name, where, err, schedule):
         if any(text.startswith("NotImplementedError") for text in errors.values()):
             return not_implemented(name)
         lines = "\n  ".join(f"rank {r}: {text.splitlines()[0]}" for r, text in errors.items())
-        if any("CommTimeout" in text for text in errors.values()):
+        sizes = [m for m in (MISFIT.search(text) for text in errors.values()) if m]
+        if sizes:
+            hint = _hint_misfit(sizes[0], _world_size(errors), schedule)
+        elif any("CommTimeout" in text for text in errors.values()):
             hint = (f"a rank waited past its deadline. Either every rank sends before anyone "
                     f"receives (a blocking send cycle: comm.send blocks until the peer "
                     f"receives; {SENDRECV}), or the ranks disagree on peers, on the number of "
@@ -203,7 +207,37 @@ def _remote_failure(name, where, err, schedule):
     if isinstance(err, ClusterTimeout):
         raise CheckFailed(f"{where}\n  {err}\nHint: your function did not return: an endless "
                           f"loop, or a wait without a deadline? {SENDRECV}.") from None
-    raise CheckFailed(f"{where}\n  {type(err).__name__}: {err}") from None
+    raise CheckFailed(f"{where}\n  {type(err).__name__}: {err}\nHint: an engine process died "
+                      "while running your function (the next call restarts it); run the "
+                      "function once by hand on the cluster, with cluster.run(fn, buf), to see "
+                      f"where. {schedule}") from None
+
+
+# "rank 1: sendrecv from rank 2 of ...: rank 2 sent 20 bytes (5 x float32) but the receive
+# buffer holds 16 bytes" (course_lib.comm's error for a message that does not fit)
+MISFIT = re.compile(r"rank (\d+): \w+ from rank (\d+) of .*?: rank \d+ sent (\d+) bytes .*?"
+                    r"holds (\d+) bytes")
+
+
+def _world_size(errors):
+    """The world size, as the comm's error messages state it."""
+    found = re.search(r"world size (\d+)", next(iter(errors.values())))
+    return int(found.group(1)) if found else None
+
+
+def _hint_misfit(match, world_size, schedule):
+    """What a message that does not fit its receive buffer says about the student's ring."""
+    rank, src, sent, holds = (int(g) for g in match.groups())
+    told = (f"rank {rank} received {sent} bytes from rank {src} into a buffer of {holds} "
+             f"bytes: a send and its receive must be the same chunk")
+    if world_size and world_size > 2 and src == (rank + 1) % world_size:
+        return (f"{told}. Rank {rank} receives from rank {src}, its RIGHT neighbour: the ring "
+                f"is reversed. Every rank sends to (r + 1) mod N and receives from (r - 1) mod "
+                f"N. {schedule}")
+    return (f"{told}. A receive buffer must have exactly the length of the chunk sent to it "
+            f"(slice a longer one: tmp[:r1 - r0]); if yours does, the two ranks disagree on "
+            f"which chunk moves at this step (chunks differ in length when N does not divide "
+            f"len(buf)): is a rank sending the same chunk at every step? {schedule}")
 
 
 def _decode(got, parts):

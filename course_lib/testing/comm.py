@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from course_lib.comm import CommTimeout, get_comm, to_numpy, wait_all
+from course_lib.comm import CommError, CommTimeout, get_comm, to_numpy, wait_all
 from course_lib.testing.collectives import buffer_kind, make_buffer
 
 P2P_DTYPES = ("float16", "float32", "float64", "int32", "int64", "uint8", "bool")
@@ -111,6 +111,44 @@ def p2p_errors(transport="torch", kind=None):
         except ValueError as e:
             out[name] = f"ValueError: {e}"
     return out
+
+
+MISMATCH_SIZES = (5, 3, 0, 4)  # float32 elements rank 0 sends; rank 1 receives 4 each time
+
+
+def p2p_size_mismatch(transport="torch", kind=None, timeout=10.0):
+    """Messages that do not fit their receive buffers: rank 0 sends ``MISMATCH_SIZES`` float32
+    (values: the message's index) and rank 1 receives each into 4 elements, blocking; then
+    three messages of 5, 4 and 4 into three receives posted first and waited in reverse order.
+    Rank 1 returns, per message, the error it raised or the values it got; rank 0 "sent";
+    other ranks None. Introduced in notebooks/02_parallel_computing.ipynb.
+    """
+    comm = get_comm(transport, timeout=timeout)
+    kind = kind or buffer_kind(comm)
+    if comm.rank > 1:
+        return None
+    if comm.rank == 0:
+        for i, n in enumerate(MISMATCH_SIZES):
+            comm.send(make_buffer(np.full(n, i, np.float32), comm, kind), 1, tag=3)
+        for i, n in enumerate((5, 4, 4)):
+            comm.send(make_buffer(np.full(n, i, np.float32), comm, kind), 1, tag=4)
+        return "sent"
+    got = []
+    for _ in MISMATCH_SIZES:
+        buf = make_buffer(np.full(4, -1, np.float32), comm, kind)
+        try:
+            got.append(to_numpy(comm.recv(buf, 0, tag=3)).tolist())
+        except CommError as e:
+            got.append(str(e))
+    bufs = [make_buffer(np.full(4, -1, np.float32), comm, kind) for _ in range(3)]
+    requests = [comm.irecv(b, 0, tag=4) for b in bufs]
+    posted = []
+    for r in reversed(requests):  # the last first: the earlier ones still match in order
+        try:
+            posted.append(to_numpy(r.wait()).tolist())
+        except CommError as e:
+            posted.append(str(e))
+    return got + posted[::-1]
 
 
 def p2p_timeout(silent_rank=1, op="recv", transport="torch", timeout=1.0, linger=0.0,

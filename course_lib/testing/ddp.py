@@ -28,7 +28,7 @@ from torch import nn
 from course_lib import data, ddp, models, timeline
 from course_lib.data import shard_bounds
 
-VARIANTS = ("mlp", "tied", "frozen", "unused")
+VARIANTS = ("mlp", "tied", "frozen", "unused", "batchnorm")
 
 
 class Net(nn.Module):
@@ -48,6 +48,8 @@ class Net(nn.Module):
             self.b.weight = self.a.weight
         if variant == "frozen":
             self.body[0].requires_grad_(False)
+        if variant == "batchnorm":  # buffers: running mean and variance, trained by no gradient
+            self.body.insert(1, nn.BatchNorm1d(self.body[0].out_features))
 
     def forward(self, x):
         out = self.body(x)
@@ -72,12 +74,17 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
 
 
+def _flat_buffers(model):
+    buffers = [b.detach().double().reshape(-1) for b in model.buffers()]
+    return torch.cat(buffers).numpy().copy() if buffers else np.zeros(0)
+
+
 def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hidden=(64,),
                   variant="mlp", dtype="float64", bucket_cap_mb=0.01, lr=0.1, momentum=0.9,
-                  wrapper="ddp", record=False, seed=0, accumulate=1):
+                  wrapper="ddp", record=False, seed=0, accumulate=1, broadcast_buffers=True):
     """Train on this rank's slices; returns ``{"params": [flat vector after each step],
-    "no_grad": [trainable parameters whose grad was None at the last step], "timeline":
-    Timeline or None}``.
+    "buffers": [flat buffers after each step], "no_grad": [trainable parameters whose grad was
+    None at the last step], "timeline": Timeline or None}``.
 
     ``strategy`` is one of ``ddp.STRATEGIES`` or ``"torch"`` (torch's DDP); ``wrapper`` picks
     ``"ddp"`` (the DDP-like module), ``"optimizer"`` (Horovod style), ``"functional"``
@@ -94,11 +101,13 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
     net = model
     if strategy == "torch":
         net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
-                                                  find_unused_parameters=unused)
+                                                  find_unused_parameters=unused,
+                                                  broadcast_buffers=broadcast_buffers)
     elif wrapper == "ddp":
         net = ddp.DistributedDataParallel(model, strategy, bucket_cap_mb, algorithm,
                                           find_unused_parameters=unused, timeline=tl,
-                                          first_bucket_mb=bucket_cap_mb)
+                                          first_bucket_mb=bucket_cap_mb,
+                                          broadcast_buffers=broadcast_buffers)
     elif wrapper == "optimizer":
         ddp.broadcast_parameters(model)
         opt = ddp.DistributedOptimizer(opt, model.named_parameters(), strategy, bucket_cap_mb,
@@ -108,7 +117,7 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
     elif wrapper not in ("functional", "naive"):
         raise ValueError("wrapper must be 'ddp', 'optimizer', 'functional' or 'naive', not "
                          f"{wrapper!r}")
-    params = []
+    params, buffers = [], []
     for idx in order:
         lo, hi = shard_bounds(batch, rank, world)
         for m in range(accumulate):
@@ -130,7 +139,8 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
         no_grad = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
         opt.zero_grad()
         params.append(_flat(model))
-    return {"params": params, "no_grad": no_grad, "timeline": tl}
+        buffers.append(_flat_buffers(model))
+    return {"params": params, "buffers": buffers, "no_grad": no_grad, "timeline": tl}
 
 
 def single_process(steps=3, batch=64, hidden=(64,), variant="mlp", dtype="float64", lr=0.1,
