@@ -91,6 +91,26 @@ def in_place_update(problem, X, y, theta, lr, batch_size, rng):
     return theta, losses
 
 
+def labels_not_shuffled(problem, X, y, theta, lr, batch_size, rng):
+    perm = rng.permutation(len(X))
+    X, losses = X[perm], []
+    for start in range(0, len(X), batch_size):
+        Xb, yb = X[start:start + batch_size], y[start:start + batch_size]  # y in the old order
+        losses.append(problem.loss(theta, Xb, yb))
+        theta = theta - lr * problem.grad(theta, Xb, yb)
+    return theta, losses
+
+
+def slice_off_by_one(problem, X, y, theta, lr, batch_size, rng):
+    perm = rng.permutation(len(X))
+    losses = []
+    for start in range(0, len(X), batch_size):
+        idx = perm[start + 1:start + batch_size + 1]
+        losses.append(problem.loss(theta, X[idx], y[idx]))
+        theta = theta - lr * problem.grad(theta, X[idx], y[idx])
+    return theta, losses
+
+
 def only_theta(problem, X, y, theta, lr, batch_size, rng):
     return good_epoch(problem, X, y, theta, lr, batch_size, rng)[0]
 
@@ -127,6 +147,8 @@ def test_minibatch_accepts_numpy_losses():
     (divide_by_batch_size, "smaller final batch"),
     (drop_last_batch, "last, smaller batch"),
     (loss_after_update, "BEFORE updating"),
+    (labels_not_shuffled, "X was shuffled but y was not"),
+    (slice_off_by_one, "the first batch starts at perm[1]: off by one"),
     (in_place_update, "modified its input 'theta' in place"),
     (only_theta, "return theta, batch_losses"),
     (crashes, "your function raised ValueError"),

@@ -89,6 +89,17 @@ def ring_wrong_order(comm, value):
     return values
 
 
+def ring_never_forwards(comm, value):
+    p, r = comm.world_size, comm.rank
+    values = [None] * p
+    values[r] = value.copy()
+    for step in range(p - 1):
+        incoming = np.empty_like(value)
+        comm.sendrecv(value, (r + 1) % p, incoming, (r - 1) % p)  # its own value, every step
+        values[(r - step - 1) % p] = incoming
+    return values
+
+
 def ring_stub(comm, value):
     raise NotImplementedError
 
@@ -126,6 +137,7 @@ def test_ring_pass_accepts_right_answers(cluster, fn, capsys):
     (ring_send_then_recv, "blocking-send cycle"),
     (ring_one_buffer, "Allocate a new receive buffer"),
     (ring_wrong_order, "at the wrong index"),
+    (ring_never_forwards, "sent its own value at every step. Forward what you received"),
 ])
 def test_ring_pass_rejects_wrong_answers_with_a_hint(cluster, fn, hint):
     with pytest.raises(CheckFailed, match=hint):

@@ -269,11 +269,19 @@ def reduce_scatter_only(buf, comm):
     return buf
 
 
+def allreduce_that_averages(buf, comm):
+    good_allreduce(buf, comm)
+    buf /= comm.world_size
+    return buf
+
+
 def test_allreduce_against_native(cluster, capsys):
     assert CA.check_ring_allreduce(good_allreduce, cluster) is True
     assert "✓ check_ring_allreduce: 6/6" in capsys.readouterr().out
     with pytest.raises(CheckFailed, match=r"run the all-gather after the reduce-scatter"):
         CA.check_ring_allreduce(reduce_scatter_only, cluster)
+    with pytest.raises(CheckFailed, match=r"holds the sum divided by 3: the average"):
+        CA.check_ring_allreduce(allreduce_that_averages, cluster)
 
 
 def test_time_allreduce_returns_a_row_per_size(cluster):

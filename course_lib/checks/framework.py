@@ -19,6 +19,7 @@ Checks that run the student's code on a cluster's ranks send it with ``pack_func
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -110,13 +111,14 @@ def run_check(name: str, student_fn: Callable, reference_fn: Callable, cases: Se
               *, hint: str, output_names: Sequence[str] | None = None, rtol: float = 1e-6,
               atol: float = 1e-9, result_name: str = "result", arg_names: Sequence[str] = (),
               inputs_unchanged: bool = False,
-              diagnose: Callable[[Any, Any], str | None] | None = None) -> bool:
+              diagnose: Callable[..., str | None] | None = None) -> bool:
     """Compare ``student_fn(*case.args())`` with ``reference_fn(*case.args())`` on every case.
 
     Each side gets its own fresh arguments. ``output_names`` labels the parts of a tuple
     result (``result_name`` a single result); ``inputs_unchanged`` makes it an error to modify
     an array argument in place (``arg_names`` names them in the message);
-    ``diagnose(expected, got)`` may return a hint more specific than ``hint``. Prints the pass
+    ``diagnose(expected, got)`` (or ``diagnose(expected, got, args)``, given fresh arguments of
+    the failing case) may return a hint more specific than ``hint``. Prints the pass
     line and returns True; returns False if the student function raises NotImplementedError;
     raises CheckFailed otherwise.
     """
@@ -149,7 +151,10 @@ def run_check(name: str, student_fn: Callable, reference_fn: Callable, cases: Se
         else:
             problem = compare(expected, got, result_name, rtol, atol)
         if problem:
-            specific = diagnose(expected, got) if diagnose else None
+            specific = None
+            if diagnose is not None:
+                with_args = len(inspect.signature(diagnose).parameters) >= 3
+                specific = diagnose(expected, got, *([case.args()] if with_args else []))
             raise CheckFailed(f"{where}\n  {problem}\nHint: {specific or hint}")
     print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference")
     return True

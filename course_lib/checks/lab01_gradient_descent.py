@@ -38,8 +38,40 @@ def _minibatch_cases(seed: int) -> list[Case]:
     return cases
 
 
-def _diagnose_minibatch(expected: tuple, got: Any) -> str | None:
-    """Map the shape of a mismatch to the usual mini-batch SGD mistakes."""
+def _diagnose_first_batch(first_loss: float, args: tuple) -> str:
+    """What the student's first batch was, found by trying the usual mistakes on the case."""
+    problem, X, y, theta, lr, batch_size, rng = args
+    perm, b = rng.permutation(len(X)), batch_size
+    rows = np.arange(len(X))
+    tries = [
+        (rows[:b], rows[:b], "you did not shuffle: perm = rng.permutation(len(X)) once, before "
+         "the loop; the batches are perm[start:start + batch_size]."),
+        (perm[:b], rows[:b], "X was shuffled but y was not: the labels belong to other rows. "
+         "Index both with the same idx: X[idx], y[idx]."),
+        (rows[:b], perm[:b], "y was shuffled but X was not: the labels belong to other rows. "
+         "Index both with the same idx: X[idx], y[idx]."),
+        (perm[1:b + 1], perm[1:b + 1], "the first batch starts at perm[1]: off by one. The "
+         "batches are perm[start:start + batch_size] for start in range(0, n, batch_size)."),
+        (perm[:b + 1], perm[:b + 1], "the first batch has batch_size + 1 rows: off by one in "
+         "the slice, perm[start:start + batch_size]."),
+        (perm[:b - 1], perm[:b - 1], "the first batch has batch_size - 1 rows: off by one in "
+         "the slice, perm[start:start + batch_size]."),
+    ]
+    for ix, iy, text in tries:
+        if len(ix) and np.isclose(problem.loss(theta, X[ix], y[iy]), first_loss, rtol=1e-9):
+            return text
+    step = theta - lr * problem.grad(theta, X[perm[:b]], y[perm[:b]])
+    if np.isclose(problem.loss(step, X[perm[:b]], y[perm[:b]]), first_loss, rtol=1e-9):
+        return ("you recorded the loss after the update: record problem.loss on the batch "
+                "BEFORE updating theta.")
+    return ("the very first batch loss differs: shuffle once with perm = "
+            "rng.permutation(len(X)) before the loop, take the first batch_size indices of perm, "
+            "and record problem.loss on that batch BEFORE updating theta.")
+
+
+def _diagnose_minibatch(expected: tuple, got: Any, args: tuple) -> str | None:
+    """Map the shape of a mismatch to the usual mini-batch SGD mistakes (``args``: fresh
+    arguments of the failing case, to replay them)."""
     theta_e, losses_e = expected
     try:
         theta_g, losses_g = got
@@ -52,9 +84,7 @@ def _diagnose_minibatch(expected: tuple, got: Any) -> str | None:
                 "Off by one in the last batch? Keep the last, smaller batch: "
                 "for start in range(0, n, batch_size): idx = perm[start:start + batch_size]")
     if not np.isclose(losses_g[0], losses_e[0], rtol=1e-6):
-        return ("the very first batch loss differs: shuffle once with "
-                "perm = rng.permutation(len(X)) before the loop, take the first batch_size "
-                "indices of perm, and record problem.loss on that batch BEFORE updating theta.")
+        return _diagnose_first_batch(losses_g[0], args)
     if np.all(np.isfinite(losses_g)) and losses_g.max() > 100 * losses_e.max():
         return ("your batch losses blow up: each step must use the MEAN gradient over the batch, "
                 "problem.grad(theta, Xb, yb), not the sum (problem.grad_sum).")

@@ -148,7 +148,9 @@ def check_lockfree_epoch(student_fn: Callable, seed: int = 0) -> bool:
         after = sparse_loss(w, data)
         if not after < before:
             raise CheckFailed(f"check_lockfree_epoch: 3 epochs did not lower the loss "
-                              f"({before:.4f} -> {after:.4f}).")
+                              f"({before:.4f} -> {after:.4f}).\nHint: each sample's step "
+                              "goes DOWN the gradient: w[idx] -= lr * g * x, with g the "
+                              "derivative of the loss at this sample.")
         print(f"  and 3 epochs lower the loss from {before:.4f} to {after:.4f}")
     return ok
 

@@ -378,6 +378,9 @@ def _check(name, exercise, student_fn, cluster, seed, timeout):
 
 def _hint_allreduce(rank, world_size, got, full):
     a, b = shard_bounds(len(full), rank, world_size)
+    if np.allclose(got * world_size, full, rtol=1e-3, atol=world_size):
+        return (f"rank {rank} holds the sum divided by {world_size}: the average. This allreduce "
+                f"sums, like dist.all_reduce's default op (SUM): do not divide by N.")
     if np.array_equal(got[a:b], full[a:b]):
         return (f"rank {rank}'s own chunk {rank} is right but the others are not: run the "
                 f"all-gather after the reduce-scatter, on the same buffer.")

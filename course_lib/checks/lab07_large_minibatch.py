@@ -132,8 +132,8 @@ def check_largest_batch(student_fn: Callable) -> bool:
         got_answer, got_acc = got
         got_acc = {int(b): float(a) for b, a in dict(got_acc).items()}
     except (TypeError, ValueError):
-        raise CheckFailed("check_largest_batch: return (largest batch, {batch: mean accuracy})"
-                          f", got {got!r}") from None
+        raise CheckFailed(f"check_largest_batch: got {got!r}\nHint: return a pair, (largest "
+                          "batch, {batch: mean accuracy}), as the cell above describes") from None
     for b, a in accuracies.items():
         if b not in got_acc or not np.isclose(got_acc[b], a, rtol=0, atol=1e-9):
             raise CheckFailed(

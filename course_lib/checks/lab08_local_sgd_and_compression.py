@@ -194,7 +194,9 @@ def _remote(name, where, err):
     if isinstance(err, ClusterTimeout):
         raise CheckFailed(f"{where}\n  {err}\nHint: every rank must call the same collectives "
                           "with the same sizes (k values, then k indices).") from None
-    raise CheckFailed(f"{where}\n  {type(err).__name__}: {err}") from None
+    raise CheckFailed(f"{where}\n  {type(err).__name__}: {err}\nHint: an engine process died "
+                      "while running your function (the next call restarts it); run it once "
+                      "by hand with cluster.run to see where.") from None
 
 
 def check_topk_allreduce(student_fn: Callable, cluster, seed: int = 0) -> bool:
@@ -205,7 +207,8 @@ def check_topk_allreduce(student_fn: Callable, cluster, seed: int = 0) -> bool:
     try:
         payload = pack_function(student_fn)
     except Exception as e:
-        raise CheckFailed(f"{name}: your function cannot be sent to the engines ({e}).") from None
+        raise CheckFailed(f"{name}: your function cannot be sent to the engines ({e}).\nHint: "
+                          "do not refer to the cluster or open files inside it.") from None
     cases = [(1000, 10, True, False, "n=1000, k=10, with a residual"),
              (200, 21, False, True, "every rank picks the same indices"),
              (50, 50, True, False, "k == n: everything is sent"),
