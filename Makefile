@@ -29,8 +29,12 @@ test-notebooks: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check course_lib tests
 
-lab: $(STAMP)             ## JupyterLab on the course
-	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 notebooks/00_welcome_and_cluster.ipynb
+# JupyterLab refuses to run as root without --allow-root: containers and course VMs often are root
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
+
+lab: $(STAMP)             ## JupyterLab on the whole course (notebooks and labs), opened at notebook 00
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=$(CURDIR) $(ALLOW_ROOT) \
+		$(LAB_ARGS) notebooks/00_welcome_and_cluster.ipynb
 
 labs: $(STAMP)            ## regenerate the student labs from labs/solutions/
 	$(PY) -m course_lib labs build

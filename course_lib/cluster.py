@@ -20,6 +20,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -144,11 +145,26 @@ class Cluster:
         :class:`EngineDied` error (returned, not raised), as an asynchronous job that must
         survive a lost worker wants. Either way the next call restarts the dead engines.
         """
+        if self.stopped:
+            raise ClusterError(f"this cluster of {self.n} ranks was stopped (cluster.stop(), or "
+                               "the end of its with block): run the set-up cell again to start "
+                               "one, cluster = start_cluster(...)")
+        __tracebackhide__ = True  # a notebook shows the error, not these frames
         if self._broken:
             self._repair()
         ar = self.view.apply_async(call_and_report, fn, args, kwargs)
+        try:
+            done = self._wait(ar, fn, timeout, allow_dead)
+        except KeyboardInterrupt:  # Kernel > Interrupt: stop the engines too, not just the wait
+            late = self._pending(ar)
+            killed = self._interrupt(ar, late)
+            then = (f"rank(s) {killed} did not stop and were killed; the next call restarts "
+                    "them") if killed else "the next call re-creates the process group"
+            print(f"Interrupted: {getattr(fn, '__qualname__', fn)} was stopped on rank(s) "
+                  f"{late} too; {then}.", file=sys.stderr)
+            raise KeyboardInterrupt from None
         results = []
-        for r in self._wait(ar, fn, timeout, allow_dead):
+        for r in done:
             if isinstance(r, EngineDied):
                 results.append(r)
                 continue

@@ -1,6 +1,8 @@
 """The check framework (course_lib/checks/framework.py): comparing results, running cases, and
 the hints of a failed case."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -33,3 +35,18 @@ def test_run_check_generic():
         checks.run_check("check_double", in_place, lambda x: 2 * x, cases, hint="h",
                          inputs_unchanged=True, arg_names=("x",))
     assert checks.run_check("check_double", in_place, lambda x: 2 * x, cases, hint="h")
+
+
+def test_a_failed_check_in_a_notebook_shows_the_hint_not_the_library(capsys):
+    """In IPython the check's own frames are hidden (``__tracebackhide__``): the student sees
+    their cell, one line saying frames were skipped, the raise, and the hint."""
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    capsys.readouterr()
+    shell.run_cell("from course_lib.checks import lab01_gradient_descent as checks\n"
+                   "checks.check_step_decay(lambda lr, drop, k: (lambda epoch: lr))")
+    shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # no colours
+    assert "CheckFailed: check_step_decay: case 1/6" in shown and "\nHint: epoch 10 " in shown
+    assert "skipping hidden" in shown
+    assert "_schedule_values" not in shown and "compare(" not in shown
+    assert len(shown.splitlines()) < 40, shown

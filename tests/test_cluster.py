@@ -3,8 +3,10 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -106,6 +108,24 @@ def test_every_listener_is_on_loopback(cluster):
     assert {c.laddr.ip for c in listening} <= {"127.0.0.1", "::1"}, listening
 
 
+@pytest.mark.parametrize("fn, args", [(C.sleep_on, ([0, 1, 2], 40)),   # a sleep: SIGINT stops it
+                                      (C.skip_collective, (2,))])       # blocked in Gloo: killed
+def test_an_interrupt_stops_the_engines_too_and_the_cluster_is_usable_again(cluster, capsys,
+                                                                             fn, args):
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # Kernel > Interrupt
+    t = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.run(fn, *args, timeout=60)
+    assert time.monotonic() - t < 8  # 1 s, then at most the engines' grace to stop
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"Interrupted: {fn.__name__} was stopped on "
+                                                 "rank(s)"), said
+    t = time.monotonic()
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
+    assert time.monotonic() - t < 20  # repaired at once, not after the engines' 40 s sleep
+
+
 def test_stop_leaves_no_process_behind():
     c = C.start_cluster(n=2)
     procs = _tree(c.pids + [c._ipp.controller.pid])
@@ -113,6 +133,8 @@ def test_stop_leaves_no_process_behind():
     c.stop()
     assert [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
     c.stop()  # stopping twice is harmless
+    with pytest.raises(C.ClusterError, match="was stopped .*run the set-up cell again"):
+        c.run(C.hello)  # one clear line, not a traceback from a closed socket
 
 
 def test_clean_stops_the_cluster_of_a_killed_kernel(tmp_path):

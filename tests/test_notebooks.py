@@ -36,6 +36,18 @@ def test_stored_without_outputs(path):
                          "or tag the cell keep_output")
 
 
+def test_stored_as_the_nbstripout_filter_writes_them():
+    """`make setup` installs nbstripout as a git filter: a notebook not stored in the form the
+    filter writes (cell ids, sources) would show as modified in `git status` on a fresh clone."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "nbstripout", "--dry-run", *map(str, ALL)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "", (
+        f"{out.stdout}{out.stderr}\nrun: python -m nbstripout notebooks/*.ipynb labs/*.ipynb "
+        "labs/solutions/*.ipynb")
+
+
 @pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(ROOT)))
 def test_named_numbered_and_opened_with_a_title(path):
     assert NAME.match(path.name), f"{path.name} should be NN_topic.ipynb"

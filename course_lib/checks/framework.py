@@ -122,6 +122,7 @@ def run_check(name: str, student_fn: Callable, reference_fn: Callable, cases: Se
     line and returns True; returns False if the student function raises NotImplementedError;
     raises CheckFailed otherwise.
     """
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     for number, case in enumerate(cases, start=1):
         where = f"{name}: case {number}/{len(cases)} ({case.label})"
         expected = reference_fn(*case.args())

@@ -107,6 +107,7 @@ def check_minibatch_epoch(student_fn: Callable, seed: int = 0) -> bool:
     also leave the caller's ``theta`` (and ``X``, ``y``) unchanged: a training loop that keeps
     its starting point, or compares runs from one start, would silently break otherwise.
     """
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.gd import minibatch_sgd_epoch
 
     return run_check(
@@ -155,6 +156,7 @@ def check_step_decay(student_fn: Callable, seed: int = 0) -> bool:
     ``student_fn(lr, drop, epochs_per_drop)`` returns ``schedule(epoch) -> lr``; it must equal
     ``course_lib.gd.step_decay(lr, drop, epochs_per_drop)(epoch)`` for epochs 0..39 on 6 cases.
     """
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.gd import step_decay
 
     rng = np.random.default_rng(seed)

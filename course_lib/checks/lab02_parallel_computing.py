@@ -107,6 +107,7 @@ def _train_on_rank(fn_bytes, n_samples, n_features, lr, num_epochs, seed, timeou
 # ---------------------------------------------------------------- on the client
 def _run_case(name, where, fn_bytes, cluster, case, timeout, hint):
     """One case on the cluster; returns the per-rank results, or None if not implemented."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.cluster import ClusterError, ClusterTimeout, RemoteError
     try:
         results = cluster.run(_call_student, fn_bytes, case.world_size, case.kind, case.params,
@@ -133,6 +134,7 @@ def _run_case(name, where, fn_bytes, cluster, case, timeout, hint):
 
 
 def _run_check(name, student_fn, cluster, cases, expected_fn, diagnose, hint, timeout):
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     if cluster.n < 2:
         raise ValueError(f"{name} needs a cluster of at least 2 engines, this one has {cluster.n}")
     fn_bytes = pack_function(student_fn)
@@ -200,6 +202,7 @@ def check_ring_pass(student_fn: Callable, cluster, seed: int = 0, timeout: float
     the inputs, as ``course_lib.parallel_gd.ring_pass`` returns them). A deadlock ends after
     ``timeout`` seconds with a hint.
     """
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     cases = []
     for k in _world_sizes(cluster):
         cases += [_Case(f"world_size={k}, value shape (3,) float64", k, "ring",
@@ -266,6 +269,7 @@ def check_global_gradient(student_fn: Callable, cluster, seed: int = 0,
     linear-regression loss, as ``course_lib.parallel_gd.global_gradient`` does, for world sizes
     2 .. cluster.n: even shards, uneven ones, 1000 samples and an empty shard.
     """
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     cases = [_Case(f"world_size={k}, m=40, 3 features (shards {_sizes(40, k)})", k, "gradient",
                    (40, 3, seed + k)) for k in _world_sizes(cluster)]
     k = cluster.n

@@ -111,6 +111,7 @@ def check_lockfree_epoch(student_fn: Callable, seed: int = 0) -> bool:
     Must equal ``sparse_problem.sparse_sgd_epoch`` (one worker = serial SGD) on 3 seeded cases,
     write no coordinate outside the rows it visits, and lower the loss.
     """
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     cases = _epoch_cases(seed)
 
     def diagnose(expected, got):
@@ -158,6 +159,7 @@ def check_lockfree_epoch(student_fn: Callable, seed: int = 0) -> bool:
 def check_collision_probability(student_fn: Callable) -> bool:
     """Lab 03, exercise 2: ``student_fn(nnz, n_features)`` = chance that two rows with ``nnz``
     distinct uniform features share at least one (``sparse_problem.collision_probability``)."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     cases = [Case(f"nnz={k}, n_features={d}", lambda k=k, d=d: (k, d))
              for k, d in [(1, 10), (2, 10), (32, 20_000), (76, 47_236), (10, 15)]]
     return run_check(

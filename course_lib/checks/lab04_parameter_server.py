@@ -60,6 +60,7 @@ def check_apply_push(student_fn: Callable, seed: int = 0) -> bool:
     """Lab 04, exercise 1: ``apply_push(theta, version, grad, pulled_version, lr,
     staleness_aware) -> (new_theta, version + 1, staleness)`` as ``course_lib.ps.apply_push``,
     without modifying ``theta``, on 6 cases."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.ps import apply_push
     return run_check(
         "check_apply_push", student_fn, apply_push, _apply_cases(seed),
@@ -131,6 +132,7 @@ def check_worker_step(student_fn: Callable, seed: int = 0) -> bool:
     """Lab 04, exercise 2: ``worker_step(problem, pull, push, Xb, yb)`` pulls once, pushes
     ``(grad_sum, len(Xb), version)`` once and returns the batch loss sum, as
     ``course_lib.ps.worker_step``, on 4 cases."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.ps import worker_step
     return run_check(
         "check_worker_step", lambda *a: _run_worker_step(student_fn, *a),

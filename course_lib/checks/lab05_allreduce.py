@@ -182,6 +182,7 @@ def _cases(world_size):
 
 def _remote_failure(name, where, err, schedule):
     """Turn a failure on the engines into False (not implemented) or a CheckFailed with a hint."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.cluster import ClusterTimeout, RemoteError
     if isinstance(err, RemoteError):
         errors = err.errors
@@ -327,6 +328,7 @@ def _check_traffic(where, exercise, rank, N, n, itemsize, sent):
 
 
 def _check(name, exercise, student_fn, cluster, seed, timeout):
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     try:
         payload = pack_function(student_fn)
     except Exception as e:
@@ -395,6 +397,7 @@ def check_ring_reduce_scatter(student_fn, cluster, seed=0, timeout=STUDENT_TIMEO
     sum over ranks in that chunk, having sent N-1 chunks to rank r+1. Prints a pass line and
     returns True, returns False while the function raises NotImplementedError, and raises
     ``CheckFailed`` with a hint otherwise."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     return _check("check_ring_reduce_scatter", "reduce-scatter", student_fn, cluster, seed,
                   timeout)
 
@@ -402,12 +405,14 @@ def check_ring_reduce_scatter(student_fn, cluster, seed=0, timeout=STUDENT_TIMEO
 def check_ring_allgather(student_fn, cluster, seed=0, timeout=STUDENT_TIMEOUT):
     """Lab 05, exercise 2: ``student_fn(buf, comm)``: rank r's chunk r is valid on entry; on exit
     every rank holds every chunk, having sent N-1 chunks to rank r+1."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     return _check("check_ring_allgather", "all-gather", student_fn, cluster, seed, timeout)
 
 
 def check_ring_allreduce(student_fn, cluster, seed=0, timeout=STUDENT_TIMEOUT):
     """Lab 05, exercise 3: ``student_fn(buf, comm)`` must leave on every rank exactly what
     ``dist.all_reduce`` (sum) gives for the same inputs, in 2(N-1) ring steps."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     return _check("check_ring_allreduce", "allreduce", student_fn, cluster, seed, timeout)
 
 

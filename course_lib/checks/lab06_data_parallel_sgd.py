@@ -79,6 +79,7 @@ def _diagnose_buckets(got, sizes, cap):
 def check_assign_buckets(student_fn, seed: int = 0) -> bool:
     """Lab 06, exercise 1: ``assign_buckets(sizes, cap_bytes)`` -> lists of parameter indices,
     as ``course_lib.ddp.assign_buckets``, on 6 cases; ``sizes`` must be left unchanged."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.ddp import assign_buckets
     name = "check_assign_buckets"
     cases = _bucket_cases(seed)
@@ -278,6 +279,7 @@ def check_overlapped_averager(student_cls, cluster, steps: int = STEPS):
     bucket from hooks; ``.wait()`` after backward. Trains ``steps`` steps on every rank of
     ``cluster`` beside torch DDP. Returns ``(ok, timelines)``: ``(False, None)`` while not
     implemented; raises CheckFailed with a hint when something is wrong."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.cluster import ClusterTimeout, RemoteError
     name = "check_overlapped_averager"
     try:

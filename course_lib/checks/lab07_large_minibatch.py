@@ -83,6 +83,7 @@ def check_warmup_schedule(student_fn: Callable) -> bool:
     warmup_epochs, updates_per_epoch)`` returns ``schedule(update) -> lr`` equal to
     ``gd.linear_scaling_warmup``'s at every update around the warmup's start and end, on 7
     cases (no warmup, fractional warmup, k = 1, k < 1, k = 32 ...)."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.gd import linear_scaling_warmup
     cases = [Case("base_lr={}, batch_size={}, base_batch_size={}, warmup_epochs={}, "
                   "updates_per_epoch={}".format(*params), lambda params=params: params)
@@ -119,6 +120,7 @@ def check_largest_batch(student_fn: Callable) -> bool:
     warmup_epochs, seeds, tolerance) -> (batch, {batch: mean accuracy})``, called with
     ``gd.linear_scaling_warmup`` on the lab's setting, must give the reference's accuracies and
     the largest batch whose accuracy is within ``tolerance`` of the first batch size's."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.gd import linear_scaling_warmup
     lab = LAB
     try:

@@ -91,6 +91,7 @@ def check_topk_compress(student_fn: Callable, seed: int = 0) -> bool:
     """Lab 08, exercise 1: ``topk_compress(grad, residual, k) -> (values, indices,
     new_residual)`` on 8 cases (ties, k >= n, float64, no residual), without changing its
     inputs, and a ValueError for k = 0."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     import torch
     name = "check_topk_compress"
     cases = _compress_cases(seed)
@@ -182,6 +183,7 @@ def exchange_on_rank(payload, n, k, seed, with_residual, shared, timeout=10.0):
 
 
 def _remote(name, where, err):
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.cluster import ClusterTimeout, RemoteError
     if isinstance(err, RemoteError):
         if any("NotImplementedError" in text for text in err.errors.values()):
@@ -203,6 +205,7 @@ def check_topk_allreduce(student_fn: Callable, cluster, seed: int = 0) -> bool:
     """Lab 08, exercise 2: ``topk_allreduce(flat_grad, residual, k) -> (mean, new_residual)``
     on every rank of ``cluster``: equal to :func:`compression.topk_allreduce` on 4 cases, and
     handing the collectives exactly k values and k int32 indices per rank."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     name = "check_topk_allreduce"
     try:
         payload = pack_function(student_fn)
@@ -295,6 +298,7 @@ def check_training(student_fn: Callable, cluster, ratio=0.01, steps=200, margin=
     """Lab 08, using exercise 2: with error feedback the final training loss is within
     ``margin`` (relative) of uncompressed SGD and of the reference top-k, the bytes per step are
     the reference's, and without error feedback the loss is more than ``margin`` worse."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib import local_sgd
     name = "check_training"
     try:

@@ -1,0 +1,62 @@
+"""`make lab`: JupyterLab serves the whole repository (notebooks and labs), also as root."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "course-test"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port, path):
+    url = f"http://127.0.0.1:{port}/api/contents/{path}?content=1&token={TOKEN}"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return json.load(reply)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make (apt-get install make)")
+def test_make_lab_serves_the_repository_root(tmp_path):
+    port = _free_port()
+    extra = (f"--no-browser --ServerApp.port={port} --ServerApp.port_retries=0 "
+             f"--IdentityProvider.token={TOKEN}")
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path))
+    proc = subprocess.Popen(["make", "--no-print-directory", "lab", f"LAB_ARGS={extra}"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                labs = _get(port, "labs")
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    pytest.fail("make lab did not serve within 90 s:\n" + proc.communicate()[0])
+                time.sleep(0.3)
+        assert "05_allreduce.ipynb" in {c["name"] for c in labs["content"]}
+        root = {c["name"] for c in _get(port, "")["content"]}
+        assert {"notebooks", "labs", "README.md"} <= root
+        assert _get(port, "notebooks/00_welcome_and_cluster.ipynb")["type"] == "notebook"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(5)
