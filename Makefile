@@ -5,13 +5,21 @@ STAMP  := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
 
+# PyTorch's CPU build by default (PyPI's torch on Linux is the CUDA build: several GB more). The
+# index is used only when it answers within 3 s, so an offline mirror keeps working. With GPUs:
+# make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128   (or TORCH_INDEX= for PyPI's)
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX_ARG = $(shell python3 -c "import sys, urllib.request; \
+	urllib.request.urlopen(sys.argv[1], timeout=3); print('--extra-index-url', sys.argv[1])" \
+	$(TORCH_INDEX) 2>/dev/null)
+
 .PHONY: setup demo test test-lib test-notebooks lint lab labs slides images clean-cluster clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[mpi,dev]'
+	$(PY) -m pip install -q -c constraints.txt $(TORCH_INDEX_ARG) -e '.[mpi,dev]'
 	-git rev-parse --git-dir >/dev/null 2>&1 && $(VENV)/bin/nbstripout --install
 	touch $(STAMP)
 

@@ -336,13 +336,22 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
         kwargs.update(slurm_config(n, **slurm))
         kwargs["config"].SlurmEngineSetLauncher.environment = env
     ipp_cluster = ipp.Cluster(**kwargs)
+    ipp_cluster.log.addFilter(_quiet)
     try:
-        client = ipp_cluster.start_and_connect_sync(n=n, activate=False)
+        ipp_cluster.start_cluster_sync(n=n)
+        client = ipp_cluster.connect_client_sync()  # no progress bar: the start takes seconds
+        client.wait_for_engines(n, timeout=ipp_cluster.engine_timeout, interactive=False)
         cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads)
     except BaseException:
         stop_and_reap(ipp_cluster)
         raise
     return cluster
+
+
+def _quiet(record):
+    """Drop ipyparallel's log line about a log file already removed (two removers race on
+    stop): harmless, and it reads as an error to a newcomer."""
+    return not str(record.msg).startswith("Failed to remove")
 
 
 def _in_ipython():

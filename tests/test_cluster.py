@@ -126,7 +126,7 @@ def test_an_interrupt_stops_the_engines_too_and_the_cluster_is_usable_again(clus
     assert time.monotonic() - t < 20  # repaired at once, not after the engines' 40 s sleep
 
 
-def test_stop_leaves_no_process_behind():
+def test_stop_leaves_no_process_behind(capfd):
     c = C.start_cluster(n=2)
     procs = _tree(c.pids + [c._ipp.controller.pid])
     assert len(procs) >= 3
@@ -135,6 +135,8 @@ def test_stop_leaves_no_process_behind():
     c.stop()  # stopping twice is harmless
     with pytest.raises(C.ClusterError, match="was stopped .*run the set-up cell again"):
         c.run(C.hello)  # one clear line, not a traceback from a closed socket
+    out, err = capfd.readouterr()
+    assert "Failed to remove" not in out + err and "%|" not in out + err  # no log noise, no bar
 
 
 def test_clean_stops_the_cluster_of_a_killed_kernel(tmp_path):

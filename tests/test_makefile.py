@@ -1,4 +1,5 @@
-"""`make lab`: JupyterLab serves the whole repository (notebooks and labs), also as root."""
+"""The Makefile: `make lab` serves the whole repository (notebooks and labs), also as root;
+`make setup` asks PyTorch's CPU index for torch when it answers, and PyPI alone otherwise."""
 
 import json
 import os
@@ -60,3 +61,26 @@ def test_make_lab_serves_the_repository_root(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+
+
+def _setup_command(index):
+    out = subprocess.run(["make", "--no-print-directory", "-n", "-B", "setup",
+                          f"TORCH_INDEX={index}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return next(line for line in out.stdout.splitlines() if "-e '.[mpi,dev]'" in line)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make (apt-get install make)")
+def test_setup_uses_the_cpu_index_only_when_it_answers(tmp_path):
+    import http.server
+    import threading
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        index = f"http://127.0.0.1:{server.server_address[1]}/"
+        assert f"--extra-index-url {index}" in _setup_command(index)
+    finally:
+        server.shutdown()
+    assert "--extra-index-url" not in _setup_command(f"http://127.0.0.1:{_free_port()}/")
+    assert "--extra-index-url" not in _setup_command("")   # TORCH_INDEX= : PyPI's torch
