@@ -112,11 +112,18 @@ def test_every_listener_is_on_loopback(cluster):
                                       (C.skip_collective, (2,))])       # blocked in Gloo: killed
 def test_an_interrupt_stops_the_engines_too_and_the_cluster_is_usable_again(cluster, capsys,
                                                                              fn, args):
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))  # Kernel > Interrupt
+    # Kernel > Interrupt sends SIGINT; a process started in the background (CI) ignores it,
+    # so install Python's own handler for this test
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     t = time.monotonic()
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        cluster.run(fn, *args, timeout=60)
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            cluster.run(fn, *args, timeout=60)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, handler)
     assert time.monotonic() - t < 8  # 1 s, then at most the engines' grace to stop
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and said[0].startswith(f"Interrupted: {fn.__name__} was stopped on "
