@@ -51,6 +51,7 @@ def setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s, 
     ENGINE.update(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
                   device=device, host=socket.gethostname(), pid=os.getpid())
     ENGINE.pop("broken", None)  # a fresh process group
+    ENGINE.pop("subgroups", None)  # groups of the old one (checks/lab02_parallel_computing.py)
     return rank
 
 

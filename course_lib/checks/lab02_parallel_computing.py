@@ -73,18 +73,19 @@ def _call_student(fn_bytes, world_size, kind, params, timeout):
     import torch.distributed as dist
 
     from course_lib.comm import TorchComm
+    from course_lib.engine import ENGINE
     rank = dist.get_rank()
-    group = None
-    if world_size < dist.get_world_size():  # every rank takes part in creating the group
-        group = dist.new_group(list(range(world_size)))
+    # one group per size, made once by every rank and kept until the process group is made
+    # again (setup_engine empties the cache): making and destroying one per case churns Gloo's
+    # connections, and under load a new group's connection can then fail
+    groups = ENGINE.setdefault("subgroups", {})
+    if world_size < dist.get_world_size() and world_size not in groups:
+        groups[world_size] = dist.new_group(list(range(world_size)))
     if rank >= world_size:
         return None
-    comm = TorchComm(group=group, timeout=timeout)
+    comm = TorchComm(group=groups.get(world_size), timeout=timeout)
     fn = cloudpickle.loads(fn_bytes)
-    result = _plain(fn(comm, *_rank_inputs(kind, params, rank, world_size)))
-    if group is not None:
-        dist.destroy_process_group(group)
-    return result
+    return _plain(fn(comm, *_rank_inputs(kind, params, rank, world_size)))
 
 
 def _train_on_rank(fn_bytes, n_samples, n_features, lr, num_epochs, seed, timeout):
