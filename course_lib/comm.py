@@ -161,20 +161,22 @@ def wait_all(requests, timeout=None):
 class Comm:
     """What both transports share: rank, world size, deadline, and the blocking forms.
 
-    Every message is checked by default (``check_size=True``): a message longer or shorter
-    than its receive buffer raises :class:`CommError` on the receiving rank, naming both ranks
-    and both sizes, and the message is drained so that no process dies and the next message
-    arrives intact. (MPI alone would truncate a longer message with an error and accept a
-    shorter one silently; Gloo would abort the receiving process.) Over torch this costs an
-    8-byte header message per message; the course's collectives, whose sizes the ranks agree
-    on first, pass ``check_size=False``.
+    Every message is checked (unless the comm was made with ``check_sizes=False`` or a call
+    passes ``check_size=False``): a message longer or shorter than its receive buffer raises
+    :class:`CommError` on the receiving rank, naming both ranks and both sizes, and the message
+    is drained so that no process dies and the next message arrives intact. (MPI alone would
+    truncate a longer message with an error and accept a shorter one silently; Gloo would abort
+    the receiving process.) Over torch this costs an 8-byte header message per message and a
+    receive posted only once the size is known (about 2x a small message's time on loopback);
+    the course's collectives, whose sizes the ranks agree on first, pass ``check_size=False``.
 
     Introduced in notebooks/02_parallel_computing.ipynb."""
 
     transport = "?"
 
-    def __init__(self, rank, world_size, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, rank, world_size, timeout=DEFAULT_TIMEOUT, check_sizes=True):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.check_sizes = check_sizes
         self._unposted = {}  # (peer, tag) -> checked receives waiting for their sizes, in order
 
     def _peer(self, peer, op):
@@ -205,15 +207,15 @@ class Comm:
             except CommTimeout:
                 raise r._timed_out(timeout) from None  # name the whole deadline
 
-    def send(self, buf, dst, tag=0, timeout=None, check_size=True):
+    def send(self, buf, dst, tag=0, timeout=None, check_size=None):
         """Send ``buf`` to rank ``dst``; returns once the buffer may be reused."""
         self.isend(buf, dst, tag, check_size=check_size, _op="send").wait(timeout)
 
-    def recv(self, buf, src, tag=0, timeout=None, check_size=True):
+    def recv(self, buf, src, tag=0, timeout=None, check_size=None):
         """Receive from rank ``src`` into ``buf`` (in place); returns ``buf``."""
         return self.irecv(buf, src, tag, check_size=check_size, _op="recv").wait(timeout)
 
-    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None, check_size=True):
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None, check_size=None):
         """Send to ``dst`` and receive from ``src`` at once: the step of every ring."""
         reqs = [self.irecv(recvbuf, src, tag, check_size=check_size, _op="sendrecv"),
                 self.isend(sendbuf, dst, tag, check_size=check_size, _op="sendrecv")]
@@ -237,10 +239,10 @@ class TorchComm(Comm):
 
     transport = "torch"
 
-    def __init__(self, group=None, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, group=None, timeout=DEFAULT_TIMEOUT, check_sizes=True):
         import torch.distributed as dist
         self.dist, self.group = dist, group
-        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout)
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout, check_sizes)
         self.backend = dist.get_backend(group)
 
     @staticmethod
@@ -252,9 +254,10 @@ class TorchComm(Comm):
         return t
 
     def _checked(self, check_size):
-        return check_size and self.backend != "nccl"  # NCCL: sizes are the caller's to agree
+        check = self.check_sizes if check_size is None else check_size
+        return check and self.backend != "nccl"  # NCCL: sizes are the caller's to agree
 
-    def isend(self, buf, dst, tag=0, check_size=True, _op="isend"):
+    def isend(self, buf, dst, tag=0, check_size=None, _op="isend"):
         dst = self._peer(dst, _op)
         t = self._tensor(buf)
         req = Request(self, _op, "send", dst, buf, None, tag, self._checked(check_size))
@@ -267,7 +270,7 @@ class TorchComm(Comm):
                                                                  tag=tag)
         return req
 
-    def irecv(self, buf, src, tag=0, check_size=True, _op="irecv"):
+    def irecv(self, buf, src, tag=0, check_size=None, _op="irecv"):
         src = self._peer(src, _op)
         t = self._tensor(buf)
         req = Request(self, _op, "recv", src, buf, None, tag, self._checked(check_size))
@@ -315,7 +318,7 @@ class TorchComm(Comm):
             raise req.error
         return True
 
-    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None, check_size=True):
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None, check_size=None):
         """As :meth:`Comm.sendrecv`; on NCCL both go in one group (``batch_isend_irecv``), since
         NCCL runs a pair of ranks' separate operations in order and two receives first deadlock."""
         if self.backend != "nccl":
@@ -363,11 +366,11 @@ class MpiComm(Comm):
 
     transport = "mpi"
 
-    def __init__(self, mpi_comm=None, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, mpi_comm=None, timeout=DEFAULT_TIMEOUT, check_sizes=True):
         from mpi4py import MPI
         self.MPI = MPI
         self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout)
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout, check_sizes)
 
     def _bytes(self, buf):
         if isinstance(buf, np.ndarray):
@@ -381,14 +384,15 @@ class MpiComm(Comm):
             return [np.empty(0, np.uint8), self.MPI.BYTE]
         return [buf.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE]
 
-    def isend(self, buf, dst, tag=0, check_size=True, _op="isend"):
+    def isend(self, buf, dst, tag=0, check_size=None, _op="isend"):
         dst = self._peer(dst, _op)  # an MPI message carries its size: nothing to add
         return Request(self, _op, "send", dst, buf, self.mpi.Isend(self._bytes(buf), dst, tag),
                        tag)
 
-    def irecv(self, buf, src, tag=0, check_size=True, _op="irecv"):
+    def irecv(self, buf, src, tag=0, check_size=None, _op="irecv"):
         src = self._peer(src, _op)
         data = self._bytes(buf)
+        check_size = self.check_sizes if check_size is None else check_size
         req = Request(self, _op, "recv", src, buf, None, tag, check_size)
         if not check_size:
             req.handle = self.mpi.Irecv(data, src, tag)
@@ -495,15 +499,16 @@ def init_torch_from_launcher(backend="gloo", timeout=DEFAULT_TIMEOUT):
                             timeout=timedelta(seconds=timeout))
 
 
-def get_comm(transport="torch", timeout=DEFAULT_TIMEOUT):
-    """This rank's communicator over ``transport`` ("torch" or "mpi").
+def get_comm(transport="torch", timeout=DEFAULT_TIMEOUT, check_sizes=True):
+    """This rank's communicator over ``transport`` ("torch" or "mpi"); ``check_sizes=False``
+    sends messages without their size check (for code whose sizes are known to match).
 
     Introduced in notebooks/02_parallel_computing.ipynb."""
     if transport == "torch":
         import torch.distributed as dist
         if not dist.is_initialized():
             init_torch_from_launcher(timeout=timeout)
-        return TorchComm(timeout=timeout)
+        return TorchComm(timeout=timeout, check_sizes=check_sizes)
     if transport == "mpi":
-        return MpiComm(timeout=timeout)
+        return MpiComm(timeout=timeout, check_sizes=check_sizes)
     raise ValueError(f"transport must be 'torch' or 'mpi', not {transport!r}")

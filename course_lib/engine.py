@@ -67,6 +67,7 @@ def call_and_report(fn, args, kwargs):
     """What ``Cluster.run`` runs on every rank: ``fn(*args, **kwargs)``, and whether it left the
     process group broken (see :func:`mark_group_broken`). Introduced in
     notebooks/00_welcome_and_cluster.ipynb."""
+    __tracebackhide__ = True  # a rank's traceback starts at fn, not here
     ENGINE.pop("broken", None)
     result = fn(*args, **kwargs)
     return result, ENGINE.pop("broken", None)

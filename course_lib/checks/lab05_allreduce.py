@@ -148,7 +148,10 @@ def run_timed(payload, sizes, repeats, timeout=STUDENT_TIMEOUT):
     import torch.distributed as dist
 
     from course_lib.comm import get_comm
-    fn, comm = cloudpickle.loads(payload), get_comm("torch", timeout=timeout)
+    # the student's ring passed the checks: time it without the per-message size check, as
+    # the course's own collectives run
+    fn = cloudpickle.loads(payload)
+    comm = get_comm("torch", timeout=timeout, check_sizes=False)
     ops = (lambda b: fn(b, comm), dist.all_reduce)
     medians = []
     for size in sizes:
