@@ -106,7 +106,8 @@ def text_table(header, rows, align=None):
     def line(r):
         return " ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths, strict=True))
 
-    out = ["#" + line(h)[1:] if line(h)[:1] == " " else "#" + line(h) for h in header]
+    titles = [line(h) for h in header]
+    out = ["#" + (t[1:] if t.startswith(" ") else t) for t in titles]  # '#' marks comments
     out += ["" if r is None else line([str(c) for c in r]) for r in rows]
     return out
 
@@ -114,7 +115,7 @@ def text_table(header, rows, align=None):
 def write_csv(rows, path, columns=None, extra=None):
     """Write ``rows`` (dicts) to ``path``, one per line, with ``columns`` (default: the keys of
     the first row) plus ``extra`` fields in every row; prints where they went."""
-    columns = columns or list(rows[0]) if rows else columns or []
+    columns = columns or (list(rows[0]) if rows else [])
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

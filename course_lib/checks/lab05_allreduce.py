@@ -183,7 +183,7 @@ def _cases(world_size):
             for n, dtype, text in specs]
 
 
-def _remote_failure(name, where, err, schedule):
+def _remote_failure(name, where, err, schedule, world_size):
     """Turn a failure on the engines into False (not implemented) or a CheckFailed with a hint."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.cluster import ClusterTimeout, RemoteError
@@ -194,7 +194,7 @@ def _remote_failure(name, where, err, schedule):
         lines = "\n  ".join(f"rank {r}: {text.splitlines()[0]}" for r, text in errors.items())
         sizes = [m for m in (MISFIT.search(text) for text in errors.values()) if m]
         if sizes:
-            hint = _hint_misfit(sizes[0], _world_size(errors), schedule)
+            hint = _hint_misfit(sizes[0], world_size, schedule)
         elif any("CommTimeout" in text for text in errors.values()):
             hint = (f"a rank waited past its deadline. Either every rank sends before anyone "
                     f"receives (a blocking send cycle: comm.send blocks until the peer "
@@ -223,18 +223,12 @@ MISFIT = re.compile(r"rank (\d+): \w+ from rank (\d+) of .*?: rank \d+ sent (\d+
                     r"holds (\d+) bytes")
 
 
-def _world_size(errors):
-    """The world size, as the comm's error messages state it."""
-    found = re.search(r"world size (\d+)", next(iter(errors.values())))
-    return int(found.group(1)) if found else None
-
-
 def _hint_misfit(match, world_size, schedule):
     """What a message that does not fit its receive buffer says about the student's ring."""
     rank, src, sent, holds = (int(g) for g in match.groups())
     told = (f"rank {rank} received {sent} bytes from rank {src} into a buffer of {holds} "
              f"bytes: a send and its receive must be the same chunk")
-    if world_size and world_size > 2 and src == (rank + 1) % world_size:
+    if world_size > 2 and src == (rank + 1) % world_size:
         return (f"{told}. Rank {rank} receives from rank {src}, its RIGHT neighbour: the ring "
                 f"is reversed. Every rank sends to (r + 1) mod N and receives from (r - 1) mod "
                 f"N. {schedule}")
@@ -346,7 +340,7 @@ def _check(name, exercise, student_fn, cluster, seed, timeout):
             results = cluster.run(run_student, payload, exercise, n, dtype, seed, timeout,
                                   timeout=timeout + 20)
         except Exception as err:  # RemoteError, ClusterTimeout, EngineDied
-            if _remote_failure(name, where, err, SCHEDULE.get(exercise, "")) is False:
+            if _remote_failure(name, where, err, SCHEDULE.get(exercise, ""), N) is False:
                 return False
         inputs = case_inputs(exercise, n, dtype, seed, N)
         full = np.sum(case_inputs("reduce-scatter", n, dtype, seed, N), axis=0,
