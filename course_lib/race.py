@@ -13,8 +13,9 @@ two workers read the same value before either writes, one write overwrites the o
 update is lost. Modes: ``unlocked`` (the race), ``locked`` (a lock around the read-modify-write;
 the role ``#pragma omp atomic`` plays in OpenMP), ``reduction`` (each worker adds into a private
 partial sum and writes it once; the partial sums are added at the end, the pattern that data
-parallel training uses for gradients). ``window=True`` yields the CPU between the read and the
-write, as if the worker were descheduled there: this makes lost updates show up even on one core.
+parallel training uses for gradients). ``window=True`` sleeps between the read and the write, as
+if the worker were descheduled there: the workers then overlap in time and lost updates show up on
+any machine, one core or many, idle or loaded.
 Every wait has a deadline; a worker that dies or hangs is named in a :class:`RaceError`, and no
 process outlives the call.
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 from course_lib.launch import supervise
 
 MODES = ("unlocked", "locked", "reduction")
+WINDOW_SECONDS = 1e-6  # a real sleep: the kernel deschedules the worker for ~50-100 us
 
 
 class RaceError(RuntimeError):
@@ -75,7 +77,7 @@ def _add_worker(worker, total, partials, seconds, lock, barrier, start, stop, on
                 lock.acquire()
             old = total.value           # read
             if window:
-                os.sched_yield()        # let another process run between read and write
+                time.sleep(WINDOW_SECONDS)  # descheduled between read and write
             total.value = old + v       # write: an update made since the read is lost
             if mode == "locked":
                 lock.release()

@@ -1,7 +1,8 @@
 """The lost-update race between real processes, its fixes, and the machine description.
 
 The unlocked runs use ``window=True`` (each worker yields the CPU between its read and its write)
-so that lost updates show up on any machine, loaded or idle, with one core or many.
+so that lost updates show up on any machine, loaded or idle, with one core or many:
+the sleep guarantees that the workers overlap in time.
 """
 
 import os
