@@ -84,8 +84,9 @@ class Cluster:
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
-    def __init__(self, ipp_cluster, client, n, backend, timeout, pg_timeout, threads):
+    def __init__(self, ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link=None):
         self._ipp, self.client, self.n = ipp_cluster, client, n
+        self.link = link  # the emulated network of every rank (course_lib.netem), or None
         self.requested_backend, self.timeout = backend, timeout
         self.pg_timeout, self.threads = pg_timeout, threads
         self._store_dir = tempfile.mkdtemp(prefix="course_lib-pg-")
@@ -106,6 +107,10 @@ class Cluster:
         hosts = [p["host"] for p in self.probes]
         local_ranks = [hosts[:r].count(h) for r, h in enumerate(hosts)]
         single_host = len(set(hosts)) == 1
+        if self.link is not None and (not single_host or self.backend == "nccl"):
+            raise ClusterError(f"an emulated link needs every rank on one machine, over gloo "
+                               f"(hosts {sorted(set(hosts))}, backend {self.backend}); on a real "
+                               "network or GPUs, measure the real thing: start_cluster(link=None)")
         if single_host:  # a file rendezvous: no listening socket at all
             init = f"file://{self._store_dir}/store-{uuid.uuid4().hex}"
         else:
@@ -115,7 +120,7 @@ class Cluster:
         self.view.block = True  # %%px cells wait for and show every rank's output
         calls = [self.client[e].apply_async(setup_engine, r, self.n, local_ranks[r],
                                             self.backend, init, self.pg_timeout, self.threads,
-                                            single_host)
+                                            single_host, self.link)
                  for r, e in enumerate(self.engine_ids)]
         for ar in calls:
             ar.get(timeout=self.pg_timeout + 10)
@@ -275,6 +280,18 @@ class Cluster:
             self._ipp = None
             shutil.rmtree(self._store_dir, ignore_errors=True)
 
+    def set_link(self, link=None, latency=None):
+        """Switch every rank's emulated network (:mod:`course_lib.netem`) on, e.g.
+        ``set_link("1Gbit/s,50us")``, or off with ``set_link(None)``; returns the link."""
+        from course_lib import netem
+        spec = netem.make_link(link, latency)
+        if spec is not None and (len({p["host"] for p in self.probes}) > 1
+                                 or self.backend == "nccl"):
+            raise ClusterError("an emulated link needs every rank on one machine, over gloo")
+        self.run(netem.set_link, spec)
+        self.link = spec
+        return spec
+
     def __enter__(self):
         return self
 
@@ -283,7 +300,8 @@ class Cluster:
 
     def __repr__(self):
         state = "stopped" if self.stopped else self.backend
-        return f"<Cluster n={self.n} {state}>"
+        link = f", link {self.link}" if self.link and not self.stopped else ""
+        return f"<Cluster n={self.n} {state}{link}>"
 
 
 def _signal_pid(pid, sig, host):
@@ -305,16 +323,20 @@ CONTROLLER_ARGS = ["--HeartMonitor.period=400", "--HeartMonitor.max_heartmonitor
 
 
 def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=30, threads=1,
-                  **slurm):
+                  link=None, latency=None, **slurm):
     """Start ``n`` engines and return a :class:`Cluster` whose ranks share a process group.
 
     engines: "local" (processes on this machine), "mpi" (under ``mpiexec``, so mpi4py works on
     them and rank == MPI rank) or "slurm" (an sbatch job; see :func:`slurm_config`).
     timeout: default deadline of ``Cluster.run`` in seconds; pg_timeout: the process group's.
+    link, latency: an emulated network for every rank's messages (:mod:`course_lib.netem`),
+    e.g. ``link="1Gbit/s", latency="50us"``, ``link="1Gbit/s,50us"`` or ``link="10GbE"``.
     Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    from course_lib.netem import make_link
+    link = make_link(link, latency)  # bad text fails here, before any engine starts
     if engines not in ("local", "mpi", "slurm"):
         raise ValueError(f"engines must be 'local', 'mpi' or 'slurm', not {engines!r}")
     clean_clusters()  # clusters whose notebook kernel was killed
@@ -341,7 +363,7 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
         ipp_cluster.start_cluster_sync(n=n)
         client = ipp_cluster.connect_client_sync()  # no progress bar: the start takes seconds
         client.wait_for_engines(n, timeout=ipp_cluster.engine_timeout, interactive=False)
-        cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads)
+        cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link)
     except BaseException:
         stop_and_reap(ipp_cluster)
         raise

@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import numpy as np
 
+from course_lib import netem
 from course_lib.engine import mark_group_broken
 
 # The course's one deadline policy: every distributed wait (a message, a collective, a gradient
@@ -78,8 +79,10 @@ def nbytes(buf):
 
 
 # A checked message's size travels ahead of it under its own tag (the message's tag plus this),
-# so that size headers and payloads each match in order, whatever else is in flight.
+# so that size headers and payloads each match in order, whatever else is in flight. Over MPI
+# (tags below 2**29 in MPICH) the emulated link's stamps travel under the tag plus STAMP_TAG.
 HEADER_TAG = 1 << 30
+STAMP_TAG = 1 << 28
 
 
 class Request:
@@ -94,6 +97,9 @@ class Request:
         # mismatch found then is kept in ``error`` and raised by ``wait``
         self.posted, self.error, self.header = not (checked and kind == "recv"), None, None
         self.done = False
+        # on an emulated link (course_lib.netem): when a send's egress is done; a receive's
+        # stamp (when its sender started sending), and over MPI the stamp's own message
+        self.end, self.stamp, self.stamp_msg = None, None, None
 
     def wait(self, timeout=None):
         """Block until complete; raise CommTimeout after ``timeout`` s (default: the comm's)."""
@@ -109,6 +115,7 @@ class Request:
                 self.comm._forget(self)
                 raise self._timed_out(timeout)
             self.done = True
+            self.comm._emulate(self)
         return self.buf
 
     def _what(self):
@@ -174,10 +181,25 @@ class Comm:
 
     transport = "?"
 
-    def __init__(self, rank, world_size, timeout=DEFAULT_TIMEOUT, check_sizes=True):
+    def __init__(self, rank, world_size, timeout=DEFAULT_TIMEOUT, check_sizes=True, link=None):
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.check_sizes = check_sizes
+        # the emulated link: this comm's own, else the process's (start_cluster(link=...))
+        self.link = netem.current() if link is None else netem.make_link(link)
         self._unposted = {}  # (peer, tag) -> checked receives waiting for their sizes, in order
+
+    def _emulate(self, request):
+        """On an emulated link, a completed request waits until the link would have carried
+        its message (see :mod:`course_lib.netem`)."""
+        if self.link is None:
+            return
+        if request.kind == "send":
+            netem.sleep_until(request.end)
+        else:
+            netem.receive(self.link, self._stamp(request), nbytes(request.buf))
+
+    def _stamp(self, request):
+        return request.stamp
 
     def _peer(self, peer, op):
         if not (isinstance(peer, (int, np.integer)) and 0 <= peer < self.world_size):
@@ -239,11 +261,15 @@ class TorchComm(Comm):
 
     transport = "torch"
 
-    def __init__(self, group=None, timeout=DEFAULT_TIMEOUT, check_sizes=True):
+    def __init__(self, group=None, timeout=DEFAULT_TIMEOUT, check_sizes=True, link=None):
         import torch.distributed as dist
         self.dist, self.group = dist, group
-        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout, check_sizes)
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout, check_sizes,
+                         link)
         self.backend = dist.get_backend(group)
+        if self.link is not None and self.backend == "nccl":
+            raise CommError("the emulated link (course_lib.netem) runs over gloo and mpi, not "
+                            "nccl: a GPU has a real interconnect to measure")
 
     @staticmethod
     def _tensor(buf):
@@ -261,9 +287,13 @@ class TorchComm(Comm):
         dst = self._peer(dst, _op)
         t = self._tensor(buf)
         req = Request(self, _op, "send", dst, buf, None, tag, self._checked(check_size))
-        if req.checked:
+        if req.checked or self.link is not None:  # header: [bytes, emulated link's stamp in ns]
             import torch
-            size = torch.tensor([nbytes(t)], dtype=torch.int64)
+            stamp = 0
+            if self.link is not None:
+                start, req.end = netem.send_stamp(self.link, nbytes(t))
+                stamp = round(start * 1e9)
+            size = torch.tensor([nbytes(t), stamp], dtype=torch.int64)
             req.header = (self.dist.isend(size, dst, group=self.group, tag=tag + HEADER_TAG),
                           size)
         req.handle = None if t.numel() == 0 else self.dist.isend(t, dst, group=self.group,
@@ -274,12 +304,14 @@ class TorchComm(Comm):
         src = self._peer(src, _op)
         t = self._tensor(buf)
         req = Request(self, _op, "recv", src, buf, None, tag, self._checked(check_size))
-        if req.checked:  # the size first; the data is received once it is known to fit
+        if req.checked or self.link is not None:
             import torch
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(2, dtype=torch.int64)
             req.header = (self.dist.irecv(size, src, group=self.group, tag=tag + HEADER_TAG),
                           size)
-        elif t.numel():
+        # checked: the data is received once its size is known to fit (``_post``); else it
+        # is received at once (on an emulated link, side by side with its stamp)
+        if not req.checked and t.numel():
             req.handle = self.dist.irecv(t, src, group=self.group, tag=tag)
         return self._queue(req)
 
@@ -296,6 +328,7 @@ class TorchComm(Comm):
                 return False
             line.pop(0)
             sent, t = int(size[0]), self._tensor(r.buf)
+            r.stamp = int(size[1]) / 1e9
             if sent != nbytes(t):
                 r.error = r._size_error(sent)
                 r.handle = self.dist.irecv(torch.empty(sent, dtype=torch.uint8), r.peer,
@@ -309,9 +342,10 @@ class TorchComm(Comm):
         deadline = time.monotonic() + timeout
         if not req.posted and not self._post(req, deadline):
             return False
-        if req.kind == "send" and req.header is not None:
+        if req.header is not None and (req.kind == "send" or req.stamp is None):
             if not self._wait(req.header[0], deadline - time.monotonic()):
                 return False
+            req.stamp = int(req.header[1][1]) / 1e9
         if not self._wait(req.handle, deadline - time.monotonic()):
             return False
         if req.error is not None:
@@ -366,11 +400,11 @@ class MpiComm(Comm):
 
     transport = "mpi"
 
-    def __init__(self, mpi_comm=None, timeout=DEFAULT_TIMEOUT, check_sizes=True):
+    def __init__(self, mpi_comm=None, timeout=DEFAULT_TIMEOUT, check_sizes=True, link=None):
         from mpi4py import MPI
         self.MPI = MPI
         self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
-        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout, check_sizes)
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout, check_sizes, link)
 
     def _bytes(self, buf):
         if isinstance(buf, np.ndarray):
@@ -386,17 +420,41 @@ class MpiComm(Comm):
 
     def isend(self, buf, dst, tag=0, check_size=None, _op="isend"):
         dst = self._peer(dst, _op)  # an MPI message carries its size: nothing to add
-        return Request(self, _op, "send", dst, buf, self.mpi.Isend(self._bytes(buf), dst, tag),
-                       tag)
+        req = Request(self, _op, "send", dst, buf, None, tag)
+        if self.link is not None:  # the stamp goes first, in a message of its own
+            start, req.end = netem.send_stamp(self.link, nbytes(buf))
+            stamp = np.array([start])
+            req.stamp_msg = (self.mpi.Isend(stamp, dst, tag + STAMP_TAG), stamp)
+        req.handle = self.mpi.Isend(self._bytes(buf), dst, tag)
+        return req
 
     def irecv(self, buf, src, tag=0, check_size=None, _op="irecv"):
         src = self._peer(src, _op)
         data = self._bytes(buf)
         check_size = self.check_sizes if check_size is None else check_size
         req = Request(self, _op, "recv", src, buf, None, tag, check_size)
+        if self.link is not None:
+            stamp = np.zeros(1)
+            req.stamp_msg = (self.mpi.Irecv(stamp, src, tag + STAMP_TAG), stamp)
         if not check_size:
             req.handle = self.mpi.Irecv(data, src, tag)
         return self._queue(req)
+
+    def _stamp(self, request):
+        """The stamp's message left before its data did: it is here, or arrives at once."""
+        handle, stamp = request.stamp_msg
+        deadline = time.monotonic() + self.timeout
+        while not handle.Test():
+            if time.monotonic() > deadline:
+                handle.Cancel()
+                raise request._timed_out(self.timeout)
+            os.sched_yield()
+        return float(stamp[0]) if request.kind == "recv" else None
+
+    def _emulate(self, request):
+        if request.stamp_msg is not None and request.kind == "send":
+            self._stamp(request)  # the stamp's send buffer is free once it completed
+        super()._emulate(request)
 
     def _post(self, req):
         """Post the checked receives from ``req``'s peer and tag, in order, whose messages have
@@ -455,6 +513,7 @@ class MpiComm(Comm):
                 os.sched_yield()
         for r in pending:
             r.done = True
+            self._emulate(r)
 
     def barrier(self, timeout=None):
         """Every rank waits here until all have arrived (``Ibarrier``, with a deadline)."""
@@ -499,16 +558,18 @@ def init_torch_from_launcher(backend="gloo", timeout=DEFAULT_TIMEOUT):
                             timeout=timedelta(seconds=timeout))
 
 
-def get_comm(transport="torch", timeout=DEFAULT_TIMEOUT, check_sizes=True):
+def get_comm(transport="torch", timeout=DEFAULT_TIMEOUT, check_sizes=True, link=None):
     """This rank's communicator over ``transport`` ("torch" or "mpi"); ``check_sizes=False``
     sends messages without their size check (for code whose sizes are known to match).
+    ``link`` ("1Gbit/s,50us", a preset name of ``netem.PRESETS``): every message pays the time
+    of that emulated link (default: the process's, as ``start_cluster(link=...)`` sets it).
 
     Introduced in notebooks/02_parallel_computing.ipynb."""
     if transport == "torch":
         import torch.distributed as dist
         if not dist.is_initialized():
             init_torch_from_launcher(timeout=timeout)
-        return TorchComm(timeout=timeout, check_sizes=check_sizes)
+        return TorchComm(timeout=timeout, check_sizes=check_sizes, link=link)
     if transport == "mpi":
-        return MpiComm(timeout=timeout, check_sizes=check_sizes)
+        return MpiComm(timeout=timeout, check_sizes=check_sizes, link=link)
     raise ValueError(f"transport must be 'torch' or 'mpi', not {transport!r}")

@@ -30,12 +30,16 @@ def probe_engine():
 
 
 def setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s, threads,
-                  loopback):
-    """Give this engine its rank and (re)create its process group. Runs on every engine.
+                  loopback, link=None):
+    """Give this engine its rank and (re)create its process group; switch its emulated link
+    (``course_lib.netem``) on or off. Runs on every engine.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     import torch
     import torch.distributed as dist
+
+    from course_lib import netem
+    netem.set_link(link)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
     if loopback:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # Gloo's sockets listen on 127.0.0.1 only

@@ -11,6 +11,10 @@ Operations (worker -> server, the reply carries the server's shard and version):
 ``init`` (the chief worker sets the starting shard), ``pull``, ``push`` (a gradient sum over
 ``count`` samples, computed on the shard of version ``version``; the reply is the updated shard,
 so a push is also the next pull) and ``done``.
+
+On an emulated network (``start_cluster(link=...)``, :mod:`course_lib.netem`) the header carries
+the sender's stamp and every message pays the link's time: a server's single link carries every
+worker's push, one after another, which is why sharding the parameters over more servers helps.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 
 import numpy as np
 
+from course_lib import netem
 from course_lib.engine import ENGINE
 
 
@@ -30,11 +35,23 @@ class PSError(RuntimeError):
 
 
 def _send(sock, header, payload=None, identity=None):
+    data = b"" if payload is None else np.ascontiguousarray(payload, np.float64).data
+    link, end = netem.current(), None
+    if link is not None:  # on an emulated network: stamp it, and send for as long as it takes
+        header["stamp"], end = netem.send_stamp(link, len(data))
     frames = [] if identity is None else [identity]
-    frames.append(json.dumps(header).encode())
-    frames.append(b"" if payload is None else np.ascontiguousarray(payload, np.float64).data)
+    frames += [json.dumps(header).encode(), data]
     sock.send_multipart(frames, copy=False)
-    return len(frames[-1])
+    if end is not None:
+        netem.sleep_until(end)
+    return len(data)
+
+
+def _arrived(header, payload):
+    """A message is here for real; on an emulated network, wait until the link delivers it."""
+    link = netem.current()
+    if link is not None:
+        netem.receive(link, header.get("stamp"), len(payload))
 
 
 def _recv(sock, timeout, what):
@@ -42,7 +59,9 @@ def _recv(sock, timeout, what):
     if not sock.poll(int(timeout * 1000)):
         raise PSError(f"rank {ENGINE.get('rank')}: no reply to {what} within {timeout:g}s")
     *identity, header, payload = sock.recv_multipart(copy=True)
-    return (identity[0] if identity else None), json.loads(header), payload
+    header = json.loads(header)
+    _arrived(header, payload)
+    return (identity[0] if identity else None), header, payload
 
 
 # ---------------------------------------------------------------- the server
@@ -122,6 +141,7 @@ def serve(spec, n_params, cfg, apply_push):
             continue
         identity, header, payload = sock.recv_multipart(copy=True)
         header = json.loads(header)
+        _arrived(header, payload)
         w, op = header["worker"], header["op"]
         heard[w] = time.monotonic()
         if w in stats["lost"]:  # only slow, not dead

@@ -20,8 +20,8 @@ def _cli(*args, timeout=120):
 
 def _table(stdout):
     """Data lines of the printed tables as dicts (header and comment lines start with '#')."""
-    names = ["size", "count", "type", "algorithm", "time_us", "algbw", "busbw", "frac", "wrong",
-             "vs_native"]
+    names = ["size", "count", "type", "algorithm", "time_us", "predicted_us", "algbw", "busbw",
+             "frac", "wrong", "vs_native"]
     return [dict(zip(names, line.split(), strict=True)) for line in stdout.splitlines()
             if line.strip() and not line.startswith("#")]
 

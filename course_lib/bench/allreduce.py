@@ -7,6 +7,7 @@ mpi4py) in the same run, and one table per world size shows how they compare::
     python -m course_lib bench allreduce --world-size 2,4 --sizes 1K-1M       # a local cluster
     python -m course_lib bench allreduce --transport mpi --sizes 1M,16M --launcher mpiexec
     mpiexec -n 2 python -m course_lib bench allreduce --transport mpi           # already launched
+    python -m course_lib bench allreduce --link 1Gbit/s,50us --world-size 2,4,8 --sizes 1M,16M
 
 Method. Rank r fills element i with r + 1 + (i mod 13), so the exact sum is a small integer that
 every dtype holds. After ``warmup`` untimed rounds, ``iters`` rounds run the algorithms round-robin
@@ -21,6 +22,11 @@ Columns: algbw = size / time; busbw = algbw * 2(N-1)/N, what each rank's link mu
 second in a bandwidth-optimal allreduce, comparable across N (nccl-tests' definition). On one
 machine the links are memory copies, so the ceiling printed is single-core memcpy bandwidth
 (a large numpy copy, bytes copied per second). "vs native" = native time / this time.
+
+With ``--link`` every message crosses an emulated network (:mod:`course_lib.netem`): the ceiling
+is then the link's bandwidth, and each row carries the time the alpha-beta model predicts for it
+(``predicted_us``; ``netem.predict_allreduce``) and measured / predicted. The native allreduce
+runs inside Gloo or MPI, off the emulated link, and is left out.
 """
 
 import argparse
@@ -32,6 +38,7 @@ import time
 
 import numpy as np
 
+from course_lib import netem
 from course_lib.bench import common
 from course_lib.bench.common import (
     BenchError,
@@ -49,56 +56,74 @@ from course_lib.launch import launched_rank, run_ranks
 HELP = "every allreduce algorithm against the native one"
 
 COLUMNS = ["world_size", "transport", "backend", "algorithm", "size", "count", "type", "time_us",
-           "algbw", "busbw", "busbw_of_memcpy", "wrong", "vs_native", "memcpy", "iters", "warmup"]
+           "predicted_us", "algbw", "busbw", "busbw_of_memcpy", "wrong", "vs_native", "memcpy",
+           "link", "iters", "warmup"]
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int32"]
 
 
 def format_table(rows, memcpy=None):
-    """Rows of :func:`allreduce_rank_bench` as nccl-tests-style text, one table per world size."""
+    """Rows of :func:`allreduce_rank_bench` as nccl-tests-style text, one table per world size.
+    On an emulated link the ceiling is the link's bandwidth and the prediction stands beside."""
     groups, out = {}, []
     for r in rows:
         groups.setdefault((r["world_size"], r["transport"], r["backend"], r["type"]), []).append(r)
     for (world_size, transport, backend, dtype), group in groups.items():
+        link = group[0].get("link")
         out.append(f"# allreduce over {transport} ({backend}), world size {world_size}, {dtype}: "
                    f"median of {group[0]['iters']} rounds after {group[0]['warmup']} warm-up(s),"
                    " algorithms interleaved, time of the slowest rank")
-        if memcpy:
+        ceiling = netem.make_link(link).bandwidth / 1e9 if link else memcpy
+        if link:
+            out.append(f"# emulated link {netem.make_link(link)}: ceiling {ceiling:.3f} GB/s "
+                       "per direction; predicted = the alpha-beta model on it")
+        elif memcpy:
             out.append(f"# ceiling: single-core memcpy {memcpy:.2f} GB/s")
         cells = []
         for i, r in enumerate(group):
             if i and r["size"] != group[i - 1]["size"]:
                 cells.append(None)  # a blank line between sizes
+            last = (f"{r['time_us'] / r['predicted_us']:.2f}" if link else
+                    f"{r['vs_native']:.2f}x" if r.get("vs_native") else "-")
             cells.append([r["size"], r["count"], r["type"], r["algorithm"], f"{r['time_us']:.1f}",
+                          f"{r['predicted_us']:.1f}" if link else "-",
                           f"{r['algbw']:.3f}", f"{r['busbw']:.3f}",
-                          f"{r['busbw'] / memcpy:.1%}" if memcpy else "-", r["wrong"],
-                          f"{r['vs_native']:.2f}x" if r.get("vs_native") else "-"])
-        out += text_table([["size", "count", "type", "algorithm", "time", "algbw", "busbw",
-                            "busbw/", "#wrong", "vs"],
-                           ["(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "memcpy", "",
-                            "native"]], cells, ">>><>>>>>>")
+                          f"{r['busbw'] / ceiling:.1%}" if ceiling else "-", r["wrong"], last])
+        out += text_table([["size", "count", "type", "algorithm", "time", "predicted", "algbw",
+                            "busbw", "busbw/", "#wrong", "measured/" if link else "vs"],
+                           ["(B)", "(elements)", "", "", "(us)", "(us)", "(GB/s)", "(GB/s)",
+                            "link" if link else "memcpy", "",
+                            "predicted" if link else "native"]], cells, ">>><>>>>>>>")
         out.append("")
     return "\n".join(out)
 
 
 def write_csv(rows, path, memcpy=None):
-    """One CSV row per (world size, algorithm, size) with every column of :data:`COLUMNS`."""
-    common.write_csv(rows, path, COLUMNS, lambda r: dict(
-        memcpy=memcpy or "", busbw_of_memcpy=r["busbw"] / memcpy if memcpy else ""))
+    """One CSV row per (world size, algorithm, size) with every column of :data:`COLUMNS`;
+    ``busbw_of_memcpy`` is busbw over the ceiling (the link's bandwidth on an emulated link)."""
+    def extra(r):
+        ceiling = netem.make_link(r["link"]).bandwidth / 1e9 if r.get("link") else memcpy
+        return dict(memcpy=memcpy or "", busbw_of_memcpy=r["busbw"] / ceiling if ceiling else "",
+                    link=r.get("link") or "")
+    common.write_csv(rows, path, COLUMNS, extra)
 
 
 # ---------------------------------------------------------------- what every rank runs
 def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10, warmup=2,
-                         timeout=30.0, check=True):
+                         timeout=30.0, check=True, link=None):
     """Time ``algorithms`` ("native" or keys of collectives.ALGORITHMS) at ``sizes`` (bytes).
 
     Runs on every rank (a cluster engine, or a process under mpiexec / torchrun); returns the
     same rows on every rank: dicts with the keys of :data:`COLUMNS` but memcpy (bandwidths in
     GB/s). ``timeout``: deadline of each point-to-point wait and barrier, in seconds.
     ``check=False`` times the algorithms without their agreement round (native has none).
+    ``link``: an emulated network for the messages (default: the process's, see netem).
     """
     from course_lib.collectives import allreduce
     from course_lib.comm import get_comm
-    comm = get_comm(transport, timeout=timeout)
+    comm = get_comm(transport, timeout=timeout, link=link)
+    if comm.link is not None and "native" in algorithms:
+        raise BenchError("the native allreduce runs inside Gloo/MPI, off the emulated link: "
+                         "leave 'native' out of the algorithms with a link")
     p, device, backend = comm.world_size, *_device(comm)
     ops = {name: _native(comm) if name == "native" else
            (lambda buf, name=name: allreduce(buf, comm, algorithm=name, check=check))
@@ -130,6 +155,9 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
                 count=count, type=dtype, time_us=median[k] * 1e6,
                 algbw=algbw(n_bytes, median[k]) / 1e9, busbw=busbw(n_bytes, median[k], p) / 1e9,
                 wrong=int(wrong[k]), iters=iters, warmup=warmup,
+                link=comm.link.text if comm.link else None,
+                predicted_us=(netem.predict_allreduce(name, n_bytes, p, comm.link, check) * 1e6
+                              if comm.link else None),
                 vs_native=(float(median[algorithms.index("native")] / median[k])
                            if "native" in algorithms else None)))
         del src, buf, expected
@@ -248,13 +276,16 @@ def arguments(parser):
     a("--world-size", type=argtype(_world_sizes), default="2", help="ranks, a comma list like 2,4")
     a("--sizes", type=argtype(parse_sizes), default="1K-1M",
       help="bytes: a doubling range like 1K-64M or a list like 1M,16M (default 1K-1M)")
-    a("--algorithms", type=argtype(_algorithms), default=DEFAULT_ALGORITHMS,
-      help=f"comma list (default {DEFAULT_ALGORITHMS})")
+    a("--algorithms", type=argtype(_algorithms), default=None,
+      help=f"comma list (default {DEFAULT_ALGORITHMS}; with --link, all but native)")
     a("--dtype", choices=DTYPES, default="float32")
     a("--iters", type=int, default=10, help="timed rounds (default 10)")
     a("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     a("--no-check", dest="check", action="store_false",
       help="skip the agreement round (shapes, dtypes) that guards every from-scratch call")
+    a("--link", type=argtype(netem.make_link), default=None,
+      help="an emulated network for every message: 'bandwidth,latency' like 1Gbit/s,50us or a "
+           f"preset ({', '.join(netem.PRESETS)}); default: none (loopback as it is)")
     a("--csv", help="also write one row per world size, algorithm and size to this file")
     a("--launcher", choices=["cluster", "mpiexec", "torchrun", "inside"], default="cluster",
       help="how ranks start: a local ipyparallel cluster (default), mpiexec or torchrun; "
@@ -286,6 +317,12 @@ def main(args):
     try:
         if args.iters < 1 or args.warmup < 0:
             raise BenchError("--iters must be >= 1 and --warmup >= 0")
+        if args.algorithms is None:
+            args.algorithms = [a for a in _algorithms(DEFAULT_ALGORITHMS)
+                               if not (args.link and a == "native")]
+        if args.link and "native" in args.algorithms:
+            raise BenchError("--link: the native allreduce runs inside Gloo/MPI, off the "
+                             "emulated link; leave native out of --algorithms")
         if args.launcher == "inside" or launched_rank():
             return _inside(args)
         _check_backend(args, max(args.world_size))
@@ -324,7 +361,7 @@ def _check_backend(args, gpus_needed):
 
 def _bench_args(args):
     return (args.transport, args.algorithms, args.sizes, args.dtype, args.iters, args.warmup,
-            args.timeout, args.check)
+            args.timeout, args.check, args.link)
 
 
 def _on_cluster(args, world_size, memcpy):
@@ -346,6 +383,7 @@ def _launch(args, world_size, memcpy):
         for opt in ("transport", "backend", "dtype", "iters", "warmup", "timeout"):
             inner += [f"--{opt}", str(getattr(args, opt))]
         inner += [] if args.check else ["--no-check"]
+        inner += ["--link", args.link.text] if args.link else []
         env = dict(os.environ, MPIEXEC_TIMEOUT=str(int(args.time_limit)), OMP_NUM_THREADS="1",
                    COURSE_LIB_MEMCPY_GBS=repr(memcpy))
         run_ranks(args.launcher, world_size, inner, env, args.time_limit)
