@@ -9,6 +9,7 @@ arithmetic of that claim, :mod:`course_lib.hogwild` the worker processes that ra
     w, losses = sparse_problem.serial_sgd(data)                # the serial reference
     sparse_problem.collision_probability(32, 20_000)           # ~ nnz**2 / d
     sparse_problem.measured_overlap(data)                      # the same, counted on the data
+    sparse_problem.make_sparse_classification(feature_distribution="zipf")  # like words
 """
 
 from __future__ import annotations
@@ -41,18 +42,33 @@ class SparseData:
 
 
 def make_sparse_classification(n_samples=20_000, n_features=20_000, nnz=32, label_noise=0.05,
-                               seed=0):
-    """Sparse binary classification: each row has ``nnz`` distinct features drawn uniformly.
+                               seed=0, feature_distribution="uniform", zipf_exponent=1.0):
+    """Sparse binary classification: each row has ``nnz`` distinct features.
 
     Density ``nnz / n_features`` = 0.16 % by default, as in RCV1 (47,236 features, about 76
     non-zeros per document); values are positive with unit norm per row (like tf-idf), labels
-    are ``sign(x . w_true)`` with a fraction ``label_noise`` flipped. Notebook 03.
-    Introduced in notebooks/03_hogwild.ipynb.
+    are ``sign(x . w_true)`` with a fraction ``label_noise`` flipped.
+    ``feature_distribution="uniform"`` draws every feature equally often;
+    ``"zipf"`` draws feature ``j`` with weight ``1 / (j + 1) ** zipf_exponent``, like word
+    frequencies in text (Zipf's law), so low indices are common and rows share them far more
+    often. Introduced in notebooks/03_hogwild.ipynb.
     """
+    if feature_distribution not in ("uniform", "zipf"):
+        raise ValueError(f"feature_distribution must be 'uniform' or 'zipf', "
+                         f"not {feature_distribution!r}")
+    if nnz > n_features:
+        raise ValueError(f"nnz={nnz} distinct features do not fit in n_features={n_features}")
     rng = np.random.default_rng(seed)
     indices = np.empty(n_samples * nnz, dtype=np.int64)
+    if feature_distribution == "zipf":
+        cdf = np.cumsum(1.0 / np.arange(1, n_features + 1) ** zipf_exponent)
+        cdf /= cdf[-1]
     for i in range(n_samples):
-        indices[i * nnz:(i + 1) * nnz] = np.sort(rng.choice(n_features, nnz, replace=False))
+        if feature_distribution == "uniform":
+            row = rng.choice(n_features, nnz, replace=False)
+        else:
+            row = _distinct_draws(rng, cdf, nnz)
+        indices[i * nnz:(i + 1) * nnz] = np.sort(row)
     values = np.abs(rng.normal(size=(n_samples, nnz)))
     values /= np.linalg.norm(values, axis=1, keepdims=True)
     values = values.ravel()
@@ -62,6 +78,18 @@ def make_sparse_classification(n_samples=20_000, n_features=20_000, nnz=32, labe
     y[rng.random(n_samples) < label_noise] *= -1
     indptr = np.arange(0, n_samples * nnz + 1, nnz, dtype=np.int64)
     return SparseData(indptr, indices, values, y, n_features)
+
+
+def _distinct_draws(rng, cdf, nnz):
+    """``nnz`` distinct features: draw from ``cdf`` with replacement, keep each first hit (the
+    same law as drawing one at a time without replacement)."""
+    seen = np.empty(0, dtype=np.int64)
+    while True:
+        draws = np.concatenate([seen, np.searchsorted(cdf, rng.random(2 * nnz), side="right")])
+        _, first = np.unique(draws, return_index=True)
+        seen = draws[np.sort(first)]        # distinct, in the order they were drawn
+        if len(seen) >= nnz:
+            return seen[:nnz]
 
 
 def sparse_loss(w, data):

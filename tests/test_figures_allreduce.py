@@ -115,3 +115,20 @@ def test_save_all_writes_the_three_pngs(tmp_path):
     assert names == ["05_cost_model.png", "05_naive_and_tree.png", "05_ring_steps.png"]
     assert sorted(paths) == sorted(str(tmp_path / n) for n in names)
     assert all((tmp_path / n).stat().st_size > 10_000 for n in names)
+
+
+def test_emulated_link_figure_puts_measured_dots_over_model_lines(tmp_path):
+    from course_lib import netem
+    link = netem.make_link("1Gbit/s,50us")
+    rows = [dict(world_size=p, algorithm=a, size=n, link=link.text,
+                 time_us=1.1e6 * netem.predict_allreduce(a, n, p, link),
+                 busbw=n / netem.predict_allreduce(a, n, p, link) * 2 * (p - 1) / p / 1e9)
+            for p in (2, 4) for a in ("naive", "ring") for n in (2**16, 2**20)]
+    bare = [dict(r, time_us=r["time_us"] / 10, link=None) for r in rows]
+    fig = fa.emulated_link_figure(rows, bare, path=tmp_path / "emulated.png")
+    ax1, ax2, ax3 = fig.axes
+    assert len(ax1.lines) == 4 and len(ax2.lines) == 6 and len(ax3.lines) == 3  # + the 100% line
+    dots = [line for line in ax1.lines if line.get_linestyle() == "None"]
+    assert [list(d.get_xdata()) for d in dots] == [[2, 4], [2, 4]]
+    assert (tmp_path / "emulated.png").stat().st_size > 10_000
+    assert "1 Gbit/s, 50 us" in fig.get_suptitle()

@@ -150,3 +150,13 @@ def test_bad_link_text_fails_before_any_engine_starts():
     out = _bench("--link", "fast")
     assert out.returncode == 2 and "--link" in out.stderr
 
+
+
+def test_one_cluster_measures_a_smaller_world_on_a_subgroup(cluster, slow_link):
+    from course_lib.bench.allreduce import allreduce_rank_bench
+    results = cluster.run(allreduce_rank_bench, "torch", ["ring"], [2**16], "float32", 1, 0,
+                          world_size=2)
+    assert results[2:] == [None] * (cluster.n - 2) and results[0] == results[1]
+    (row,) = results[0]
+    assert row["world_size"] == 2 and row["wrong"] == 0 and row["link"] == slow_link.text
+    assert row["time_us"] >= row["predicted_us"] - SLACK * 1e6

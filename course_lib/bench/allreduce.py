@@ -13,8 +13,9 @@ Method. Rank r fills element i with r + 1 + (i mod 13), so the exact sum is a sm
 every dtype holds. After ``warmup`` untimed rounds, ``iters`` rounds run the algorithms round-robin
 (native, naive, ..., native, naive, ...) so that drift on a shared machine hits them all alike.
 Before each operation a rank refills its buffer (untimed) and waits at a barrier; its time runs
-from leaving the barrier to the end of its operation. Reported: the median over rounds of the
-MAXIMUM over ranks (a collective ends when its slowest rank does). After the timed rounds each
+from leaving the barrier to the end of its operation (on an emulated link, from a start instant
+all ranks agree on, since a barrier releases ranks milliseconds apart on a busy machine).
+Reported: the median over rounds of the MAXIMUM over ranks (a collective ends when its slowest rank does). After the timed rounds each
 algorithm runs once more and its result is compared with the exact sum: #wrong counts the
 elements that differ, summed over ranks.
 
@@ -109,7 +110,7 @@ def write_csv(rows, path, memcpy=None):
 
 # ---------------------------------------------------------------- what every rank runs
 def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10, warmup=2,
-                         timeout=30.0, check=True, link=None):
+                         timeout=30.0, check=True, link=None, world_size=None):
     """Time ``algorithms`` ("native" or keys of collectives.ALGORITHMS) at ``sizes`` (bytes).
 
     Runs on every rank (a cluster engine, or a process under mpiexec / torchrun); returns the
@@ -117,10 +118,20 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
     GB/s). ``timeout``: deadline of each point-to-point wait and barrier, in seconds.
     ``check=False`` times the algorithms without their agreement round (native has none).
     ``link``: an emulated network for the messages (default: the process's, see netem).
+    ``world_size``: run on the first ``world_size`` ranks only (torch transport; a subgroup,
+    so one cluster measures several world sizes); the other ranks return None.
     """
     from course_lib.collectives import allreduce
-    from course_lib.comm import get_comm
+    from course_lib.comm import TorchComm, get_comm
     comm = get_comm(transport, timeout=timeout, link=link)
+    if world_size is not None and world_size != comm.world_size:
+        if transport != "torch" or not 1 < world_size <= comm.world_size:
+            raise BenchError(f"world_size={world_size}: a torch subgroup of 2 to "
+                             f"{comm.world_size} ranks")
+        group = comm.dist.new_group(list(range(world_size)))  # every rank must call this
+        if comm.rank >= world_size:
+            return None
+        comm = TorchComm(group, timeout=timeout, link=link)
     if comm.link is not None and "native" in algorithms:
         raise BenchError("the native allreduce runs inside Gloo/MPI, off the emulated link: "
                          "leave 'native' out of the algorithms with a link")
@@ -137,11 +148,11 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
                 _copy(buf, src)
                 comm.barrier()
                 _sync(device)
-                t = time.perf_counter()
+                t = _start_together(comm) if comm.link else time.perf_counter()
                 ops[name](buf)
                 _sync(device)
                 if it >= 0:
-                    times[k, it] = time.perf_counter() - t
+                    times[k, it] = (time.monotonic() if comm.link else time.perf_counter()) - t
         for k, name in enumerate(algorithms):  # after the timed rounds: is each result exact?
             _copy(buf, src)
             ops[name](buf)
@@ -208,6 +219,15 @@ def fusion_rank_bench(transport, algorithm="native", count=256, tensor_bytes=409
                 times[k, it] = time.perf_counter() - t0
     separate_s, fused_s = np.median(_reduce(comm, times, "max"), axis=1)
     return {"separate_s": float(separate_s), "fused_s": float(fused_s)}
+
+
+def _start_together(comm, margin=0.02):
+    """On an emulated link (one machine, one monotonic clock): agree on a start time a little
+    ahead, sleep until it and return it. A barrier releases ranks milliseconds apart on a loaded
+    laptop; this way every rank's time counts from the same instant."""
+    start = _reduce(comm, np.array([time.monotonic() + margin]), "max")[0]
+    netem.sleep_until(start)
+    return start
 
 
 def _device(comm):

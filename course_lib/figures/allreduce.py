@@ -290,6 +290,61 @@ def cost_model_figure(link="100GbE", n_bytes=100e6, p_fixed=8, path=None):
     return _finish(fig, path)
 
 
+def emulated_link_figure(rows, loopback_rows=(), path=None):
+    """Measured allreduce times on an emulated link (rows of ``bench.allreduce_rank_bench`` with
+    a link, several world sizes) as dots over the alpha-beta model's lines: time against the
+    number of ranks at the largest size, time against size at the largest world size (with
+    the same runs on bare loopback, the machine's own floor, dashed), and the ring's busbw
+    against the link's bandwidth (notebook 05)."""
+    from course_lib import netem
+    link = netem.make_link(rows[0]["link"])
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    ns = sorted({r["world_size"] for r in rows})
+    sizes = sorted({r["size"] for r in rows})
+    big, p_max = sizes[-1], ns[-1]
+
+    def pick(rs, **where):
+        return [r for r in rs if all(r[k] == v for k, v in where.items())]
+
+    fig = Figure(figsize=(13, 4.2), layout="constrained")
+    ax1, ax2, ax3 = fig.subplots(1, 3)
+    p_line, n_line = np.arange(2, p_max + 1), np.geomspace(sizes[0], big, 100)
+    for name in algorithms:
+        color = _STYLE.get(name, "C2")
+        on_big = pick(rows, algorithm=name, size=big)
+        ax1.plot([r["world_size"] for r in on_big], [r["time_us"] / 1e3 for r in on_big], "o",
+                 color=color, label=f"{name} measured")
+        ax1.plot(p_line, [netem.predict_allreduce(name, big, p, link) * 1e3 for p in p_line],
+                 "-", color=color, lw=1, label=f"{name} model")
+        at_p = pick(rows, algorithm=name, world_size=p_max)
+        ax2.loglog([r["size"] for r in at_p], [r["time_us"] / 1e3 for r in at_p], "o",
+                   color=color)
+        ax2.loglog(n_line, [netem.predict_allreduce(name, n, p_max, link) * 1e3 for n in n_line],
+                   "-", color=color, lw=1, label=name)
+        bare = pick(loopback_rows, algorithm=name, world_size=p_max)
+        if bare:
+            ax2.loglog([r["size"] for r in bare], [r["time_us"] / 1e3 for r in bare], "--",
+                       color=color, lw=1, alpha=0.6)
+    for k, p in enumerate(ns):
+        ring = pick(rows, algorithm="ring", world_size=p)
+        ax3.semilogx([r["size"] for r in ring], [100 * r["busbw"] * 1e9 / link.bandwidth
+                                                 for r in ring], "o-", color=f"C{k}",
+                     label=f"ring, {p} ranks")
+    ax3.axhline(100, color="k", ls="--", lw=1)
+    ax1.set(xlabel="number of ranks", ylabel="ms", xticks=ns,
+            title=f"{_bytes(big)} allreduce: time against ranks")
+    ax2.set(xlabel="bytes per rank", ylabel="ms",
+            title=f"{p_max} ranks: dots measured, lines model" +
+            (", dashed bare loopback" if loopback_rows else ""))
+    ax3.set(xlabel="bytes per rank", ylabel="busbw, % of the link's bandwidth", ylim=(0, 110),
+            title="the ring's bus bandwidth")
+    ax1.legend(fontsize=7, ncol=2)
+    ax2.legend(fontsize=7)
+    ax3.legend(fontsize=7)
+    fig.suptitle(f"allreduce on an emulated link: {link}", fontsize=11)
+    return _finish(fig, path)
+
+
 def save_all(out_dir):
     """Write notebook 05's figures as PNGs into ``out_dir``; returns the paths."""
     out = Path(out_dir)
