@@ -15,9 +15,9 @@ every dtype holds. After ``warmup`` untimed rounds, ``iters`` rounds run the alg
 Before each operation a rank refills its buffer (untimed) and waits at a barrier; its time runs
 from leaving the barrier to the end of its operation (on an emulated link, from a start instant
 all ranks agree on, since a barrier releases ranks milliseconds apart on a busy machine).
-Reported: the median over rounds of the MAXIMUM over ranks (a collective ends when its slowest rank does). After the timed rounds each
-algorithm runs once more and its result is compared with the exact sum: #wrong counts the
-elements that differ, summed over ranks.
+Reported: the median over rounds of the MAXIMUM over ranks (a collective ends when its slowest
+rank does). After the timed rounds each algorithm runs once more and its result is compared with
+the exact sum: #wrong counts the elements that differ, summed over ranks.
 
 Columns: algbw = size / time; busbw = algbw * 2(N-1)/N, what each rank's link must carry per
 second in a bandwidth-optimal allreduce, comparable across N (nccl-tests' definition). On one
