@@ -172,9 +172,10 @@ class Interface:
         self.egress_free = 0.0
         self.ingress = []  # booked (begin, end) intervals, sorted, none overlapping
 
-    def depart(self, n_bytes):
-        """Queue a message on the egress: (start, end) of its sending. Start is its stamp."""
-        start = max(time.monotonic(), self.egress_free)
+    def depart(self, n_bytes, now=None):
+        """Queue a message on the egress: (start, end) of its sending. Start is its stamp.
+        ``now``: when it is sent (default: the clock's now; a model passes its own time)."""
+        start = max(time.monotonic() if now is None else now, self.egress_free)
         self.egress_free = start + self.link.seconds(n_bytes)
         return start, self.egress_free
 
@@ -184,7 +185,7 @@ class Interface:
         The message takes the first gap from ``start`` on that is long enough, so a message the
         rank waits for late still takes its place in the order messages arrived."""
         length, begin = self.link.seconds(n_bytes), start
-        keep = time.monotonic() - 60.0  # bookings older than any message in flight
+        keep = start - 60.0  # bookings older than any message in flight
         self.ingress = [b for b in self.ingress if b[1] > keep]
         i = 0
         for i, (b, e) in enumerate(self.ingress):  # noqa: B007 - i is used after the loop

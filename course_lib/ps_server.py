@@ -35,16 +35,16 @@ class PSError(RuntimeError):
 
 
 def _send(sock, header, payload=None, identity=None):
-    data = b"" if payload is None else np.ascontiguousarray(payload, np.float64).data
+    data = memoryview(b"" if payload is None else np.ascontiguousarray(payload, np.float64))
     link, end = netem.current(), None
     if link is not None:  # on an emulated network: stamp it, and send for as long as it takes
-        header["stamp"], end = netem.send_stamp(link, len(data))
+        header["stamp"], end = netem.send_stamp(link, data.nbytes)
     frames = [] if identity is None else [identity]
     frames += [json.dumps(header).encode(), data]
     sock.send_multipart(frames, copy=False)
     if end is not None:
         netem.sleep_until(end)
-    return len(data)
+    return data.nbytes  # bytes (len() of a float64 memoryview counts elements)
 
 
 def _arrived(header, payload):

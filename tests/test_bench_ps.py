@@ -37,3 +37,38 @@ def test_a_tiny_run_prints_every_row(tmp_path):
         ("sync", "1", "1"), ("sync", "2", "1"), ("async", "1", "1"), ("async", "2", "1")]
     assert all(float(r["pushes_per_s"]) > 0 and r["params"] == "4096" for r in rows)
     assert "pushes/s" in out.stdout and "MB/s/server" in out.stdout
+
+
+def test_servers_count_bytes_both_ways():
+    """Each step a server takes in W shards and sends out W (plus the start: init and pulls)."""
+    n, steps = 4096, 3
+    rows = [r for r in _run_rows("--servers", "1,2", "--workers", "1", "--params", "4K",
+                                 "--steps", str(steps), "--modes", "sync")]
+    for r in rows:
+        shard = 8 * n / int(r["servers"])
+        per_step = float(r["server_mb_per_step"]) * 1e6
+        assert 2 * shard <= per_step <= 2 * shard * (1 + 2 / steps)
+
+
+def test_the_model_of_a_sync_step_on_an_emulated_link():
+    from course_lib import netem
+    link = netem.make_link("1Gbit/s,50us")
+    t = link.seconds(8 * 250_000)  # one 2 MB message
+    assert bench_ps.predicted_sync_steps(250_000, 1, 1, link) == pytest.approx(1 / (2 * t))
+    # one server, W workers: its replies go out one after another, the last push comes back
+    # one message later: W + 1 message times per step
+    for w in (2, 3):
+        assert bench_ps.predicted_sync_steps(250_000, 1, w, link) == pytest.approx(
+            1 / ((w + 1) * t))
+    assert bench_ps.predicted_sync_steps(250_000, 2, 2, link) > \
+        bench_ps.predicted_sync_steps(250_000, 1, 2, link)
+
+
+def _run_rows(*args):
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/ps.csv"
+        out = subprocess.run([sys.executable, "-m", "course_lib", "bench", "ps", *args, "--csv",
+                              path], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return list(csv.DictReader(open(path)))

@@ -160,3 +160,13 @@ def test_one_cluster_measures_a_smaller_world_on_a_subgroup(cluster, slow_link):
     (row,) = results[0]
     assert row["world_size"] == 2 and row["wrong"] == 0 and row["link"] == slow_link.text
     assert row["time_us"] >= row["predicted_us"] - SLACK * 1e6
+
+
+def test_parameter_server_messages_pay_the_link_too(cluster, slow_link):
+    from course_lib.bench.ps import predicted_sync_steps, ps_bench
+    rows = ps_bench(cluster, servers=(1,), workers=(1, 2), modes=("sync",), n_params=2**15,
+                    steps=3)
+    for r in rows:  # the emulation never delivers early: at most the model's pace
+        assert r["steps_per_s"] <= 1.05 * r["predicted_steps_per_s"]
+        assert r["predicted_steps_per_s"] == predicted_sync_steps(2**15, 1, r["workers"],
+                                                                  slow_link)

@@ -333,13 +333,14 @@ def emulated_link_figure(rows, loopback_rows=(), path=None):
     ax3.axhline(100, color="k", ls="--", lw=1)
     ax1.set(xlabel="number of ranks", ylabel="ms", xticks=ns,
             title=f"{_bytes(big)} allreduce: time against ranks")
-    ax2.set(xlabel="bytes per rank", ylabel="ms",
-            title=f"{p_max} ranks: dots measured, lines model" +
-            (", dashed bare loopback" if loopback_rows else ""))
+    ax2.set(xlabel="bytes per rank", ylabel="ms", title=f"{p_max} ranks: time against size")
+    ax2.text(0.02, 0.98, "dots: measured\nlines: model" +
+             ("\ndashed: bare loopback" if loopback_rows else ""), transform=ax2.transAxes,
+             fontsize=7, va="top", color="0.3")
     ax3.set(xlabel="bytes per rank", ylabel="busbw, % of the link's bandwidth", ylim=(0, 110),
             title="the ring's bus bandwidth")
     ax1.legend(fontsize=7, ncol=2)
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="lower right")
     ax3.legend(fontsize=7)
     fig.suptitle(f"allreduce on an emulated link: {link}", fontsize=11)
     return _finish(fig, path)
