@@ -289,3 +289,54 @@ def measure_wire_bytes(cluster, name, n, ratio=0.01, repeats=5, trials=3):
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     results = cluster.run(exchange_on_rank, name, n, ratio, repeats, trials)
     return (sum(r[0] for r in results), *results[0][1:])
+
+
+def exchange_time_on_rank(name, n, ratio=0.01, repeats=3, seed=0):
+    """On every rank: seconds of one exchange of an ``n``-element float32 gradient with scheme
+    ``name``, written on the course's collectives, so that it crosses the cluster's emulated
+    link if it has one (``cluster.set_link``; :mod:`course_lib.netem`): "none" a ring allreduce
+    in float32, "fp16" in float16 (with the conversions), "topk" the top-k selection and ring
+    all-gathers of the values and int32 indices, then their sum. Returns ``(seconds, bytes sent
+    by this rank)``: the median over ``repeats`` from a start all ranks share, and the formula.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
+    import time
+
+    import numpy as np
+
+    from course_lib import netem
+    from course_lib.collectives import ring_allgather, ring_allreduce
+    from course_lib.comm import get_comm
+    comm = get_comm("torch", check_sizes=False)
+    rank, world = comm.rank, comm.world_size
+    torch.manual_seed(seed + rank)
+    grad, k = torch.randn(n), max(1, int(ratio * n))
+
+    def none():
+        return ring_allreduce(grad.clone(), comm)
+
+    def fp16():
+        return ring_allreduce(grad.half(), comm).float()
+
+    def topk():
+        values, indices, _ = topk_compress(grad, None, k)
+        all_values, all_indices = torch.zeros(world * k), torch.zeros(world * k, dtype=INDEX_DTYPE)
+        all_values[rank * k:(rank + 1) * k] = values
+        all_indices[rank * k:(rank + 1) * k] = indices.to(INDEX_DTYPE)
+        ring_allgather(all_values, comm)
+        ring_allgather(all_indices, comm)
+        return torch.zeros(n).index_add_(0, all_indices.long(), all_values)
+
+    exchange = {"none": none, "fp16": fp16, "topk": topk}[name]
+    sent = {"none": ring_allreduce_bytes(4 * n, world), "fp16": ring_allreduce_bytes(2 * n, world),
+            "topk": allgather_bytes(k * (4 + INDEX_DTYPE.itemsize), world)}[name]
+    exchange()  # warm-up: scratch buffers, first messages
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        start = netem.start_together(comm) if comm.link else time.monotonic()
+        exchange()
+        times.append(time.monotonic() - start)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(np.median(slowest.numpy())), sent
+

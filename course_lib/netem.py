@@ -281,3 +281,18 @@ def predict_allreduce(algorithm, n_bytes, p, link, check=True, segment_bytes=1 <
     if check and p > 1:
         t += (p - 1) * link.seconds(AGREEMENT_BYTES)
     return float(t)
+
+
+def start_together(comm, margin=0.02):
+    """Agree on a start instant a little ahead, sleep until it and return it (time.monotonic).
+
+    For timing on an emulated link (one machine, one monotonic clock): a barrier releases ranks
+    milliseconds apart on a busy laptop, so each rank's own clock would start at a different
+    moment. Uses the process group's native allreduce, off the emulated link.
+    Introduced in notebooks/05_allreduce.ipynb."""
+    import torch
+    start = torch.tensor([time.monotonic() + margin], dtype=torch.float64)
+    comm.dist.all_reduce(start, op=comm.dist.ReduceOp.MAX, group=comm.group)
+    sleep_until(float(start[0]))
+    return float(start[0])
+

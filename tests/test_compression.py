@@ -122,3 +122,20 @@ def test_wire_bytes_measured_on_loopback(cluster):
     assert counted == 3 * 2 * 1_000_000
     if loopback is not None:  # the kernel saw at least that much cross loopback
         assert loopback >= 0.99 * counted and idle >= 0
+
+
+def test_an_exchange_pays_the_emulated_link_and_counts_its_bytes(cluster):
+    from course_lib import netem
+    n, link = 2**16, cluster.set_link("200Mbit/s,1ms")
+    try:
+        timed = {name: cluster.run(compression.exchange_time_on_rank, name, n, 0.01, 1)
+                 for name in ("none", "fp16", "topk")}
+    finally:
+        cluster.set_link(None)
+    for name, results in timed.items():
+        assert results[0] == results[1]  # the slowest rank's time, on every rank
+    (none, sent_none), (fp16, sent_fp16), (_, sent_topk) = (timed[k][0] for k in timed)
+    assert (sent_none, sent_fp16, sent_topk) == (4 * n, 2 * n, 655 * 8)  # N = 2: (N-1)/N * 2
+    # the emulation never delivers early: at least the model's time for the float32 ring
+    assert none >= netem.predict_allreduce("ring", 4 * n, 2, link) - 3e-3
+    assert fp16 >= netem.predict_allreduce("ring", 2 * n, 2, link) - 3e-3

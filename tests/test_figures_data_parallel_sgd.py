@@ -11,3 +11,24 @@ def test_figures_draw_and_check_their_input():
     with pytest.raises(ValueError):
         figures_ddp.bucket_figure(["a"], [1, 2], 10)
     assert len(figures_ddp.sync_step_figure(2).axes) == 1
+
+
+def test_last_step_figure_has_one_panel_per_strategy_from_the_last_forward():
+    from course_lib import timeline
+    tls = {}
+    for strategy, shift in (("bucketed", 0.0), ("overlap", 0.5)):
+        ranks = []
+        for rank in range(2):
+            tl = timeline.Timeline(rank)
+            for step in range(2):
+                t = step * 10.0 + shift
+                tl.add("forward", "forward", t, t + 1)
+                tl.add("backward", "backward", t + 1, t + 3)
+                tl.add("bucket 0", "allreduce", t + 2, t + 5)
+            ranks.append(tl)
+        tls[strategy] = ranks
+    fig = figures_ddp.last_step_figure(tls, title="emulated")
+    assert [ax.get_title() for ax in fig.axes] == [
+        "bucketed: the last step on every rank", "overlap: the last step on every rank"]
+    assert fig.axes[0].get_xlim() == pytest.approx((0, 5000 * 1.02))  # ms since the last forward
+    assert fig.get_suptitle() == "emulated"

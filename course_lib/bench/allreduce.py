@@ -148,7 +148,7 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
                 _copy(buf, src)
                 comm.barrier()
                 _sync(device)
-                t = _start_together(comm) if comm.link else time.perf_counter()
+                t = netem.start_together(comm) if comm.link else time.perf_counter()
                 ops[name](buf)
                 _sync(device)
                 if it >= 0:
@@ -219,15 +219,6 @@ def fusion_rank_bench(transport, algorithm="native", count=256, tensor_bytes=409
                 times[k, it] = time.perf_counter() - t0
     separate_s, fused_s = np.median(_reduce(comm, times, "max"), axis=1)
     return {"separate_s": float(separate_s), "fused_s": float(fused_s)}
-
-
-def _start_together(comm, margin=0.02):
-    """On an emulated link (one machine, one monotonic clock): agree on a start time a little
-    ahead, sleep until it and return it. A barrier releases ranks milliseconds apart on a loaded
-    laptop; this way every rank's time counts from the same instant."""
-    start = _reduce(comm, np.array([time.monotonic() + margin]), "max")[0]
-    netem.sleep_until(start)
-    return start
 
 
 def _device(comm):

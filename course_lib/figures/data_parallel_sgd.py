@@ -105,6 +105,25 @@ def sync_step_figure(world_size=3, path=None):
     return _finish(fig, path)
 
 
+def last_step_figure(timelines, title="", path=None):
+    """The last recorded step of each strategy, every rank's compute and communication rows, on
+    one time axis: ``timelines`` maps a strategy name to its ranks' Timelines (``record=True``).
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    from course_lib import timeline
+    fig = Figure(figsize=(10, 2.2 + 1.6 * len(timelines)), layout="constrained")
+    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]
+    longest = 0.0
+    for ax, (strategy, tls) in zip(axes, timelines.items(), strict=True):
+        last_step = min(tl.of("forward")[-1].start for tl in tls)
+        longest = max(longest, max(e.end for tl in tls for e in tl.events) - last_step)
+        timeline.gantt(tls, ax=ax, since=last_step, title=f"{strategy}: the last step on every "
+                       "rank")
+    axes[0].set_xlim(0, longest * 1e3 * 1.02)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    return _finish(fig, path)
+
+
 def save_all(out_dir):
     """Write notebook 06's figures as PNGs into ``out_dir``; returns the paths."""
     from course_lib import models
