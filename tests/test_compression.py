@@ -132,7 +132,7 @@ def test_an_exchange_pays_the_emulated_link_and_counts_its_bytes(cluster):
                  for name in ("none", "fp16", "topk")}
     finally:
         cluster.set_link(None)
-    for name, results in timed.items():
+    for results in timed.values():
         assert results[0] == results[1]  # the slowest rank's time, on every rank
     (none, sent_none), (fp16, sent_fp16), (_, sent_topk) = (timed[k][0] for k in timed)
     assert (sent_none, sent_fp16, sent_topk) == (4 * n, 2 * n, 655 * 8)  # N = 2: (N-1)/N * 2
