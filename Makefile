@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt $(TORCH_INDEX_ARG) -e '.[mpi,dev]'
+	@# ipyparallel's cluster panel starts clusters outside the course's profile, and its server
+	@# extension's old entry point makes JupyterLab print a warning at every start: both off
+	$(VENV)/bin/jupyter server extension disable --sys-prefix ipyparallel >/dev/null 2>&1
+	$(VENV)/bin/jupyter labextension disable --level=sys_prefix ipyparallel-labextension >/dev/null 2>&1
 	-git rev-parse --git-dir >/dev/null 2>&1 && $(VENV)/bin/nbstripout --install
 	touch $(STAMP)
 
@@ -37,18 +41,23 @@ test-notebooks: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check course_lib tests
 
+# Kernels started by JupyterLab and nbconvert get CurveZMQ keys (their kernelspec supports them), so
+# their messages are encrypted and ipykernel does not warn about plain TCP
+KERNEL_ARGS := --KernelManager.transport_encryption=auto
+
 # JupyterLab refuses to run as root without --allow-root: containers and course VMs often are root
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u 2>/dev/null)),--allow-root)
 
 lab: $(STAMP)             ## JupyterLab on the whole course (notebooks and labs), opened at notebook 00
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=$(CURDIR) $(ALLOW_ROOT) \
-		$(LAB_ARGS) notebooks/00_welcome_and_cluster.ipynb
+		$(KERNEL_ARGS) $(LAB_ARGS) notebooks/00_welcome_and_cluster.ipynb
 
 labs: $(STAMP)            ## regenerate the student labs from labs/solutions/
 	$(PY) -m course_lib labs build
 
 slides: $(STAMP)          ## a reveal.js deck per notebook, in slides/
-	$(VENV)/bin/jupyter nbconvert --to slides --execute --ExecutePreprocessor.timeout=600 --output-dir slides notebooks/*.ipynb
+	$(VENV)/bin/jupyter nbconvert --to slides --execute --ExecutePreprocessor.timeout=600 $(KERNEL_ARGS) \
+		--output-dir slides notebooks/*.ipynb
 
 images: $(STAMP)          ## regenerate the figures in images/
 	$(PY) -m course_lib images

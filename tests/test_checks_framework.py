@@ -2,6 +2,7 @@
 the hints of a failed case."""
 
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -37,16 +38,71 @@ def test_run_check_generic():
     assert checks.run_check("check_double", in_place, lambda x: 2 * x, cases, hint="h")
 
 
-def test_a_failed_check_in_a_notebook_shows_the_hint_not_the_library(capsys):
-    """In IPython the check's own frames are hidden (``__tracebackhide__``): the student sees
-    their cell, one line saying frames were skipped, the raise, and the hint."""
+def _shown_in_ipython(capsys, *cells):
+    """What IPython prints for these cells, colours removed."""
     from IPython.core.interactiveshell import InteractiveShell
     shell = InteractiveShell.instance()
     capsys.readouterr()
-    shell.run_cell("from course_lib.checks import lab01_gradient_descent as checks\n"
-                   "checks.check_step_decay(lambda lr, drop, k: (lambda epoch: lr))")
-    shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # no colours
-    assert "CheckFailed: check_step_decay: case 1/6" in shown and "\nHint: epoch 10 " in shown
-    assert "skipping hidden" in shown
-    assert "_schedule_values" not in shown and "compare(" not in shown
-    assert len(shown.splitlines()) < 40, shown
+    for cell in cells:
+        shell.run_cell(cell)
+    return shell, re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+
+
+def test_a_failed_check_in_a_notebook_shows_the_hint_then_only_the_students_lines(capsys):
+    """The message and its hint come first; then the student's cell line, no library frame."""
+    shell, shown = _shown_in_ipython(
+        capsys, "from course_lib.checks import lab01_gradient_descent as checks\n"
+                "checks.check_step_decay(lambda lr, drop, k: (lambda epoch: lr))")
+    lines = shown.splitlines()
+    assert lines[0].startswith("CheckFailed: check_step_decay: case 1/6"), shown
+    assert lines[2].startswith("Hint: epoch 10 "), shown
+    assert lines[3:5] == ["", "Your code (most recent call last):"], shown
+    assert re.fullmatch(r"  Cell In\[\d+\], line 2", lines[5]), shown
+    assert lines[6:] == ["    checks.check_step_decay(lambda lr, drop, k: (lambda epoch: lr))"]
+    assert isinstance(sys.last_value, CheckFailed)  # %debug works as after any error
+
+
+def test_a_crash_in_the_students_function_shows_where_in_their_code(capsys):
+    _, shown = _shown_in_ipython(
+        capsys, "from course_lib.checks import lab01_gradient_descent as checks",
+        "def minibatch_epoch(problem, X, y, theta, lr, batch_size, rng):\n"
+        "    losses = [problem.loss(theta, X, y)]\n"
+        "    return theta, losses[1]",
+        "ok = checks.check_minibatch_epoch(minibatch_epoch)")
+    lines = shown.splitlines()
+    assert lines[0].startswith("CheckFailed: check_minibatch_epoch: case 1/5"), shown
+    assert lines[1] == "  your function raised IndexError: list index out of range", shown
+    assert lines[2].startswith("Hint: "), shown
+    assert lines[5:] == [lines[5], "    ok = checks.check_minibatch_epoch(minibatch_epoch)",
+                         lines[7], "    return theta, losses[1]"], shown
+    assert lines[7].endswith(", line 3, in minibatch_epoch"), shown
+    assert "framework.py" not in shown and "Traceback" not in shown
+
+
+def test_a_crash_on_the_ranks_shows_the_line_of_the_students_cell(capsys):
+    """A check that ran the student's function on a cluster raises from the RemoteError, whose
+    per-rank tracebacks name the cell's file: the line is shown from this kernel's cell."""
+    _, shown = _shown_in_ipython(
+        capsys, "def ring(buf, comm):\n    return buf[99]",
+        "from course_lib.checks import CheckFailed\n"
+        "class RemoteError(Exception):\n"
+        "    errors = {1: f'IndexError: 99\\nFile {ring.__code__.co_filename}:2, in ring(buf)'}\n"
+        "raise CheckFailed('check_ring: case 1/1\\nHint: h') from RemoteError()")
+    lines = shown.splitlines()
+    assert lines[:2] == ["CheckFailed: check_ring: case 1/1", "Hint: h"], shown
+    assert re.fullmatch(r"  rank 1: Cell In\[\d+\], line 2, in ring", lines[-2]), shown
+    assert lines[-1] == "    return buf[99]", shown
+
+
+def test_someone_elses_ipython_exception_handler_is_kept(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    handler = lambda self, etype, value, tb, tb_offset=None: print("their handler")  # noqa: E731
+    shell.set_custom_exc((ValueError,), handler)
+    try:
+        _, shown = _shown_in_ipython(capsys, "from course_lib.checks import CheckFailed\n"
+                                             "raise CheckFailed('x')", "raise ValueError")
+        assert shell.custom_exceptions == (ValueError,)
+        assert "Traceback" in shown and shown.strip().endswith("their handler")
+    finally:
+        shell.set_custom_exc((), None)

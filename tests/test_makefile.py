@@ -1,12 +1,15 @@
-"""The Makefile: `make lab` serves the whole repository (notebooks and labs), also as root;
+"""The Makefile: `make lab` serves the whole repository (notebooks and labs), also as root,
+without start-up warnings; kernels of `make lab` and `make slides` encrypt their messages;
 `make setup` asks PyTorch's CPU index for torch when it answers, and PyPI alone otherwise."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -61,6 +64,9 @@ def test_make_lab_serves_the_repository_root(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+    log = proc.communicate(timeout=10)[0]
+    # ipyparallel's server extension (old entry point, a warning at every start) is off
+    assert "ipyparallel" not in log, log
 
 
 def _setup_command(index):
@@ -84,3 +90,34 @@ def test_setup_uses_the_cpu_index_only_when_it_answers(tmp_path):
         server.shutdown()
     assert "--extra-index-url" not in _setup_command(f"http://127.0.0.1:{_free_port()}/")
     assert "--extra-index-url" not in _setup_command("")   # TORCH_INDEX= : PyPI's torch
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make (apt-get install make)")
+def test_slides_and_lab_kernels_do_not_warn_about_plain_tcp(tmp_path):
+    """ipykernel warns "Kernel is running over TCP without encryption" unless its manager gives
+    it CurveZMQ keys: `make slides` and `make lab` pass the option that does. Checked by running
+    nbconvert on a one-cell notebook with the options `make slides` uses."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook
+
+    commands = {}
+    for target in ("slides", "lab"):
+        out = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+        commands[target] = out.stdout
+    options = re.findall(r"--KernelManager\.\S+", commands["slides"])
+    assert "--KernelManager.transport_encryption=auto" in options
+    assert "--KernelManager.transport_encryption=auto" in commands["lab"]
+
+    nb = new_notebook(cells=[new_code_cell("print(6 * 7)")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, tmp_path / "tiny.ipynb")
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    out = subprocess.run([sys.executable, "-m", "nbconvert", "--to",
+                          "notebook", "--execute", *options, "--output-dir", str(tmp_path),
+                          "--output", "run", str(tmp_path / "tiny.ipynb")],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "without encryption" not in out.stderr, out.stderr
+    assert nbformat.read(tmp_path / "run.ipynb", 4).cells[0].outputs[0].text == "42\n"

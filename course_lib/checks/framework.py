@@ -10,7 +10,8 @@ A check prints ``✓ check_name: 5/5 cases match the reference`` and returns Tru
 ``CheckFailed`` (an ``AssertionError``) whose message names the case, the input sizes, what was
 expected and what came back, and a hint. A function that still raises ``NotImplementedError``
 gets a friendly notice and the check returns False without raising, so the generated student
-notebook runs from top to bottom.
+notebook runs from top to bottom. In a notebook a failed check shows its message, hint included,
+then only the student's own lines that led to it (their cell, their function), no library frames.
 
 Adding a check for a new lab: build a list of ``Case`` (a label and a function returning fresh
 arguments) and call ``run_check``; pass ``diagnose`` to turn a mismatch into a targeted hint.
@@ -20,16 +21,27 @@ Checks that run the student's code on a cluster's ranks send it with ``pack_func
 from __future__ import annotations
 
 import inspect
+import linecache
+import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 
 class CheckFailed(AssertionError):
-    """A student's function disagrees with the reference; the message says where and why."""
+    """A student's function disagrees with the reference; the message says where and why.
+
+    In IPython (a notebook) it is shown as its message, hint included, then only the student's
+    own lines that led to it: no frames of the check (see ``_show_check_failed``)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        _show_briefly_in_ipython()
 
 
 @dataclass
@@ -178,3 +190,79 @@ def pack_function(fn: Callable) -> bytes:
     finally:
         if by_value:
             cloudpickle.unregister_pickle_by_value(module)
+
+
+# ---------------------------------------------------------------- how a notebook shows a failure
+_LIBRARY = str(Path(__file__).resolve().parents[1])  # course_lib/
+_NOT_OWN = ("course_lib", "IPython", "ipykernel", "traitlets")  # modules whose frames are hidden
+
+
+def _show_briefly_in_ipython():
+    """Register ``_show_check_failed`` as IPython's display of CheckFailed, once per shell;
+    a custom exception handler that someone else set is left alone."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None or not hasattr(shell, "set_custom_exc"):
+        return
+    theirs = [e for e in shell.custom_exceptions if getattr(e, "__name__", "") != "CheckFailed"]
+    if not theirs and shell.custom_exceptions != (CheckFailed,):
+        shell.set_custom_exc((CheckFailed,), _show_check_failed)
+
+
+def _own_frames(tb, shell):
+    """'where' lines for the frames of ``tb`` that run the student's code: notebook cells and
+    files of their own, not the library, IPython or installed packages."""
+    lines = []
+    for frame, lineno in traceback.walk_tb(tb):
+        file, name = frame.f_code.co_filename, frame.f_code.co_name
+        cell = shell.compile.format_code_name(file) if hasattr(shell, "compile") else None
+        if cell:
+            where = f"{cell[0]} {cell[1]}, line {lineno}"
+        elif (file.startswith(("<", _LIBRARY, sys.prefix, sys.base_prefix))
+              or frame.f_globals.get("__name__", "").startswith(_NOT_OWN)):
+            continue
+        else:
+            where = f"File {file}, line {lineno}"
+        if name != "<module>":
+            where += f", in {name}"
+        lines += [f"  {where}", f"    {linecache.getline(file, lineno).strip()}"]
+    return lines
+
+
+_REMOTE_FRAME = re.compile(r"^File (\S+?):(\d+), in (\w+)", re.MULTILINE)
+
+
+def _remote_own_frames(errors, shell):
+    """'where' lines for the student's cells in the first failing rank's traceback (the
+    ``errors`` of a ``cluster.RemoteError``: the ranks ran a function defined in a cell)."""
+    if not isinstance(errors, dict) or not errors or not hasattr(shell, "compile"):
+        return []
+    rank = min(errors)
+    lines = []
+    for file, lineno, name in _REMOTE_FRAME.findall(str(errors[rank])):
+        cell = shell.compile.format_code_name(file)
+        if cell:
+            lines += [f"  rank {rank}: {cell[0]} {cell[1]}, line {lineno}, in {name}",
+                      f"    {linecache.getline(file, int(lineno)).strip()}"]
+    return lines
+
+
+def _show_check_failed(shell, etype, value, tb, tb_offset=None):
+    """IPython's display of a CheckFailed: the message (what differs, then the hint), then the
+    student's own lines that led to it, the check's frames left out."""
+    sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # %debug still works
+    sys.last_exc = value
+    red, plain = ("", "") if shell.colors.lower() == "nocolor" else ("\x1b[31m", "\x1b[0m")
+    lines = f"{red}{etype.__name__}{plain}: {value}".splitlines()
+    where = _own_frames(tb, shell)
+    cause = value.__cause__
+    if cause is not None:  # the student's function raised: where, in their code
+        where += _own_frames(cause.__traceback__, shell)
+        where += _remote_own_frames(getattr(cause, "errors", None), shell)
+    if where:
+        lines += ["", "Your code (most recent call last):", *where]
+    shell._showtraceback(etype, value, lines)
+    return lines
