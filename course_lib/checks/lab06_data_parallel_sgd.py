@@ -306,3 +306,116 @@ def check_overlapped_averager(student_cls, cluster, steps: int = STEPS):
           f"{max(max(r['diffs']) for r in results):.1e}; {len(st['calls'])} bucket "
           f"allreduces per step, the first launched {lead:.1f} ms before backward ended")
     return True, [r["timeline"] for r in results]
+
+
+# ---------------------------------------------------------------- use it: a bucket-cap sweep
+class _RingWork:
+    """What ``dist.all_reduce(..., async_op=True)`` returns during the sweep: the course's ring
+    runs on a thread of its own, over the emulated link, and ``wait()`` waits for it."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def wait(self, timeout=None):
+        self.future.result(timeout=WAIT_DEADLINE)
+        return True
+
+
+class _RingAllreduce:
+    """Stands in for ``torch.distributed.all_reduce`` in the sweep: the sum by the course's ring
+    on ``comm`` (so it crosses the emulated link), launched on one background thread in call
+    order, as DDP's communication runs beside backward."""
+
+    def __init__(self, comm):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch.distributed as dist
+        self.dist, self.original, self.comm = dist, dist.all_reduce, comm
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lab06-ring")
+
+    def __call__(self, tensor, *args, async_op=False, **kwargs):
+        from course_lib.collectives import allreduce
+        future = self.pool.submit(allreduce, tensor, self.comm, "ring", check=False)
+        work = _RingWork(future)
+        return work if async_op else work.wait()
+
+    def __enter__(self):
+        self.dist.all_reduce = self
+        return self
+
+    def __exit__(self, *exc):
+        self.dist.all_reduce = self.original
+        self.pool.shutdown(wait=True)
+
+
+def time_averager_on_rank(payload, caps, steps=3, hidden=(256,) * 6, batch=512, seed=0):
+    """On every rank: median step time (ms) of the student's averager for each bucket cap in
+    ``caps`` (bytes), its allreduces carried by the course's ring over the cluster's emulated
+    link; and the same steps without any averaging (compute alone). Returns
+    ``(step_ms per cap, compute_ms, buckets per cap)``, the slowest rank's.
+    Introduced in labs/06_data_parallel_sgd.ipynb."""
+    import cloudpickle
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from course_lib import models, netem
+    from course_lib.comm import get_comm
+    cls, comm = cloudpickle.loads(payload), get_comm("torch", check_sizes=False)
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    x, y = torch.randn(batch, 64, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+
+    def time_steps(model, averager):
+        times = []
+        for _ in range(steps + 1):  # the first step warms up: not counted
+            comm.barrier()
+            start = netem.start_together(comm) if comm.link else time.monotonic()
+            with _RingAllreduce(comm):  # only the student's calls go through the ring
+                F.cross_entropy(model(x), y).backward()
+                if averager is not None:
+                    averager.wait()
+            model.zero_grad()
+            times.append(time.monotonic() - start)
+        return float(np.median(times[1:])) * 1e3
+
+    step_ms, buckets = [], []
+    for cap in caps:
+        model = models.mlp(64, list(hidden), 10, seed=seed)
+        averager = cls(model, cap)
+        buckets.append(len(averager.buckets))
+        step_ms.append(time_steps(model, averager))
+    compute_ms = time_steps(models.mlp(64, list(hidden), 10, seed=seed), None)
+    slowest = torch.tensor(step_ms + [compute_ms], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest[:-1].tolist(), float(slowest[-1]), buckets
+
+
+def sweep_bucket_caps(student_cls, cluster, caps_mb=(0.0625, 0.25, 1, 4), link="400Mbit/s,50us"):
+    """Time the student's averager at several bucket caps on an emulated ``link`` (its
+    allreduces go through the course's ring, so they cross the link) and plot step time against
+    the cap, with compute alone and compute plus one allreduce of every gradient.
+    Introduced in labs/06_data_parallel_sgd.ipynb."""
+    import matplotlib.pyplot as plt
+
+    from course_lib import models, netem
+    spec = cluster.set_link(link)
+    try:
+        step_ms, compute_ms, buckets = cluster.run(
+            time_averager_on_rank, pack_function(student_cls), [c * 2**20 for c in caps_mb],
+            timeout=120)[0]
+    finally:
+        cluster.set_link(None)
+    grad_bytes = 4 * sum(p.numel() for p in models.mlp(64, [256] * 6, 10).parameters())
+    comm_ms = 1e3 * netem.predict_allreduce("ring", grad_bytes, cluster.n, spec, check=False)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.semilogx(caps_mb, step_ms, "o-", label="your averager")
+    for cap, ms, b in zip(caps_mb, step_ms, buckets, strict=True):
+        ax.annotate(f"{b} buckets", (cap, ms), textcoords="offset points", xytext=(4, 6),
+                    fontsize=7)
+    ax.axhline(compute_ms, color="0.5", ls="--", label="compute alone")
+    ax.axhline(compute_ms + comm_ms, color="k", ls=":", label="compute + one allreduce of all")
+    ax.set(xlabel="bucket cap (MB)", ylabel="step time (ms), median", ylim=(0, None),
+           title=f"{cluster.n} ranks on an emulated {spec}")
+    ax.legend(fontsize=8)
+    plt.show()
+    return dict(zip(caps_mb, step_ms, strict=True))
