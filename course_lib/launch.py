@@ -1,5 +1,6 @@
 """Launching and cleaning up processes: SLURM job scripts, mpiexec / torchrun launches,
-supervised worker processes, and the reaping of stray processes.
+supervised worker processes, the reaping of stray processes, and the command line run from a
+notebook (``bench_rows``: a benchmark's rows, with a deadline).
 
 Introduced in notebooks/00_welcome_and_cluster.ipynb (and notebooks/11_scaling_out.ipynb).
 ``python -m course_lib cluster clean`` calls :func:`clean_clusters` to stop clusters whose
@@ -151,6 +152,21 @@ def mpiexec_path(required=False, error=RuntimeError):
     return found
 
 
+def finish_within(proc, deadline):
+    """Wait for ``proc`` (a Popen with pipes) at most ``deadline`` seconds: ``(stdout, stderr,
+    timed_out)``. Past the deadline, or on Ctrl-C, its whole process tree is killed (an
+    interrupt is then raised again). Introduced in notebooks/02_parallel_computing.ipynb."""
+    try:
+        return (*proc.communicate(timeout=deadline), False)
+    except subprocess.TimeoutExpired:
+        kill_tree([proc.pid])
+        return (*proc.communicate(), True)
+    except BaseException:  # Ctrl-C in the notebook: take the ranks down too
+        kill_tree([proc.pid])
+        proc.wait()
+        raise
+
+
 def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
     """Run ``python *args`` as ``world_size`` ranks under "mpiexec" or "torchrun" (loopback
     rendezvous), with a deadline: past it the launcher and every rank are killed. Returns the
@@ -168,13 +184,10 @@ def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
                                 text=True)
     except OSError as e:
         raise RuntimeError(f"cannot start {launcher}: {e}") from None
-    try:
-        output = proc.communicate(timeout=timeout * 1.1 + 5)[0]
-    except subprocess.TimeoutExpired:
-        kill_tree([proc.pid])
-        proc.communicate()
+    output, _, late = finish_within(proc, timeout * 1.1 + 5)
+    if late:
         raise RuntimeError(f"{launcher} did not finish within {timeout:g}s; its ranks were "
-                           "stopped") from None
+                           "stopped")
     if proc.returncode:
         tail = "\n".join(output.strip().splitlines()[-15:])
         raise RuntimeError(f"{launcher} exited with status {proc.returncode}:\n{tail}")
@@ -214,3 +227,82 @@ def supervise(procs, timeout, what, error=RuntimeError, barrier=None):
                 p.kill()
             if p.pid is not None:
                 p.join(5)
+
+
+# ---------------------------------------------------------------- the command line, from a notebook
+def run_cli(*args, deadline=600.0, echo=True):
+    """Run ``python -m course_lib *args`` in a subprocess with a deadline; returns its stdout.
+
+    ``echo`` prints the command first (so it can be typed in a terminal) and its run time after.
+    A non-zero exit, or a run past ``deadline`` seconds (its whole process tree is then killed:
+    mpiexec's and torchrun's ranks too), raises RuntimeError naming the command, with the tail
+    of its stderr. Introduced in notebooks/05_allreduce.ipynb."""
+    cmd = [sys.executable, "-m", "course_lib", *map(str, args)]
+    text = "python -m course_lib " + " ".join(map(str, args))
+    if echo:
+        print(f"$ {text}")
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err, late = finish_within(proc, deadline)
+    if late:
+        raise RuntimeError(f"`{text}` did not finish within {deadline:g} s and was stopped; "
+                           f"the end of its stderr:\n{_tail(err)}")
+    if proc.returncode:
+        raise RuntimeError(f"`{text}` exited with status {proc.returncode}; the end of its "
+                           f"stderr:\n{_tail(err or out)}")
+    if echo:
+        print(f"finished in {time.perf_counter() - t:.1f} s")
+    return out
+
+
+def bench_args(benchmark, **options):
+    """The arguments of ``python -m course_lib bench <benchmark>`` for ``options``.
+
+    Each option becomes a flag: ``world_size=[2, 4]`` -> ``--world-size 2,4``,
+    ``no_check=True`` -> ``--no-check``, ``timeout=5`` -> ``--timeout 5``; None and False are
+    left out. Introduced in notebooks/05_allreduce.ipynb."""
+    args = ["bench", benchmark]
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        args.append("--" + name.replace("_", "-"))
+        if value is not True:
+            args.append(",".join(map(str, value)) if isinstance(value, (list, tuple))
+                        else str(value))
+    return args
+
+
+def bench_rows(benchmark, deadline=600.0, echo=True, **options):
+    """Run ``python -m course_lib bench <benchmark>`` with ``options`` (as :func:`bench_args`
+    writes them) and return its rows: through ``--csv`` (a temporary file), as dicts, numbers
+    as int or float, empty cells as None. ``deadline`` (seconds, for the whole run), ``echo``
+    and errors as :func:`run_cli`. Introduced in notebooks/05_allreduce.ipynb."""
+    import csv
+    import tempfile
+    args = bench_args(benchmark, **options)
+    with tempfile.TemporaryDirectory(prefix="course_lib-bench-") as tmp:
+        path = os.path.join(tmp, "rows.csv")
+        if echo:
+            print("$ python -m course_lib " + " ".join(args))
+        t = time.perf_counter()
+        run_cli(*args, "--csv", path, deadline=deadline, echo=False)
+        if echo:
+            print(f"finished in {time.perf_counter() - t:.1f} s")
+        with open(path, newline="") as f:
+            return [{k: _cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _cell(text):
+    """A CSV cell as int, float, None (empty) or the text itself."""
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _tail(text, lines=15):
+    return "\n".join((text or "").strip().splitlines()[-lines:]) or "(empty)"

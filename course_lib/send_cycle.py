@@ -36,7 +36,6 @@ from pathlib import Path
 import numpy as np
 
 from course_lib import launch
-from course_lib.launch import kill_tree
 
 MODES = ("send", "ssend", "sendrecv", "oddeven", "isend")
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,17 +183,10 @@ def run_cycle(sizes, mode="send", world_size=2, deadline=2.0, timeout=None, repe
            "--repeats", str(repeats)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        kill_tree([proc.pid])
-        out, err = proc.communicate()
+    out, err, late = launch.finish_within(proc, limit)
+    if late:
         raise SendCycleError(f"mpiexec -n {world_size} ({mode}) did not finish within "
-                             f"{limit:g}s and was killed\n{err[-2000:]}") from None
-    except BaseException:  # Ctrl-C in the notebook: take the ranks down too
-        kill_tree([proc.pid])
-        proc.wait()
-        raise
+                             f"{limit:g}s and was killed\n{err[-2000:]}")
     done, stuck = {}, None
     for report in _json_objects(out):
         if report["status"] == "completed":

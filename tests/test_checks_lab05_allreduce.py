@@ -299,3 +299,75 @@ def test_case_inputs_are_exact_and_marked():
     marked = CA.case_inputs("all-gather", 10, "float32", 0, 3)
     a, b = shard_bounds(10, 1, 3)
     assert (marked[1][:a] <= CA.MARK).all() and (marked[1][a:b] > CA.MARK).all()
+
+
+# ---------------------------------------------------------------- the stretch: a two-way ring
+def two_way(buf, comm, mirror=True, second_to="left"):
+    """The first half clockwise, the second counter-clockwise; knobs for the usual mistakes."""
+    rank, N, right, left = _ring(comm)
+    h = (len(buf) + 1) // 2
+    halves = (buf[:h], buf[h:])
+    bounds = [[shard_bounds(len(x), c, N) for c in range(N)] for x in halves]
+    back, ahead = (left, right) if second_to == "left" else (right, left)
+    sign = 1 if mirror else -1   # the mirrored schedule: chunk indices r + s instead of r - s
+    for phase in ("reduce-scatter", "all-gather"):
+        shift = 1 if phase == "reduce-scatter" else 0
+        for s in range(N - 1):
+            a0, a1 = bounds[0][(rank - s - shift) % N]
+            c0, c1 = bounds[0][(rank - s - shift - 1) % N]
+            b0, b1 = bounds[1][(rank + sign * (s + shift)) % N]
+            d0, d1 = bounds[1][(rank + sign * (s + shift + 1)) % N]
+            if phase == "reduce-scatter":
+                into0 = torch.empty_like(halves[0][c0:c1])
+                into1 = torch.empty_like(halves[1][d0:d1])
+            else:
+                into0, into1 = halves[0][c0:c1], halves[1][d0:d1]
+            works = [comm.irecv(into0, left), comm.irecv(into1, ahead),
+                     comm.isend(halves[0][a0:a1], right), comm.isend(halves[1][b0:b1], back)]
+            for w in works:
+                w.wait()
+            if phase == "reduce-scatter":
+                halves[0][c0:c1] += into0
+                halves[1][d0:d1] += into1
+    return buf
+
+
+def good_two_way(buf, comm):
+    return two_way(buf, comm)
+
+
+def two_way_without_mirroring(buf, comm):
+    return two_way(buf, comm, mirror=False)
+
+
+def both_halves_to_the_right(buf, comm):
+    """Two one-way rings, one per half, both clockwise: right values, one direction idle."""
+    return two_way(buf, comm, mirror=False, second_to="right")
+
+
+def test_two_way_ring_passes_and_one_way_rings_fail(cluster, capsys):
+    assert CA.check_bidirectional_ring_allreduce(good_two_way, cluster) is True
+    assert "✓ check_bidirectional_ring_allreduce: 6/6" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match=r"not the two-way ring: rank 0 sent nothing to its "
+                                          r"left neighbour 2: that is the one-way ring"):
+        CA.check_bidirectional_ring_allreduce(good_allreduce, cluster)
+    with pytest.raises(CheckFailed, match=r"not the two-way ring: rank 0 sent nothing to its "
+                                          r"left"):
+        CA.check_bidirectional_ring_allreduce(both_halves_to_the_right, cluster)
+    assert CA.check_bidirectional_ring_allreduce(not_implemented, cluster) is False
+
+
+def test_two_way_ring_with_the_one_way_indices_gets_the_mirrored_schedule(cluster):
+    with pytest.raises(CheckFailed, match=r"(?s)case 1/6 .*(second half .* is not|mirrored).*"
+                                          r"mirror image"):
+        CA.check_bidirectional_ring_allreduce(two_way_without_mirroring, cluster, timeout=1.0)
+
+
+def test_time_against_ring_on_an_emulated_link(cluster):
+    cluster.set_link("1Gbit/s,50us")
+    try:
+        rows = CA.time_against_ring(good_two_way, cluster, sizes=(4096, 65536), repeats=1)
+    finally:
+        cluster.set_link(None)
+    assert [r["size"] for r in rows] == [4096, 65536]
+    assert all(r["yours_us"] > 0 and r["ring_us"] > 0 and r["model_us"] > 0 for r in rows)

@@ -132,3 +132,12 @@ def test_emulated_link_figure_puts_measured_dots_over_model_lines(tmp_path):
     assert [list(d.get_xdata()) for d in dots] == [[2, 4], [2, 4]]
     assert (tmp_path / "emulated.png").stat().st_size > 10_000
     assert "1 Gbit/s, 50 us" in fig.get_suptitle()
+
+
+def test_links_figure_has_a_panel_per_link_and_marks_where_latency_takes_over():
+    fig = fa.links_figure(100e6)
+    assert len(fig.axes) == len(fa.costmodel.LINKS)
+    assert all(len(ax.get_lines()) in (4, 5) for ax in fig.axes)  # 3 algorithms, bound, p*
+    link = fa.costmodel.LINKS["10GbE"]
+    p = fa.latency_takes_over(100e6, link)
+    assert 2 * (p - 1) * link.alpha == pytest.approx(fa.costmodel.lower_bound(100e6, p, link))

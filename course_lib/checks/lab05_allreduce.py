@@ -1,4 +1,4 @@
-"""Lab 05 checks: a student's ring reduce-scatter, all-gather and allreduce, run on real ranks.
+"""Lab 05 checks: a student's ring reduce-scatter, all-gather, allreduce and two-way ring.
 
 Introduced in labs/05_allreduce.ipynb. The student's functions are defined in the notebook and
 run on every engine of a small cluster (they are sent with cloudpickle, so the helpers and
@@ -9,6 +9,7 @@ imports they use travel with them)::
     checks.check_ring_reduce_scatter(ring_reduce_scatter, cluster)
     checks.check_ring_allgather(ring_allgather, cluster)
     checks.check_ring_allreduce(ring_allreduce, cluster)   # against dist.all_reduce
+    checks.check_bidirectional_ring_allreduce(two_way_ring_allreduce, cluster)   # stretch
 
 Each case gives every rank a 1-D torch tensor (lengths that do not divide by the world size,
 shorter than it, several dtypes). Values are multiples of 1/4 small enough that every sum is
@@ -50,6 +51,14 @@ SCHEDULE = {
     "all-gather": "At step s = 0 .. N-2, rank r sends chunk (r - s) mod N to rank (r + 1) mod N "
                   "(its own chunk first, then the one it has just received) and receives chunk "
                   "(r - s - 1) mod N from rank (r - 1) mod N straight into its buffer.",
+    # the stretch exercise: the two halves of the buffer go around in opposite directions
+    "two-way": "The first half, buf[:h] with h = (len(buf) + 1) // 2, runs the ring of "
+               "exercises 1 and 2 (to (r + 1) mod N). The second half, buf[h:], cut into its "
+               "own N chunks, runs its mirror image: reduce-scatter step s, rank r sends chunk "
+               "(r + s + 1) mod N to rank (r - 1) mod N and adds chunk (r + s + 2) mod N from "
+               "rank (r + 1) mod N; all-gather step s, it sends chunk (r + s) mod N to the left "
+               "and receives chunk (r + s + 1) mod N from the right. In each step post both "
+               "receives and both sends (irecv, isend), then wait for all four.",
 }
 SENDRECV = ("use comm.sendrecv(sendbuf, right, recvbuf, left) for each step: it posts the "
             "receive before the send, so a ring of them cannot block")
@@ -123,7 +132,7 @@ def run_student(payload, exercise, n, dtype, seed, timeout=STUDENT_TIMEOUT):
     comm = CountingComm(get_comm("torch", timeout=timeout))
     x = case_inputs(exercise, n, dtype, seed, comm.world_size)[comm.rank]
     native = None
-    if exercise == "allreduce":  # the production allreduce of the same input, first
+    if exercise in ("allreduce", "two-way"):  # the production allreduce of the same input
         t = torch.from_numpy(x.copy())
         dist.all_reduce(t)
         native = t.numpy()
@@ -138,9 +147,11 @@ def run_student(payload, exercise, n, dtype, seed, timeout=STUDENT_TIMEOUT):
     return {"returned": returned, "buf": buf.numpy().copy(), "sent": comm.sent, "native": native}
 
 
-def run_timed(payload, sizes, repeats, timeout=STUDENT_TIMEOUT):
+def run_timed(payload, sizes, repeats, timeout=STUDENT_TIMEOUT, against="native"):
     """On every rank: for each size (bytes of float32), the median over ``repeats`` rounds of
-    the slowest rank's time, for the student's allreduce and for ``dist.all_reduce``."""
+    the slowest rank's time, for the student's allreduce and for ``dist.all_reduce``
+    (``against="native"``) or the course's ring (``against="ring"``, without its agreement
+    round: on an emulated link, both pay for every message)."""
     import time
 
     import cloudpickle
@@ -152,7 +163,11 @@ def run_timed(payload, sizes, repeats, timeout=STUDENT_TIMEOUT):
     # the course's own collectives run
     fn = cloudpickle.loads(payload)
     comm = get_comm("torch", timeout=timeout, check_sizes=False)
-    ops = (lambda b: fn(b, comm), dist.all_reduce)
+    if against == "ring":
+        from course_lib.collectives import ring_allreduce
+        ops = (lambda b: fn(b, comm), lambda b: ring_allreduce(b, comm, check=False))
+    else:
+        ops = (lambda b: fn(b, comm), dist.all_reduce)
     medians = []
     for size in sizes:
         x, times = torch.ones(max(size // 4, 1)), torch.zeros(2, repeats, dtype=torch.float64)
@@ -183,7 +198,7 @@ def _cases(world_size):
             for n, dtype, text in specs]
 
 
-def _remote_failure(name, where, err, schedule, world_size):
+def _remote_failure(name, where, err, schedule, world_size, two_way=False):
     """Turn a failure on the engines into False (not implemented) or a CheckFailed with a hint."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.cluster import ClusterTimeout, RemoteError
@@ -194,7 +209,7 @@ def _remote_failure(name, where, err, schedule, world_size):
         lines = "\n  ".join(f"rank {r}: {text.splitlines()[0]}" for r, text in errors.items())
         sizes = [m for m in (MISFIT.search(text) for text in errors.values()) if m]
         if sizes:
-            hint = _hint_misfit(sizes[0], world_size, schedule)
+            hint = _hint_misfit(sizes[0], world_size, schedule, two_way)
         elif any("CommTimeout" in text for text in errors.values()):
             hint = (f"a rank waited past its deadline. Either every rank sends before anyone "
                     f"receives (a blocking send cycle: comm.send blocks until the peer "
@@ -223,11 +238,15 @@ MISFIT = re.compile(r"rank (\d+): \w+ from rank (\d+) of .*?: rank \d+ sent (\d+
                     r"holds (\d+) bytes")
 
 
-def _hint_misfit(match, world_size, schedule):
+def _hint_misfit(match, world_size, schedule, two_way=False):
     """What a message that does not fit its receive buffer says about the student's ring."""
     rank, src, sent, holds = (int(g) for g in match.groups())
     told = (f"rank {rank} received {sent} bytes from rank {src} into a buffer of {holds} "
              f"bytes: a send and its receive must be the same chunk")
+    if two_way:
+        return (f"{told}. Each half has its own N chunks (shard_bounds(len(half), c, N)); the "
+                f"half that goes to the left needs the ring's chunk indices mirrored, not the "
+                f"same ones. {schedule}")
     if world_size > 2 and src == (rank + 1) % world_size:
         return (f"{told}. Rank {rank} receives from rank {src}, its RIGHT neighbour: the ring "
                 f"is reversed. Every rank sends to (r + 1) mod N and receives from (r - 1) mod "
@@ -302,10 +321,13 @@ def _hint_gather(rank, N, got_buf, start, full):
             f"{SCHEDULE['all-gather']}")
 
 
+_PHASES = {"allreduce": ["reduce-scatter", "all-gather"]}
+
+
 def _check_traffic(where, exercise, rank, N, n, itemsize, sent):
     """The ring sends one chunk per step, to the right neighbour, N-1 times per phase."""
     chunk = [(b - a) * itemsize for a, b in (shard_bounds(n, c, N) for c in range(N))]
-    phases = ["reduce-scatter", "all-gather"] if exercise == "allreduce" else [exercise]
+    phases = _PHASES.get(exercise, [exercise])
     expected = []
     for phase in phases:
         first = -1 if phase == "reduce-scatter" else 0
@@ -340,7 +362,8 @@ def _check(name, exercise, student_fn, cluster, seed, timeout):
             results = cluster.run(run_student, payload, exercise, n, dtype, seed, timeout,
                                   timeout=timeout + 20)
         except Exception as err:  # RemoteError, ClusterTimeout, EngineDied
-            if _remote_failure(name, where, err, SCHEDULE.get(exercise, ""), N) is False:
+            if _remote_failure(name, where, err, SCHEDULE.get(exercise, ""), N,
+                               two_way=exercise == "two-way") is False:
                 return False
         inputs = case_inputs(exercise, n, dtype, seed, N)
         full = np.sum(case_inputs("reduce-scatter", n, dtype, seed, N), axis=0,
@@ -361,16 +384,19 @@ def _check(name, exercise, student_fn, cluster, seed, timeout):
                 problem = compare(full, got, f"rank {rank}: buf", rtol=0, atol=0)
                 if problem and exercise == "all-gather":
                     hint = _hint_gather(rank, N, got, inputs[rank], full)
+                elif problem and exercise == "two-way":
+                    hint = _hint_two_way(rank, N, got, full)
                 elif problem:
                     hint = _hint_allreduce(rank, N, got, full)
-                if not problem and exercise == "allreduce":
+                if not problem and exercise in ("allreduce", "two-way"):
                     problem = compare(res["native"], got, f"rank {rank}: buf vs dist.all_reduce",
                                       rtol=0, atol=0)
                     hint = None
             if problem:
-                fallback = " ".join(SCHEDULE[p] for p in SCHEDULE if exercise in (p, "allreduce"))
+                fallback = " ".join(SCHEDULE[p] for p in _PHASES.get(exercise, [exercise]))
                 raise CheckFailed(f"{where}\n  {problem}\nHint: {hint or fallback}")
-            _check_traffic(where, exercise, rank, N, n, np.dtype(dtype).itemsize, res["sent"])
+            (_check_two_way_traffic if exercise == "two-way" else _check_traffic)(
+                where, exercise, rank, N, n, np.dtype(dtype).itemsize, res["sent"])
     print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference on {N} ranks")
     return True
 
@@ -385,6 +411,51 @@ def _hint_allreduce(rank, world_size, got, full):
                 f"all-gather after the reduce-scatter, on the same buffer.")
     return (f"even rank {rank}'s own chunk {rank} is wrong: the reduce-scatter must come first "
             f"(and pass check_ring_reduce_scatter).")
+
+
+def _hint_two_way(rank, world_size, got, full):
+    """Which half of rank ``rank``'s buffer is wrong, and what that says."""
+    h = (len(full) + 1) // 2
+    first, second = (np.array_equal(got[sl], full[sl]) for sl in (slice(0, h), slice(h, None)))
+    if np.allclose(got * world_size, full, rtol=1e-3, atol=world_size):
+        return (f"rank {rank} holds the sum divided by {world_size}: the average. Sum, like "
+                f"dist.all_reduce's default op (SUM): do not divide by N.")
+    if first and not second:
+        return (f"rank {rank}'s first half buf[:{h}] is right, its second half is not: check "
+                f"the mirrored schedule of the half that goes to the left. "
+                f"{SCHEDULE['two-way']}")
+    if second and not first:
+        return (f"rank {rank}'s second half buf[{h}:] is right, its first half buf[:{h}] is "
+                f"not: the first half runs the ring of exercises 1 and 2 on its own N chunks. "
+                f"{SCHEDULE['two-way']}")
+    return None
+
+
+def _check_two_way_traffic(where, exercise, rank, N, n, itemsize, sent):
+    """Each half goes around once, in its own direction: 2(N-1) chunks of a half each way."""
+    right, left = (rank + 1) % N, (rank - 1) % N
+    largest = -(-((n + 1) // 2) // N) * itemsize  # the largest chunk of a half, in bytes
+    wrong_peer = sorted({dst for dst, _ in sent if dst not in (left, right)})
+    each_way = 2 * (N - 1) * (1 if right != left else 2)
+    to = {peer: [b for dst, b in sent if dst == peer and b] for peer in {left, right}}
+    problem = None
+    if wrong_peer:
+        problem = (f"rank {rank} sent to rank(s) {wrong_peer}; it only sends to its neighbours "
+                   f"{right} (right) and {left} (left)")
+    elif not to[left] and n >= 2 * N:
+        problem = (f"rank {rank} sent nothing to its left neighbour {left}: that is the one-way "
+                   f"ring. The second half goes the other way round")
+    elif max((b for _, b in sent), default=0) > largest:
+        problem = (f"rank {rank} sent a message of {max(b for _, b in sent)} bytes; a chunk of "
+                   f"half the buffer holds at most {largest}: cut each half into N chunks")
+    elif any(len(to[peer]) > each_way for peer in to) or (
+            n >= 2 * N and any(len(to[peer]) != each_way for peer in to)):
+        problem = (f"rank {rank} sent {len(to[right])} chunk(s) to the right and "
+                   f"{len(to[left])} to the left; each half makes 2(N-1) = {2 * (N - 1)} steps, "
+                   f"one chunk per step")
+    if problem:
+        raise CheckFailed(f"{where}\n  the values are right but this is not the two-way ring: "
+                          f"{problem}.\nHint: {SCHEDULE['two-way']}")
 
 
 def check_ring_reduce_scatter(student_fn, cluster, seed=0, timeout=STUDENT_TIMEOUT):
@@ -413,6 +484,15 @@ def check_ring_allreduce(student_fn, cluster, seed=0, timeout=STUDENT_TIMEOUT):
     return _check("check_ring_allreduce", "allreduce", student_fn, cluster, seed, timeout)
 
 
+def check_bidirectional_ring_allreduce(student_fn, cluster, seed=0, timeout=STUDENT_TIMEOUT):
+    """Lab 05, stretch exercise: ``student_fn(buf, comm)`` must leave on every rank exactly
+    what ``dist.all_reduce`` gives, with the buffer's two halves going around the ring in
+    opposite directions: 2(N-1) chunks of a half to each neighbour."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    return _check("check_bidirectional_ring_allreduce", "two-way", student_fn, cluster, seed,
+                  timeout)
+
+
 # ---------------------------------------------------------------- use it: how fast is it?
 
 
@@ -424,3 +504,20 @@ def time_allreduce(student_fn, cluster, sizes=(4096, 65536, 1 << 20), repeats=5)
     medians = cluster.run(run_timed, pack_function(student_fn), list(sizes), repeats)[0]
     return [{"size": size, "yours_us": 1e6 * yours, "native_us": 1e6 * native}
             for size, (yours, native) in zip(sizes, medians, strict=True)]
+
+
+def time_against_ring(student_fn, cluster, sizes=(1 << 22, 1 << 24), repeats=3):
+    """Lab 05, stretch: time ``student_fn(buf, comm)`` and the course's one-way ring side by
+    side, on the cluster's emulated link if it has one (``cluster.set_link``).
+
+    Returns one dict per size: size (bytes), yours_us and ring_us (median over ``repeats``
+    rounds of the slowest rank) and, on an emulated link, model_us: the one-way ring on it by
+    the alpha-beta model. A timing, not a check: it asserts nothing."""
+    from course_lib import netem
+    medians = cluster.run(run_timed, pack_function(student_fn), list(sizes), repeats,
+                          against="ring")[0]
+    link = getattr(cluster, "link", None)
+    return [{"size": size, "yours_us": 1e6 * yours, "ring_us": 1e6 * ring,
+             "model_us": (1e6 * netem.predict_allreduce("ring", size, cluster.n, link,
+                                                        check=False) if link else None)}
+            for size, (yours, ring) in zip(sizes, medians, strict=True)]

@@ -290,6 +290,41 @@ def cost_model_figure(link="100GbE", n_bytes=100e6, p_fixed=8, path=None):
     return _finish(fig, path)
 
 
+def latency_takes_over(n_bytes, link):
+    """The number of ranks beyond which the ring's latency term 2(p-1) alpha exceeds its
+    bandwidth term 2 (p-1)/p n beta: p = n beta / alpha (notebook 05)."""
+    return n_bytes * link.beta / link.alpha
+
+
+def links_figure(n_bytes=100e6, links=None, path=None):
+    """Predicted naive, tree and ring allreduce time against ranks (2 .. 4096) at ``n_bytes``,
+    one panel per link of ``links`` (default ``costmodel.LINKS``), with the lower bound and
+    the rank count where the ring's latency term takes over (notebook 05)."""
+    links = list((links or costmodel.LINKS).values())
+    ps = 2 ** np.arange(1, 13)
+    fig = Figure(figsize=(3.3 * len(links), 3.6), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(links), sharex=True))
+    for ax, link in zip(axes, links, strict=True):
+        for name in ("naive", "tree", "ring"):
+            ax.plot(ps, costmodel.allreduce_time(name, n_bytes, ps, link), "o-", ms=2.5,
+                    color=_STYLE[name], label=name)
+        ax.plot(ps, costmodel.lower_bound(n_bytes, ps, link), "k--", lw=1, label="lower bound")
+        p_star = latency_takes_over(n_bytes, link)
+        if ps[0] < p_star < ps[-1]:
+            ax.axvline(p_star, color="0.5", ls=":", lw=1.2,
+                       label="ring: latency term =\nbandwidth term")
+            ax.text(p_star * 0.88, 0.03, f"p = {p_star:.0f}", transform=ax.get_xaxis_transform(),
+                    fontsize=7, color="0.3", ha="right", va="bottom")
+        ax.set(xscale="log", yscale="log", xlabel="number of ranks p",
+               title=f"{link.name}\n{link.alpha * 1e6:g} us, {link.bandwidth / 1e9:g} GB/s")
+        ax.set_xticks(ps[::2], [str(p) for p in ps[::2]], fontsize=7)
+        ax.minorticks_off()
+    axes[0].set_ylabel("seconds")
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"{_bytes(n_bytes)} allreduce, alpha-beta model, on each network", fontsize=11)
+    return _finish(fig, path)
+
+
 def emulated_link_figure(rows, loopback_rows=(), path=None):
     """Measured allreduce times on an emulated link (rows of ``bench.allreduce_rank_bench`` with
     a link, several world sizes) as dots over the alpha-beta model's lines: time against the
