@@ -64,6 +64,11 @@ def bucket_figure(names, sizes, cap_bytes, title=None, path=None):
     return _finish(fig, path)
 
 
+def _sub(r):
+    """The rank as a subscript: 0 -> '₀'."""
+    return "".join("₀₁₂₃₄₅₆₇₈₉"[int(d)] for d in str(r))
+
+
 def sync_step_figure(world_size=3, path=None):
     """One step of synchronous data parallelism: broadcast once, then on every rank a local
     gradient, one allreduce (average) across all ranks, the same update.
@@ -85,6 +90,10 @@ def sync_step_figure(world_size=3, path=None):
                 continue
             ax.add_patch(Rectangle((k * (width + gap), y), width, 0.7, facecolor=colour,
                                    alpha=0.35, edgecolor=colour))
+            inside = {0: "θ", 1: f"g{_sub(r)} = ∇J(θ; S{_sub(r)})", 3: "ĝ = Σ / N",
+                      4: "θ − η ĝ"}[k]  # what the rank holds after this phase
+            ax.text(k * (width + gap) + width / 2, y + 0.35, inside, ha="center", va="center",
+                    fontsize=9)
             if r == 0:
                 ax.text(k * (width + gap) + width / 2, world_size - 0.05, label, ha="center",
                         va="bottom", fontsize=8)
@@ -93,6 +102,9 @@ def sync_step_figure(world_size=3, path=None):
                            edgecolor="tab:purple"))
     ax.text(x + width / 2, world_size - 0.05, phases[2][0], ha="center", va="bottom",
             fontsize=8)
+    ax.text(x + width / 2, (world_size - 0.3) / 2,
+            "Σ = " + " + ".join(f"g{_sub(r)}" for r in range(world_size)) + "\non every rank",
+            ha="center", va="center", fontsize=9)
     for r in range(world_size):
         y = world_size - 1 - r + 0.35
         for k in range(4):
