@@ -288,11 +288,16 @@ def start_together(comm, margin=0.02):
 
     For timing on an emulated link (one machine, one monotonic clock): a barrier releases ranks
     milliseconds apart on a busy laptop, so each rank's own clock would start at a different
-    moment. Uses the process group's native allreduce, off the emulated link.
+    moment. Uses the transport's native allreduce (Gloo's or MPI's), off the emulated link.
     Introduced in notebooks/05_allreduce.ipynb."""
-    import torch
-    start = torch.tensor([time.monotonic() + margin], dtype=torch.float64)
-    comm.dist.all_reduce(start, op=comm.dist.ReduceOp.MAX, group=comm.group)
-    sleep_until(float(start[0]))
-    return float(start[0])
+    mine = time.monotonic() + margin
+    if comm.transport == "mpi":
+        start = comm.mpi.allreduce(mine, op=comm.MPI.MAX)
+    else:
+        import torch
+        t = torch.tensor([mine], dtype=torch.float64)
+        comm.dist.all_reduce(t, op=comm.dist.ReduceOp.MAX, group=comm.group)
+        start = float(t[0])
+    sleep_until(start)
+    return start
 
