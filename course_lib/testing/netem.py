@@ -10,18 +10,21 @@ import time
 
 import torch
 
+from course_lib import netem
 from course_lib.collectives import allreduce
 from course_lib.comm import get_comm, wait_all
 
 
 def timed(pattern, n_bytes):
-    """Run ``pattern`` ("ring_step", "gather_to_root" or "ring_allreduce") on ``n_bytes`` after
-    a barrier; (seconds, result) on this rank."""
+    """Run ``pattern`` ("ring_step", "gather_to_root" or "ring_allreduce") on ``n_bytes``, all
+    ranks starting at once; (seconds, result) on this rank."""
     comm = get_comm("torch")
     comm.barrier()
-    t = time.perf_counter()
+    # from one instant on every rank: a barrier releases ranks milliseconds apart, and a rank
+    # released late would see its peers' messages sent before its own clock started
+    t = netem.start_together(comm) if comm.link else time.monotonic()
     result = PATTERNS[pattern](comm, n_bytes // 4)
-    return time.perf_counter() - t, result
+    return time.monotonic() - t, result
 
 
 def ring_step(comm, count):
