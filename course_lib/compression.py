@@ -332,8 +332,7 @@ def exchange_time_on_rank(name, n, ratio=0.01, repeats=3, seed=0):
     exchange()  # warm-up: scratch buffers, first messages
     times = []
     for _ in range(repeats):
-        comm.barrier()
-        start = netem.start_together(comm) if comm.link else time.monotonic()
+        start = netem.start_clock(comm)
         exchange()
         times.append(time.monotonic() - start)
     slowest = torch.tensor(times, dtype=torch.float64)

@@ -283,6 +283,14 @@ def predict_allreduce(algorithm, n_bytes, p, link, check=True, segment_bytes=1 <
     return float(t)
 
 
+def start_clock(comm):
+    """Where a rank starts timing a collective: after a barrier, the instant all ranks agreed on
+    (:func:`start_together`) on an emulated link, else this rank's now. Time the end with
+    ``time.monotonic()``. Introduced in notebooks/05_allreduce.ipynb."""
+    comm.barrier()
+    return start_together(comm) if comm.link else time.monotonic()
+
+
 def start_together(comm, margin=0.02):
     """Agree on a start instant a little ahead, sleep until it and return it (time.monotonic).
 

@@ -32,3 +32,13 @@ def test_last_step_figure_has_one_panel_per_strategy_from_the_last_forward():
         "bucketed: the last step on every rank", "overlap: the last step on every rank"]
     assert fig.axes[0].get_xlim() == pytest.approx((0, 5000 * 1.02))  # ms since the last forward
     assert fig.get_suptitle() == "emulated"
+
+
+def test_bucket_sweep_figure_draws_each_series_and_the_two_references():
+    fig = figures_ddp.bucket_sweep_figure([0.25, 1], {"overlap": ([90, 80], [5, 2]),
+                                                      "bucketed": ([100, 95], [5, 2])}, 50, 30,
+                                          title="t")
+    ax = fig.axes[0]
+    assert [list(line.get_ydata()) for line in ax.lines[:2]] == [[90, 80], [100, 95]]
+    assert [line.get_ydata()[0] for line in ax.lines[2:]] == [50, 80]
+    assert "buckets: [5, 2]" in ax.get_legend().get_texts()[0].get_text()

@@ -146,13 +146,12 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
         for it in range(-warmup, iters):
             for k, name in enumerate(algorithms):  # round-robin: drift hits every algorithm
                 _copy(buf, src)
-                comm.barrier()
                 _sync(device)
-                t = netem.start_together(comm) if comm.link else time.perf_counter()
+                t = netem.start_clock(comm)
                 ops[name](buf)
                 _sync(device)
                 if it >= 0:
-                    times[k, it] = (time.monotonic() if comm.link else time.perf_counter()) - t
+                    times[k, it] = time.monotonic() - t
         for k, name in enumerate(algorithms):  # after the timed rounds: is each result exact?
             _copy(buf, src)
             ops[name](buf)

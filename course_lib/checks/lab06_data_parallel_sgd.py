@@ -324,7 +324,8 @@ class _RingWork:
 class _RingAllreduce:
     """Stands in for ``torch.distributed.all_reduce`` in the sweep: the sum by the course's ring
     on ``comm`` (so it crosses the emulated link), launched on one background thread in call
-    order, as DDP's communication runs beside backward."""
+    order, as DDP's communication runs beside backward. Made once; each ``with`` block swaps it
+    in for the student's code only (the timing's own collectives stay native)."""
 
     def __init__(self, comm):
         from concurrent.futures import ThreadPoolExecutor
@@ -345,7 +346,6 @@ class _RingAllreduce:
 
     def __exit__(self, *exc):
         self.dist.all_reduce = self.original
-        self.pool.shutdown(wait=True)
 
 
 def time_averager_on_rank(payload, caps, steps=3, hidden=(256,) * 6, batch=512, seed=0):
@@ -365,12 +365,13 @@ def time_averager_on_rank(payload, caps, steps=3, hidden=(256,) * 6, batch=512, 
     gen = torch.Generator().manual_seed(seed + dist.get_rank())
     x, y = torch.randn(batch, 64, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
 
+    ring = _RingAllreduce(comm)
+
     def time_steps(model, averager):
         times = []
         for _ in range(steps + 1):  # the first step warms up: not counted
-            comm.barrier()
-            start = netem.start_together(comm) if comm.link else time.monotonic()
-            with _RingAllreduce(comm):  # only the student's calls go through the ring
+            start = netem.start_clock(comm)
+            with ring:  # only the student's calls go through the ring
                 F.cross_entropy(model(x), y).backward()
                 if averager is not None:
                     averager.wait()
@@ -385,6 +386,7 @@ def time_averager_on_rank(payload, caps, steps=3, hidden=(256,) * 6, batch=512, 
         buckets.append(len(averager.buckets))
         step_ms.append(time_steps(model, averager))
     compute_ms = time_steps(models.mlp(64, list(hidden), 10, seed=seed), None)
+    ring.pool.shutdown(wait=True)
     slowest = torch.tensor(step_ms + [compute_ms], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest[:-1].tolist(), float(slowest[-1]), buckets
@@ -395,9 +397,10 @@ def sweep_bucket_caps(student_cls, cluster, caps_mb=(0.0625, 0.25, 1, 4), link="
     allreduces go through the course's ring, so they cross the link) and plot step time against
     the cap, with compute alone and compute plus one allreduce of every gradient.
     Introduced in labs/06_data_parallel_sgd.ipynb."""
-    import matplotlib.pyplot as plt
+    from IPython.display import display
 
     from course_lib import models, netem
+    from course_lib.figures import data_parallel_sgd as figures
     spec = cluster.set_link(link)
     try:
         step_ms, compute_ms, buckets = cluster.run(
@@ -407,15 +410,7 @@ def sweep_bucket_caps(student_cls, cluster, caps_mb=(0.0625, 0.25, 1, 4), link="
         cluster.set_link(None)
     grad_bytes = 4 * sum(p.numel() for p in models.mlp(64, [256] * 6, 10).parameters())
     comm_ms = 1e3 * netem.predict_allreduce("ring", grad_bytes, cluster.n, spec, check=False)
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    ax.semilogx(caps_mb, step_ms, "o-", label="your averager")
-    for cap, ms, b in zip(caps_mb, step_ms, buckets, strict=True):
-        ax.annotate(f"{b} buckets", (cap, ms), textcoords="offset points", xytext=(4, 6),
-                    fontsize=7)
-    ax.axhline(compute_ms, color="0.5", ls="--", label="compute alone")
-    ax.axhline(compute_ms + comm_ms, color="k", ls=":", label="compute + one allreduce of all")
-    ax.set(xlabel="bucket cap (MB)", ylabel="step time (ms), median", ylim=(0, None),
-           title=f"{cluster.n} ranks on an emulated {spec}")
-    ax.legend(fontsize=8)
-    plt.show()
+    display(figures.bucket_sweep_figure(caps_mb, {"your averager": (step_ms, buckets)},
+                                        compute_ms, comm_ms,
+                                        f"{cluster.n} ranks on an emulated {spec}"))
     return dict(zip(caps_mb, step_ms, strict=True))

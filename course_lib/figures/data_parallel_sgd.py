@@ -64,6 +64,23 @@ def bucket_figure(names, sizes, cap_bytes, title=None, path=None):
     return _finish(fig, path)
 
 
+def bucket_sweep_figure(caps_mb, series, compute_ms, comm_ms, title="", path=None):
+    """Step time against the bucket cap: ``series`` maps a label to (step ms per cap, buckets
+    per cap); lines at compute alone and at compute plus one allreduce of every gradient.
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    fig = Figure(figsize=(7.5, 4), layout="constrained")
+    ax = fig.add_subplot()
+    for label, (step_ms, buckets) in series.items():
+        ax.semilogx(caps_mb, step_ms, "o-", label=f"{label} (buckets: {list(buckets)})")
+    ax.axhline(compute_ms, color="0.5", ls="--", label="compute alone")
+    ax.axhline(compute_ms + comm_ms, color="k", ls=":",
+               label="compute + one allreduce of every gradient")
+    ax.set(xlabel="bucket cap (MB)", ylabel="step time (ms), median", ylim=(0, None),
+           title=title)
+    ax.legend(fontsize=8)
+    return _finish(fig, path)
+
+
 def _sub(r):
     """The rank as a subscript: 0 -> '₀'."""
     return "".join("₀₁₂₃₄₅₆₇₈₉"[int(d)] for d in str(r))

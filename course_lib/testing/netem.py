@@ -19,10 +19,9 @@ def timed(pattern, n_bytes):
     """Run ``pattern`` ("ring_step", "gather_to_root" or "ring_allreduce") on ``n_bytes``, all
     ranks starting at once; (seconds, result) on this rank."""
     comm = get_comm("torch")
-    comm.barrier()
     # from one instant on every rank: a barrier releases ranks milliseconds apart, and a rank
     # released late would see its peers' messages sent before its own clock started
-    t = netem.start_together(comm) if comm.link else time.monotonic()
+    t = netem.start_clock(comm)
     result = PATTERNS[pattern](comm, n_bytes // 4)
     return time.monotonic() - t, result
 
