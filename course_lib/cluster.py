@@ -84,8 +84,10 @@ class Cluster:
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
-    def __init__(self, ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link=None):
+    def __init__(self, ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link=None,
+                 shared=False):
         self._ipp, self.client, self.n = ipp_cluster, client, n
+        self.shared = shared  # kept running for the next start_cluster (see SHARED_ENV)
         self.link = link  # the emulated network of every rank (course_lib.netem), or None
         self.requested_backend, self.timeout = backend, timeout
         self.pg_timeout, self.threads = pg_timeout, threads
@@ -270,8 +272,16 @@ class Cluster:
         return self._ipp is None
 
     def stop(self):
-        """Stop the controller and every engine; returns once no process of it is left."""
+        """Stop the controller and every engine; returns once no process of it is left.
+        (A shared cluster, see :data:`SHARED_ENV`, is left running for the next notebook
+        unless a call is still running on it or an engine died; its process group is
+        re-created at the next start.)"""
         if self._ipp is None:
+            return
+        if self.shared and self._broken != "engines" and not self.client.outstanding:
+            self.client.close()
+            self._ipp = None
+            shutil.rmtree(self._store_dir, ignore_errors=True)
             return
         try:
             self.client.close()
@@ -322,6 +332,34 @@ CONTROLLER_ARGS = ["--HeartMonitor.period=400", "--HeartMonitor.max_heartmonitor
                    "--IPController.use_threads=True"]
 
 
+# A test session (CI runs every notebook) sets this to its own pid: clusters are then kept
+# running between notebooks, one per (engines, n, threads), instead of each notebook paying the
+# seconds of a start (every engine imports PyTorch). A kept cluster gets a fresh process group
+# and link at each start_cluster; it is stopped when the session ends, or by the next
+# start_cluster or `cluster clean` once that pid is gone. Students never set it.
+SHARED_ENV = "COURSE_LIB_SHARED_CLUSTERS"
+
+
+def _reuse(cluster_id, n, *args):
+    """The kept cluster ``cluster_id`` with ``n`` live engines as a new Cluster, else None
+    (a cluster of that id that is not usable is stopped)."""
+    try:
+        ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=cluster_id,
+                                            log_level=40)
+    except (OSError, ValueError):
+        return None
+    try:
+        client = ipp_cluster.connect_client_sync()
+        client.wait_for_engines(n, timeout=5, interactive=False)
+        if len(client.ids) != n:
+            raise ClusterError(f"{len(client.ids)} engines, not {n}")
+        return Cluster(ipp_cluster, client, n, *args, shared=True)
+    except Exception:  # noqa: BLE001 - dead or half gone: start afresh
+        stop_and_reap(ipp_cluster)
+        ipp_cluster.remove_cluster_file()
+        return None
+
+
 def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=30, threads=1,
                   link=None, latency=None, **slurm):
     """Start ``n`` engines and return a :class:`Cluster` whose ranks share a process group.
@@ -340,11 +378,18 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
     if engines not in ("local", "mpi", "slurm"):
         raise ValueError(f"engines must be 'local', 'mpi' or 'slurm', not {engines!r}")
     clean_clusters()  # clusters whose notebook kernel was killed
+    owner = os.environ.get(SHARED_ENV, "")
+    shared = owner.isdigit() and engines in ("local", "mpi")
+    cluster_id = (f"{owner}-shared-{engines}-{n}-{threads}" if shared else
+                  f"{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    if shared:
+        cluster = _reuse(cluster_id, n, backend, timeout, pg_timeout, threads, link)
+        if cluster is not None:
+            return cluster
     from traitlets.config import Config
     config = Config()
-    kwargs = dict(n=n, profile=PROFILE, log_level=40, config=config,
-                  cluster_id=f"{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                  controller_args=CONTROLLER_ARGS)
+    kwargs = dict(n=n, profile=PROFILE, log_level=40, config=config, cluster_id=cluster_id,
+                  controller_args=CONTROLLER_ARGS, shutdown_atexit=not shared)
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if engines == "local":
         kwargs.update(engines="local", controller_ip="127.0.0.1")
@@ -363,7 +408,8 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
         ipp_cluster.start_cluster_sync(n=n)
         client = ipp_cluster.connect_client_sync()  # no progress bar: the start takes seconds
         client.wait_for_engines(n, timeout=ipp_cluster.engine_timeout, interactive=False)
-        cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link)
+        cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link,
+                          shared=shared)
     except BaseException:
         stop_and_reap(ipp_cluster)
         raise

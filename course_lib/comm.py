@@ -176,6 +176,9 @@ class Comm:
     the receiving process.) Over torch this costs an 8-byte header message per message and a
     receive posted only once the size is known (about 2x a small message's time on loopback);
     the course's collectives, whose sizes the ranks agree on first, pass ``check_size=False``.
+    ``check_sizes="always"`` checks those too (``bench allreduce --check-messages`` measures
+    what the check costs). A receive buffer *longer* than its message is an error too: MPI
+    would accept it and leave the tail as it was, which hides an off-by-one.
 
     Introduced in notebooks/02_parallel_computing.ipynb."""
 
@@ -187,6 +190,12 @@ class Comm:
         # the emulated link: this comm's own, else the process's (start_cluster(link=...))
         self.link = netem.current() if link is None else netem.make_link(link)
         self._unposted = {}  # (peer, tag) -> checked receives waiting for their sizes, in order
+
+    def _checked(self, check_size):
+        """Whether a message carries its size: the call's choice, else the comm's."""
+        if self.check_sizes == "always":
+            return True
+        return self.check_sizes if check_size is None else check_size
 
     def _emulate(self, request):
         """On an emulated link, a completed request waits until the link would have carried
@@ -280,8 +289,8 @@ class TorchComm(Comm):
         return t
 
     def _checked(self, check_size):
-        check = self.check_sizes if check_size is None else check_size
-        return check and self.backend != "nccl"  # NCCL: sizes are the caller's to agree
+        # NCCL: sizes are the caller's to agree
+        return super()._checked(check_size) and self.backend != "nccl"
 
     def isend(self, buf, dst, tag=0, check_size=None, _op="isend"):
         dst = self._peer(dst, _op)
@@ -431,7 +440,7 @@ class MpiComm(Comm):
     def irecv(self, buf, src, tag=0, check_size=None, _op="irecv"):
         src = self._peer(src, _op)
         data = self._bytes(buf)
-        check_size = self.check_sizes if check_size is None else check_size
+        check_size = self._checked(check_size)
         req = Request(self, _op, "recv", src, buf, None, tag, check_size)
         if self.link is not None:
             stamp = np.zeros(1)

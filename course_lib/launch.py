@@ -54,16 +54,21 @@ def slurm_config(n, partition="", time_limit="00:30:00", account="", gpus_per_ta
                 controller_location=socket.gethostname(), config=config)
 
 
+def _owner(cluster_id):
+    return cluster_id.split("-", 1)[0]
+
+
 def _owner_alive(cluster_id):
-    owner = cluster_id.split("-", 1)[0]
+    owner = _owner(cluster_id)
     if not owner.isdigit():
         return False
     import psutil
     return psutil.pid_exists(int(owner))
 
 
-def clean_clusters(all=False):
-    """Stop clusters left behind by a killed notebook kernel (all of ours with ``all=True``).
+def clean_clusters(all=False, owner=None):
+    """Stop clusters left behind by a killed notebook kernel (all of ours with ``all=True``,
+    those a process kept running with ``owner=`` its pid).
 
     Returns the ids of the clusters stopped. ``python -m course_lib cluster clean`` calls this.
     Introduced in notebooks/00_welcome_and_cluster.ipynb.
@@ -76,7 +81,7 @@ def clean_clusters(all=False):
     except Exception:  # noqa: BLE001 - no profile yet: nothing to clean
         return stopped
     for c in clusters.values():
-        if all or not _owner_alive(c.cluster_id):
+        if all or not _owner_alive(c.cluster_id) or _owner(c.cluster_id) == str(owner):
             try:
                 stop_and_reap(c)
             except Exception:  # noqa: BLE001 - already half gone: remove what is left

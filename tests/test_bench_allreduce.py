@@ -83,6 +83,7 @@ def _check_run(out, algorithms, sizes, world_size=2):
         (s, a) for s in sizes for a in algorithms]
     assert all(r["wrong"] == "0" for r in rows)
     assert f"world size {world_size}" in out.stdout and "memcpy" in out.stdout
+    assert "checks of the from-scratch algorithms:" in out.stdout
 
 
 def test_cli_through_the_cluster_launcher_writes_the_csv(tmp_path):
@@ -106,9 +107,10 @@ def test_cli_through_the_cluster_launcher_writes_the_csv(tmp_path):
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec")
 def test_cli_through_mpiexec_over_mpi():
     out = _cli("--transport", "mpi", "--world-size", "2", "--sizes", "4K", "--iters", "2",
-               "--launcher", "mpiexec")
+               "--launcher", "mpiexec", "--check-messages")
     _check_run(out, ALGORITHMS, [4096])
     assert "allreduce over mpi" in out.stdout
+    assert "checks of the from-scratch algorithms: size header per message" in out.stdout
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="no mpiexec")

@@ -89,6 +89,13 @@ def test_a_message_that_does_not_fit_is_an_error_on_the_receiver_and_nobody_dies
     assert cluster.run(K.p2p_roundtrips, "torch", big_bytes=1024) == [[], []]  # the same group
 
 
+def test_a_comm_that_checks_always_checks_messages_marked_unchecked(cluster):
+    """``check_sizes="always"`` (what ``bench allreduce --check-messages`` times) overrides the
+    ``check_size=False`` of the course's collectives."""
+    reports = cluster.run(K.p2p_size_mismatch, "torch", check_sizes="always", check_size=False)
+    _check_mismatch(reports[1], "torch", 2)
+
+
 def test_bad_calls_over_torch(cluster):
     for rank, errors in enumerate(cluster.run(K.p2p_errors, "torch")):
         _check_errors(errors, rank, 2)

@@ -58,7 +58,8 @@ HELP = "every allreduce algorithm against the native one"
 
 COLUMNS = ["world_size", "transport", "backend", "algorithm", "size", "count", "type", "time_us",
            "predicted_us", "algbw", "busbw", "busbw_of_memcpy", "wrong", "vs_native", "memcpy",
-           "link", "iters", "warmup"]
+           "link", "checks", "iters", "warmup"]
+CHECKS = {True: "agreement round", False: "none", "messages": "size header per message"}
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int32"]
 
 
@@ -73,6 +74,8 @@ def format_table(rows, memcpy=None):
         out.append(f"# allreduce over {transport} ({backend}), world size {world_size}, {dtype}: "
                    f"median of {group[0]['iters']} rounds after {group[0]['warmup']} warm-up(s),"
                    " algorithms interleaved, time of the slowest rank")
+        if group[0].get("checks"):
+            out.append(f"# checks of the from-scratch algorithms: {group[0]['checks']}")
         ceiling = netem.make_link(link).bandwidth / 1e9 if link else memcpy
         if link:
             out.append(f"# emulated link {netem.make_link(link)}: ceiling {ceiling:.3f} GB/s "
@@ -104,7 +107,7 @@ def write_csv(rows, path, memcpy=None):
     def extra(r):
         ceiling = netem.make_link(r["link"]).bandwidth / 1e9 if r.get("link") else memcpy
         return dict(memcpy=memcpy or "", busbw_of_memcpy=r["busbw"] / ceiling if ceiling else "",
-                    link=r.get("link") or "")
+                    link=r.get("link") or "", checks=r.get("checks") or "")
     common.write_csv(rows, path, COLUMNS, extra)
 
 
@@ -116,14 +119,16 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
     Runs on every rank (a cluster engine, or a process under mpiexec / torchrun); returns the
     same rows on every rank: dicts with the keys of :data:`COLUMNS` but memcpy (bandwidths in
     GB/s). ``timeout``: deadline of each point-to-point wait and barrier, in seconds.
-    ``check=False`` times the algorithms without their agreement round (native has none).
+    ``check=False`` times the algorithms without their agreement round (native has none);
+    ``check="messages"``: without it, but every message carries its size header instead.
     ``link``: an emulated network for the messages (default: the process's, see netem).
     ``world_size``: run on the first ``world_size`` ranks only (torch transport; a subgroup,
     so one cluster measures several world sizes); the other ranks return None.
     """
     from course_lib.collectives import allreduce
     from course_lib.comm import TorchComm, get_comm
-    comm = get_comm(transport, timeout=timeout, link=link)
+    comm = get_comm(transport, timeout=timeout, link=link,
+                    check_sizes="always" if check == "messages" else True)
     if world_size is not None and world_size != comm.world_size:
         if transport != "torch" or not 1 < world_size <= comm.world_size:
             raise BenchError(f"world_size={world_size}: a torch subgroup of 2 to "
@@ -131,13 +136,13 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
         group = comm.dist.new_group(list(range(world_size)))  # every rank must call this
         if comm.rank >= world_size:
             return None
-        comm = TorchComm(group, timeout=timeout, link=link)
+        comm = TorchComm(group, timeout=timeout, link=link, check_sizes=comm.check_sizes)
     if comm.link is not None and "native" in algorithms:
         raise BenchError("the native allreduce runs inside Gloo/MPI, off the emulated link: "
                          "leave 'native' out of the algorithms with a link")
     p, device, backend = comm.world_size, *_device(comm)
     ops = {name: _native(comm) if name == "native" else
-           (lambda buf, name=name: allreduce(buf, comm, algorithm=name, check=check))
+           (lambda buf, name=name: allreduce(buf, comm, algorithm=name, check=check is True))
            for name in algorithms}
     rows = []
     for size in sizes:
@@ -165,9 +170,9 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
                 count=count, type=dtype, time_us=median[k] * 1e6,
                 algbw=algbw(n_bytes, median[k]) / 1e9, busbw=busbw(n_bytes, median[k], p) / 1e9,
                 wrong=int(wrong[k]), iters=iters, warmup=warmup,
-                link=comm.link.text if comm.link else None,
-                predicted_us=(netem.predict_allreduce(name, n_bytes, p, comm.link, check) * 1e6
-                              if comm.link else None),
+                link=comm.link.text if comm.link else None, checks=CHECKS[check],
+                predicted_us=(netem.predict_allreduce(name, n_bytes, p, comm.link, check is True)
+                              * 1e6 if comm.link else None),
                 vs_native=(float(median[algorithms.index("native")] / median[k])
                            if "native" in algorithms else None)))
         del src, buf, expected
@@ -293,6 +298,9 @@ def arguments(parser):
     a("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     a("--no-check", dest="check", action="store_false",
       help="skip the agreement round (shapes, dtypes) that guards every from-scratch call")
+    a("--check-messages", dest="check", action="store_const", const="messages",
+      help="instead of that round, check every message's size (a header per message, as "
+           "comm does for a student's own sends): what the check costs")
     a("--link", type=argtype(netem.make_link), default=None,
       help="an emulated network for every message: 'bandwidth,latency' like 1Gbit/s,50us or a "
            f"preset ({', '.join(netem.PRESETS)}); default: none (loopback as it is)")
@@ -392,7 +400,7 @@ def _launch(args, world_size, memcpy):
                  "--algorithms", ",".join(args.algorithms)]
         for opt in ("transport", "backend", "dtype", "iters", "warmup", "timeout"):
             inner += [f"--{opt}", str(getattr(args, opt))]
-        inner += [] if args.check else ["--no-check"]
+        inner += {True: [], False: ["--no-check"], "messages": ["--check-messages"]}[args.check]
         inner += ["--link", args.link.text] if args.link else []
         env = dict(os.environ, MPIEXEC_TIMEOUT=str(int(args.time_limit)), OMP_NUM_THREADS="1",
                    COURSE_LIB_MEMCPY_GBS=repr(memcpy))

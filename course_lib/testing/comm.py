@@ -116,32 +116,36 @@ def p2p_errors(transport="torch", kind=None):
 MISMATCH_SIZES = (5, 3, 0, 4)  # float32 elements rank 0 sends; rank 1 receives 4 each time
 
 
-def p2p_size_mismatch(transport="torch", kind=None, timeout=10.0):
+def p2p_size_mismatch(transport="torch", kind=None, timeout=10.0, check_sizes=True,
+                      check_size=None):
     """Messages that do not fit their receive buffers: rank 0 sends ``MISMATCH_SIZES`` float32
     (values: the message's index) and rank 1 receives each into 4 elements, blocking; then
     three messages of 5, 4 and 4 into three receives posted first and waited in reverse order.
     Rank 1 returns, per message, the error it raised or the values it got; rank 0 "sent";
-    other ranks None. Introduced in notebooks/02_parallel_computing.ipynb.
+    other ranks None. ``check_sizes`` (of the comm) and ``check_size`` (of every call) as in
+    :class:`course_lib.comm.Comm`. Introduced in notebooks/02_parallel_computing.ipynb.
     """
-    comm = get_comm(transport, timeout=timeout)
+    comm = get_comm(transport, timeout=timeout, check_sizes=check_sizes)
     kind = kind or buffer_kind(comm)
     if comm.rank > 1:
         return None
     if comm.rank == 0:
         for i, n in enumerate(MISMATCH_SIZES):
-            comm.send(make_buffer(np.full(n, i, np.float32), comm, kind), 1, tag=3)
+            comm.send(make_buffer(np.full(n, i, np.float32), comm, kind), 1, tag=3,
+                      check_size=check_size)
         for i, n in enumerate((5, 4, 4)):
-            comm.send(make_buffer(np.full(n, i, np.float32), comm, kind), 1, tag=4)
+            comm.send(make_buffer(np.full(n, i, np.float32), comm, kind), 1, tag=4,
+                      check_size=check_size)
         return "sent"
     got = []
     for _ in MISMATCH_SIZES:
         buf = make_buffer(np.full(4, -1, np.float32), comm, kind)
         try:
-            got.append(to_numpy(comm.recv(buf, 0, tag=3)).tolist())
+            got.append(to_numpy(comm.recv(buf, 0, tag=3, check_size=check_size)).tolist())
         except CommError as e:
             got.append(str(e))
     bufs = [make_buffer(np.full(4, -1, np.float32), comm, kind) for _ in range(3)]
-    requests = [comm.irecv(b, 0, tag=4) for b in bufs]
+    requests = [comm.irecv(b, 0, tag=4, check_size=check_size) for b in bufs]
     posted = []
     for r in reversed(requests):  # the last first: the earlier ones still match in order
         try:
