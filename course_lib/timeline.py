@@ -31,7 +31,7 @@ Event = namedtuple("Event", "name cat start end rank args")
 COMM_CATEGORIES = ("allreduce", "broadcast", "send", "recv")
 COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:green",
            "wait": "tab:red", "allreduce": "tab:purple", "broadcast": "tab:brown",
-           "data": "tab:gray"}
+           "data": "tab:gray", "recv": "tab:olive", "send": "tab:cyan"}
 
 
 class Timeline:

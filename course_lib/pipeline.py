@@ -1,0 +1,285 @@
+"""Pipeline parallelism: a sequential model cut into stages, one per rank; micro-batches flow
+through them, activations forward and their gradients back, point to point.
+
+Introduced in notebooks/09_model_parallelism.ipynb. Three schedules, side by side:
+
+- ``"naive"``: the whole batch as one piece: while one stage works, the N-1 others wait.
+- ``"gpipe"``: M micro-batches, all forwards then all backwards (Huang et al. 2019). The idle
+  share of each stage, the *bubble*, is (N-1)/(M+N-1); every stage holds the activations of
+  all M micro-batches at the turn.
+- ``"1f1b"``: after a warm-up of N-s-1 forwards, stage s alternates one forward and one backward
+  (PipeDream-Flush, Narayanan et al. 2021): the same bubble, but at most N-s micro-batches'
+  activations alive at once instead of M.
+
+:func:`simulate` predicts a schedule's Gantt chart, bubble and live activations;
+:func:`pipeline_step` runs it for real on the ranks, over ``comm``, with a deadline on every
+receive and a :class:`~course_lib.timeline.Timeline` of what each stage did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import namedtuple
+
+import torch
+from torch import nn
+
+from course_lib.comm import CommError, wait_all
+from course_lib.data import shard_bounds
+
+SCHEDULES = ("naive", "gpipe", "1f1b")
+TAG_SHAPE, TAG_ACTIVATION, TAG_GRADIENT = 90, 91, 92
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+class PipelineError(CommError):
+    """A stage could not finish its part of a step; the message names the stage and the
+    micro-batch. Introduced in notebooks/09_model_parallelism.ipynb."""
+
+
+# ---------------------------------------------------------------- schedules and the simulator
+def bubble_fraction(num_stages, num_microbatches, virtual_stages=1):
+    """The idle share of every stage, (N-1)/(v*M+N-1), with equal stages and free messages.
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    return (num_stages - 1) / (virtual_stages * num_microbatches + num_stages - 1)
+
+
+def schedule_order(schedule, stage, num_stages, num_microbatches):
+    """The order in which ``stage`` runs its forwards ``("F", m)`` and backwards ``("B", m)``.
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in 0..{num_stages - 1}, not {stage}")
+    M = 1 if schedule == "naive" else num_microbatches
+    if M < 1:
+        raise ValueError(f"num_microbatches must be >= 1, not {num_microbatches}")
+    if schedule != "1f1b":
+        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
+    warmup = min(num_stages - stage - 1, M)  # later stages need fewer forwards in flight
+    order = [("F", m) for m in range(warmup)]
+    for m in range(warmup, M):  # steady state: one forward, then the oldest backward
+        order += [("F", m), ("B", m - warmup)]
+    return order + [("B", m) for m in range(M - warmup, M)]
+
+
+Simulation = namedtuple("Simulation", "intervals makespan bubble peak_live")
+
+
+def simulate(schedule, num_stages, num_microbatches, t_forward=1.0, t_backward=2.0,
+             t_message=0.0, orders=None):
+    """Play a schedule with fixed times per micro-batch: forward and backward of one stage, and
+    one message between stages. ``orders``: each stage's own order (default
+    :func:`schedule_order`). Returns ``Simulation(intervals, makespan, bubble, peak_live)``:
+    ``intervals[s]`` = [(op, m, start, end)], bubble = idle share of the busiest stage,
+    ``peak_live[s]`` = most micro-batches whose activations stage s holds at once.
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    N = num_stages
+    orders = orders or [schedule_order(schedule, s, N, num_microbatches) for s in range(N)]
+    end, free, nxt = {}, [0.0] * N, [0] * N
+    intervals = [[] for _ in range(N)]
+    while any(nxt[s] < len(orders[s]) for s in range(N)):
+        progressed = False
+        for s in range(N):
+            while nxt[s] < len(orders[s]):
+                op, m = orders[s][nxt[s]]
+                # a forward needs the previous stage's forward of m; a backward the next
+                # stage's backward of m (the last stage: its own forward of m)
+                dep = (("F", s - 1, m) if s else None) if op == "F" else \
+                      (("B", s + 1, m) if s < N - 1 else ("F", s, m))
+                if dep is not None and dep not in end:
+                    break
+                ready = 0.0 if dep is None else end[dep] + (t_message if dep[1] != s else 0)
+                start = max(free[s], ready)
+                free[s] = end[(op, s, m)] = start + (t_forward if op == "F" else t_backward)
+                intervals[s].append((op, m, start, free[s]))
+                nxt[s] += 1
+                progressed = True
+        if not progressed:
+            stuck = {s: orders[s][nxt[s]] for s in range(N) if nxt[s] < len(orders[s])}
+            raise ValueError(f"the orders deadlock: each stage waits for another ({stuck})")
+    makespan = max(free)
+    busy = max(sum(e - b for _, _, b, e in row) for row in intervals)
+    return Simulation(intervals, makespan, 1 - busy / makespan,
+                      [_peak_live(order) for order in orders])
+
+
+def _peak_live(order):
+    live = peak = 0
+    for op, _ in order:
+        live += 1 if op == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+# ---------------------------------------------------------------- splitting a model
+def balance(layer_times, num_stages):
+    """Cut layers with these times into ``num_stages`` contiguous groups so that the slowest
+    group is as fast as possible (dynamic programming); returns the number of layers per stage.
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    n = len(layer_times)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"{n} layers cannot make {num_stages} stages of at least one layer")
+    prefix = [0.0]
+    for t in layer_times:
+        prefix.append(prefix[-1] + t)
+    # best[k][i]: the slowest stage when the first i layers make k stages; cut[k][i]: last cut
+    best = [[float("inf")] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                slowest = max(best[k - 1][j], prefix[i] - prefix[j])
+                if slowest < best[k][i]:
+                    best[k][i], cut[k][i] = slowest, j
+    counts, i = [], n
+    for k in range(num_stages, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return counts[::-1]
+
+
+def split_model(model, counts):
+    """The stages of an ``nn.Sequential``: ``counts[s]`` layers each, in order.
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    layers = list(model)
+    if sum(counts) != len(layers) or min(counts) < 1:
+        raise ValueError(f"counts {counts} must be >= 1 each and add up to the model's "
+                         f"{len(layers)} layers")
+    bounds = [sum(counts[:s]) for s in range(len(counts) + 1)]
+    return [nn.Sequential(*layers[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+class _SleepGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SleepLayer(nn.Module):
+    """A layer that takes a fixed time: ``forward_s`` in forward, ``backward_s`` in backward
+    (sleeping, so four stages fit on two cores), and scales by a learnt scalar.
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+
+    def __init__(self, forward_s=0.01, backward_s=0.02):
+        super().__init__()
+        self.forward_s, self.backward_s = forward_s, backward_s
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        time.sleep(self.forward_s)
+        return _SleepGrad.apply(x * self.scale, self.backward_s)  # needs grad on every stage
+
+
+# ---------------------------------------------------------------- running a step on the ranks
+StepResult = namedtuple("StepResult", "loss peak_live peak_activation_bytes")
+
+
+def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=None,
+                  schedule="1f1b", timeline=None, timeout=None):
+    """Forward and backward of one training step for this rank's stage (stage = ``comm.rank``);
+    the gradients accumulate in ``stage_module``'s parameters, equal to one process on the
+    whole batch. Stage 0 passes the batch ``x``, the last stage the targets ``y`` and
+    ``loss_fn`` (a mean over the batch). Returns ``StepResult(loss on the last stage else None,
+    peak live micro-batches, peak bytes of activations saved for backward)``.
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    stage, N = comm.rank, comm.world_size
+    first, last = stage == 0, stage == N - 1
+    if first and x is None or last and (y is None or loss_fn is None):
+        raise ValueError(f"stage {stage}: the first stage needs x, the last y and loss_fn")
+    if first and not 1 <= num_microbatches <= len(x):
+        raise ValueError(f"num_microbatches must be in 1..{len(x)} (the batch), "
+                         f"not {num_microbatches}")
+    timeout = comm.timeout if timeout is None else timeout
+    order = schedule_order(schedule, stage, N, num_microbatches)
+    M = len(order) // 2
+    saved, live_bytes, peak_bytes, live, peak_live = {}, 0, 0, 0, 0
+    inputs, outputs, sends, total = {}, {}, [], 0.0
+
+    def span(name, cat):
+        return timeline.span(name, cat) if timeline is not None else _nothing()
+
+    def recv(buf, peer, tag, what, m):
+        try:
+            with span(f"{what} {m}", "recv"):
+                # sizes need no check: the shape header comes first, a gradient has the shape
+                # of the activation it belongs to
+                return comm.recv(buf, peer, tag=tag, timeout=timeout, check_size=False)
+        except CommError as e:
+            raise PipelineError(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} "
+                                f"from stage {peer} failed: {e}") from e
+
+    for op, m in order:
+        if op == "F":
+            if first:
+                a, b = shard_bounds(len(x), m, M)
+                inp = x[a:b]
+            else:
+                header = recv(torch.zeros(8, dtype=torch.int64), stage - 1, TAG_SHAPE,
+                              "activation shape", m)
+                shape, dtype = header[1:1 + header[0]].tolist(), DTYPES[int(header[7])]
+                inp = recv(torch.empty(shape, dtype=dtype), stage - 1, TAG_ACTIVATION,
+                           "activation", m).requires_grad_()
+            nbytes = [0]
+
+            def pack(t, nbytes=nbytes):  # count what autograd keeps for this backward
+                nbytes[0] += t.numel() * t.element_size()
+                return t
+            with span(f"F{m}", "forward"), torch.autograd.graph.saved_tensors_hooks(
+                    pack, lambda t: t):
+                out = stage_module(inp)
+                if last:
+                    a, b = shard_bounds(len(y), m, M)  # weight: the full batch's mean
+                    out = loss_fn(out, y[a:b]) * ((b - a) / len(y))
+            inputs[m], outputs[m], saved[m] = inp, out, nbytes[0]
+            live, live_bytes = live + 1, live_bytes + nbytes[0]
+            peak_live, peak_bytes = max(peak_live, live), max(peak_bytes, live_bytes)
+            if not last:
+                act = out.detach().contiguous()
+                header = torch.zeros(8, dtype=torch.int64)
+                header[0], header[7] = act.dim(), DTYPES.index(act.dtype)
+                header[1:1 + act.dim()] = torch.tensor(act.shape)
+                sends += [comm.isend(header, stage + 1, tag=TAG_SHAPE, check_size=False),
+                          comm.isend(act, stage + 1, tag=TAG_ACTIVATION, check_size=False)]
+        else:
+            out = outputs.pop(m)
+            if last:
+                total += out.item()
+                grad = None
+            else:
+                grad = recv(torch.empty_like(out), stage + 1, TAG_GRADIENT, "gradient", m)
+            with span(f"B{m}", "backward"):
+                out.backward(grad)
+            inp = inputs.pop(m)
+            live, live_bytes = live - 1, live_bytes - saved.pop(m)
+            if not first:
+                sends.append(comm.isend(inp.grad.contiguous(), stage - 1, tag=TAG_GRADIENT,
+                                        check_size=False))
+    try:
+        wait_all(sends, timeout)
+    except CommError as e:
+        raise PipelineError(f"stage {stage} (rank {comm.rank}): a send was not received: "
+                            f"{e}") from e
+    return StepResult(total if last else None, peak_live, peak_bytes)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

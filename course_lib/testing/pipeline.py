@@ -1,0 +1,172 @@
+"""What tests, the demo and notebook 09 run on every rank: the pipeline against one process and
+against ``torch.distributed.pipelining``. Introduced in notebooks/09_model_parallelism.ipynb."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+from course_lib import pipeline
+from course_lib.comm import TorchComm, get_comm
+from course_lib.timeline import Timeline
+
+
+def make_mlp(num_layers=6, width=8, seed=0, dtype=torch.float64):
+    """``num_layers`` blocks of Linear + Tanh (the last one a Linear alone), the same on every
+    rank for a seed. Introduced in notebooks/09_model_parallelism.ipynb."""
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(num_layers):
+        layers.append(nn.Sequential(nn.Linear(width, width), nn.Tanh()) if i < num_layers - 1
+                      else nn.Linear(width, width))
+    return nn.Sequential(*layers).to(dtype)
+
+
+def make_batch(batch=16, width=8, seed=1, dtype=torch.float64):
+    """Inputs and regression targets, the same on every rank for a seed.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, width, generator=g, dtype=dtype),
+            torch.randn(batch, width, generator=g, dtype=dtype))
+
+
+def _stage_comm(world_size, timeout):
+    import torch.distributed as dist
+    comm = get_comm("torch", timeout=timeout)
+    if world_size is None or world_size == comm.world_size:
+        return comm
+    group = dist.new_group(list(range(world_size)))  # every rank must call this
+    return TorchComm(group, timeout=timeout) if comm.rank < world_size else None
+
+
+def pipeline_matches_one_process(schedule="1f1b", num_microbatches=4, counts=None,
+                                 num_layers=6, batch=16, width=8, world_size=None, seed=0,
+                                 timeout=10.0):
+    """Run one step of the pipeline on this rank's stage and the whole model in one process
+    (on every rank); returns ``{"grad": max difference of the stage's gradients, "loss":
+    difference of the loss (last stage, else None), "peak_live": ..., "stage": rank}``, or None
+    on ranks outside ``world_size``. Introduced in notebooks/09_model_parallelism.ipynb."""
+    comm = _stage_comm(world_size, timeout)
+    if comm is None:
+        return None
+    N = comm.world_size
+    model = make_mlp(num_layers, width, seed)
+    x, y = make_batch(batch, width, seed + 1)
+    counts = counts or pipeline.balance([1.0] * num_layers, N)
+    stages = pipeline.split_model(copy.deepcopy(model), counts)
+    mine = stages[comm.rank]
+    first, last = comm.rank == 0, comm.rank == N - 1
+    result = pipeline.pipeline_step(
+        mine, comm, num_microbatches, x=x if first else None, y=y if last else None,
+        loss_fn=nn.functional.mse_loss if last else None, schedule=schedule)
+    loss = nn.functional.mse_loss(model(x), y)  # the reference: one process, whole batch
+    loss.backward()
+    reference = pipeline.split_model(model, counts)[comm.rank]
+    grad = max(float((a.grad - b.grad).abs().max())
+               for a, b in zip(mine.parameters(), reference.parameters(), strict=True))
+    return {"stage": comm.rank, "grad": grad, "peak_live": result.peak_live,
+            "loss": abs(result.loss - loss.item()) if last else None}
+
+
+def timed_step(schedule="1f1b", num_microbatches=8, forward_s=0.02, backward_s=0.04,
+               compute_layers=0, batch=None, width=16, steps=2, world_size=None, link=None,
+               timeout=30.0):
+    """Time ``steps`` pipeline steps (the first one warms up). Each stage is one
+    :class:`pipeline.SleepLayer` (a fixed time per micro-batch), or with ``compute_layers`` > 0
+    that many real Linear + Tanh layers of ``width`` (float32). Returns this rank's Timeline of
+    the last step, its common start, the step's seconds, peak live micro-batches and peak bytes
+    of saved activations; None outside ``world_size``.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    from course_lib import netem
+    comm = _stage_comm(world_size, timeout)
+    if comm is None:
+        return None
+    if link is not None:
+        comm.link = netem.make_link(link)
+    N, rank = comm.world_size, comm.rank
+    stage = (make_mlp(compute_layers, width, seed=rank, dtype=torch.float32) if compute_layers
+             else pipeline.SleepLayer(forward_s, backward_s))
+    x, y = make_batch(batch or num_microbatches, width, dtype=torch.float32)
+    for _ in range(steps):
+        tl = Timeline(rank)
+        comm.barrier()
+        netem.start_together(comm)  # every stage starts at one agreed instant
+        start = tl.now()
+        result = pipeline.pipeline_step(
+            stage, comm, num_microbatches, x=x if rank == 0 else None,
+            y=y if rank == N - 1 else None,
+            loss_fn=nn.functional.mse_loss if rank == N - 1 else None,
+            schedule=schedule, timeline=tl)
+        elapsed = tl.now() - start
+    return {"timeline": tl, "start": start, "seconds": elapsed, "peak_live": result.peak_live,
+            "peak_bytes": result.peak_activation_bytes}
+
+
+def measured_bubble(reports):
+    """From every stage's report of :func:`timed_step`: ``(bubble, step seconds)``, the idle
+    share of the busiest stage over the step (first start to last end of any stage).
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    reports = [r for r in reports if r is not None]
+    start = min(r["start"] for r in reports)
+    end = max(e.end for r in reports for e in r["timeline"].events)
+    busy = max(sum(e.end - e.start for e in r["timeline"].events
+                   if e.cat in ("forward", "backward")) for r in reports)
+    return 1 - busy / (end - start), end - start
+
+
+def silent_stage(silent=1, timeout=2.0):
+    """Every stage runs a 1F1B step but stage ``silent``, which never sends: each other rank
+    returns ``(the error's text, seconds until it came)``, the silent one ``("silent", 0)``.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    comm = get_comm("torch", timeout=timeout)
+    if comm.rank == silent:
+        return "silent", 0.0
+    N, rank = comm.world_size, comm.rank
+    model = make_mlp(N, 8)
+    x, y = make_batch(8, 8)
+    t = time.monotonic()
+    try:
+        pipeline.pipeline_step(pipeline.split_model(model, [1] * N)[rank], comm, 4,
+                               x=x if rank == 0 else None, y=y if rank == N - 1 else None,
+                               loss_fn=nn.functional.mse_loss if rank == N - 1 else None)
+    except pipeline.PipelineError as e:
+        return str(e), time.monotonic() - t
+    return "finished", time.monotonic() - t
+
+
+def torch_pipelining_matches(schedule="1f1b", num_microbatches=4, num_layers=6, batch=16,
+                             width=8, seed=0):
+    """The same step with ``torch.distributed.pipelining`` (``ScheduleGPipe`` or
+    ``Schedule1F1B``, one stage per rank, over the cluster's Gloo group) and with
+    :func:`pipeline.pipeline_step`; returns the max difference of this stage's gradients and
+    of the loss (last stage). Introduced in notebooks/09_model_parallelism.ipynb."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    comm = get_comm("torch")
+    rank, N = comm.rank, comm.world_size
+    model = make_mlp(num_layers, width, seed)
+    x, y = make_batch(batch, width, seed + 1)
+    counts = pipeline.balance([1.0] * num_layers, N)
+    ours = pipeline.split_model(copy.deepcopy(model), counts)[rank]
+    theirs = pipeline.split_model(copy.deepcopy(model), counts)[rank]
+    first, last = rank == 0, rank == N - 1
+    result = pipeline.pipeline_step(
+        ours, comm, num_microbatches, x=x if first else None, y=y if last else None,
+        loss_fn=nn.functional.mse_loss if last else None, schedule=schedule)
+    stage = PipelineStage(theirs, rank, N, torch.device("cpu"), group=dist.group.WORLD)
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    runner = cls(stage, num_microbatches, loss_fn=nn.functional.mse_loss)
+    losses = []
+    if first:
+        runner.step(x)
+    elif last:
+        runner.step(target=y, losses=losses)
+    else:
+        runner.step()
+    grad = max(float((a.grad - b.grad).abs().max())
+               for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
+    loss = abs(result.loss - float(torch.stack(losses).mean())) if last else None
+    return {"stage": rank, "grad": grad, "loss": loss}

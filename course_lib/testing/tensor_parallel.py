@@ -1,0 +1,178 @@
+"""What runs on the ranks to check the from-scratch tensor parallelism against one process and
+against torch's own (``torch.distributed.tensor.parallel``).
+
+Introduced in notebooks/09_model_parallelism.ipynb. Every rank builds the same unsplit MLP from a
+seed, splits it with :mod:`course_lib.tensor_parallel` over the first ``world_size`` ranks, runs
+forward and backward on the same input and compares with the unsplit model in one process::
+
+    runs = cluster.run(testing.tensor_parallel.tp_matches_one_process, 2)  # None past rank 1
+    runs[0]["max"], runs[0]["counts"]         # ~1e-16 in float64, {'forward': 1, 'backward': 1}
+    cluster.run(testing.tensor_parallel.tp_matches_torch)[0]["max"]       # ours vs torch's TP
+
+A parameter's gradient is compared shard to slice: rank r's column-parallel weight gradient with
+rows ``layer.rows`` of the unsplit one, a row-parallel one with columns ``layer.cols``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from course_lib.comm import TorchComm
+from course_lib.engine import ENGINE
+from course_lib.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    RowParallelLinear,
+    TensorParallel,
+)
+
+ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
+
+
+def subgroup(world_size=None):
+    """The process group of ranks ``0 .. world_size-1`` (None: the whole world). Every rank must
+    call it; a subgroup is made once per size and kept until the process group is made again.
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    if world_size is None or world_size == world:
+        return None
+    if not 1 <= world_size <= world:
+        raise ValueError(f"world_size must be in 1..{world}, not {world_size!r}")
+    groups = ENGINE.setdefault("subgroups", {})  # shared with checks/lab02: the same groups
+    if world_size not in groups:
+        groups[world_size] = dist.new_group(list(range(world_size)))
+    return groups[world_size]
+
+
+def reference_model(kind="mlp", blocks=1, d_model=12, hidden=16, activation="gelu", seed=0):
+    """The unsplit float64 model, the same on every rank: ``blocks`` MLP blocks
+    (``Sequential(Linear, act, Linear)`` each) for ``kind="mlp"``, or one
+    ``Linear(d_model, hidden)`` for ``kind="gather"`` (split with ``gather_output=True``).
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if kind == "gather":
+            return nn.Linear(d_model, hidden).double()
+        if kind != "mlp":
+            raise ValueError(f"kind must be 'mlp' or 'gather', not {kind!r}")
+        mlps = [nn.Sequential(nn.Linear(d_model, hidden), ACTIVATIONS[activation](),
+                              nn.Linear(hidden, d_model)) for _ in range(blocks)]
+        return (mlps[0] if blocks == 1 else nn.Sequential(*mlps)).double()
+
+
+def split_reference_model(model, tp):
+    """``reference_model``'s model split over ``tp``'s ranks (its weights copied, not shared).
+
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    if isinstance(model, nn.Linear):
+        return ColumnParallelLinear.from_linear(model, tp, gather_output=True)
+    if isinstance(model[0], nn.Linear):
+        return ParallelMLP.from_mlp(model, tp)
+    return nn.Sequential(*[ParallelMLP.from_mlp(block, tp) for block in model])
+
+
+def _input(model, batch, seed):
+    """The input, the same on every rank: ``batch`` rows of the first layer's width."""
+    first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    return torch.randn(batch, first.in_features, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64)
+
+
+def _forward_backward(net, x, seed, input_grad=True):
+    """Output and input gradient (None without ``input_grad``) of ``sum(net(x) * w)``, ``w``
+    random from ``seed``."""
+    x = x.detach().clone().requires_grad_(input_grad)
+    out = net(x)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed),
+                    dtype=out.dtype)
+    (out * w).sum().backward()
+    return out.detach(), x.grad
+
+
+def _slice_of(layer, name, full):
+    """The part of an unsplit parameter (or gradient) that ``layer`` holds on this rank."""
+    if isinstance(layer, ColumnParallelLinear):
+        return full[layer.rows[0]:layer.rows[1]]
+    if isinstance(layer, RowParallelLinear) and name == "weight":
+        return full[:, layer.cols[0]:layer.cols[1]]
+    return full
+
+
+def compare_with_one_process(comm, batch=8, d_model=12, hidden=16, seed=0, blocks=1, kind="mlp",
+                             activation="gelu", input_grad=True):
+    """Split the reference model over ``comm``'s ranks and compare with it, unsplit, here.
+
+    Returns ``{"output", "input_grad": max abs difference, "param_grads": {name: difference},
+    "max": the largest, "counts": the collectives, {"forward": n, "backward": n}}``.
+    ``input_grad=False``: the input needs no gradient (as a network's first layer's), so the
+    first layer's backward allreduce is skipped and "input_grad" is None.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    model = reference_model(kind, blocks, d_model, hidden, activation, seed)
+    tp = TensorParallel(comm)
+    net = split_reference_model(model, tp)
+    x = _input(model, batch, seed + 1)
+    ref_out, ref_dx = _forward_backward(model, x, seed + 2, input_grad)
+    out, dx = _forward_backward(net, x, seed + 2, input_grad)
+    full = dict(model.named_parameters())
+    grads = {}
+    for name, p in net.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        layer = net.get_submodule(owner) if owner else net
+        grads[name] = float((p.grad - _slice_of(layer, leaf, full[name].grad)).abs().max())
+    diffs = {"output": float((out - ref_out).abs().max()),
+             "input_grad": None if dx is None else float((dx - ref_dx).abs().max()),
+             "param_grads": grads}
+    diffs["max"] = max(diffs["output"], diffs["input_grad"] or 0.0, *grads.values())
+    diffs["counts"] = dict(tp.counts)
+    return diffs
+
+
+def tp_matches_one_process(world_size=None, batch=8, d_model=12, hidden=16, seed=0, blocks=1,
+                           kind="mlp", activation="gelu", input_grad=True):
+    """On every rank: ``compare_with_one_process`` over the first ``world_size`` ranks (default
+    all); the other ranks return None. Introduced in notebooks/09_model_parallelism.ipynb."""
+    import torch.distributed as dist
+    group = subgroup(world_size)
+    if group is not None and dist.get_rank() >= world_size:
+        return None
+    return compare_with_one_process(TorchComm(group), batch, d_model, hidden, seed, blocks, kind,
+                                    activation, input_grad)
+
+
+def tp_matches_torch(world_size=None, batch=8, d_model=12, hidden=16, seed=0, activation="gelu"):
+    """On every rank: one MLP block split by us and by torch (``parallelize_module`` with
+    ``{"0": ColwiseParallel(), "2": RowwiseParallel()}`` on a CPU DeviceMesh over Gloo), forward
+    and backward on the same input. Returns the max abs differences ``{"output", "input_grad",
+    "param_grads": {name: ours vs torch's local shard}, "max"}``; None past ``world_size``.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+    group = subgroup(world_size)
+    if group is not None and dist.get_rank() >= world_size:
+        return None
+    model = reference_model("mlp", 1, d_model, hidden, activation, seed)
+    ours = ParallelMLP.from_mlp(model, TensorParallel(TorchComm(group)))
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+    theirs = parallelize_module(copy.deepcopy(model), mesh,
+                                {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = _input(model, batch, seed + 1)
+    out, dx = _forward_backward(ours, x, seed + 2)
+    t_out, t_dx = _forward_backward(theirs, x, seed + 2)
+    mine = dict(ours.named_parameters())
+    grads = {name: float((mine[name].grad - p.grad.to_local()).abs().max())
+             for name, p in theirs.named_parameters()}
+    diffs = {"output": float((out - t_out).abs().max()),
+             "input_grad": float((dx - t_dx).abs().max()), "param_grads": grads}
+    diffs["max"] = max(diffs["output"], diffs["input_grad"], *grads.values())
+    return diffs

@@ -1,0 +1,104 @@
+"""Pipeline parallelism: schedules and simulator, every schedule equal to one process and to
+torch.distributed.pipelining, a dead stage named within the deadline, the benchmark's rows."""
+
+import pytest
+import torch
+
+from course_lib import pipeline as P
+from course_lib.testing import pipeline as K
+
+CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
+
+
+@pytest.mark.parametrize("N,M", [(2, 1), (2, 4), (4, 2), (4, 8), (3, 16)])
+def test_simulated_bubble_is_the_formula_and_1f1b_keeps_at_most_n_alive(N, M):
+    for schedule in ("gpipe", "1f1b"):
+        sim = P.simulate(schedule, N, M, t_forward=1.0, t_backward=2.0)
+        assert sim.bubble == pytest.approx(P.bubble_fraction(N, M))
+        assert sim.makespan == pytest.approx((M + N - 1) * 3.0)
+    assert P.simulate("gpipe", N, M).peak_live == [M] * N
+    assert P.simulate("1f1b", N, M).peak_live == [min(N - s, M) for s in range(N)]
+    naive = P.simulate("naive", N, M)
+    assert naive.bubble == pytest.approx(P.bubble_fraction(N, 1)) and naive.peak_live == [1] * N
+
+
+def test_1f1b_order_warms_up_alternates_and_cools_down():
+    assert P.schedule_order("1f1b", 0, 3, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0),
+                                                 ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert P.schedule_order("1f1b", 2, 3, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1),
+                                                 ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    assert P.schedule_order("1f1b", 0, 4, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+def test_an_order_that_deadlocks_is_named():
+    bad = [[("F", 0), ("B", 0), ("F", 1), ("B", 1)], [("F", 1), ("B", 1), ("F", 0), ("B", 0)]]
+    with pytest.raises(ValueError, match="deadlock"):
+        P.simulate("1f1b", 2, 2, orders=bad)
+
+
+def test_bad_arguments_are_clear():
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        P.schedule_order("zigzag", 0, 2, 2)
+    with pytest.raises(ValueError, match="num_microbatches must be >= 1"):
+        P.schedule_order("gpipe", 0, 2, 0)
+    with pytest.raises(ValueError, match="cannot make 4 stages"):
+        P.balance([1.0, 2.0], 4)
+    with pytest.raises(ValueError, match="add up to the model's 3 layers"):
+        P.split_model(torch.nn.Sequential(*[torch.nn.Tanh()] * 3), [1, 1])
+
+
+def test_balance_minimises_the_slowest_stage():
+    assert P.balance([1, 1, 5, 1, 1, 1], 3) == [2, 1, 3]
+    assert P.balance([1.0] * 7, 3) in ([3, 2, 2], [2, 3, 2], [2, 2, 3])
+    assert P.balance([4, 1, 1, 1, 1], 2) == [1, 4]
+
+
+@pytest.mark.parametrize("schedule", P.SCHEDULES)
+@pytest.mark.parametrize("M", [1, 3, 16])
+def test_every_schedule_equals_one_process(cluster, schedule, M):
+    reports = cluster.run(K.pipeline_matches_one_process, schedule, M)
+    assert max(r["grad"] for r in reports) < 1e-10, reports
+    assert reports[-1]["loss"] < 1e-10
+    expected = P.simulate(schedule, 4, M).peak_live
+    assert [r["peak_live"] for r in reports] == expected
+
+
+def test_uneven_stages_on_three_ranks_with_fewer_microbatches_than_stages(cluster):
+    reports = cluster.run(K.pipeline_matches_one_process, "1f1b", 2, [1, 4, 2], num_layers=7,
+                          world_size=3)
+    assert reports[3] is None
+    assert max(r["grad"] for r in reports[:3]) < 1e-10 and reports[2]["loss"] < 1e-10
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_same_loss_and_gradients_as_torch_pipelining(cluster, schedule):
+    reports = cluster.run(K.torch_pipelining_matches, schedule, 4)
+    assert max(r["grad"] for r in reports) < 1e-10, reports
+    assert reports[-1]["loss"] < 1e-10
+
+
+def test_a_stage_that_never_sends_is_named_on_every_rank_within_the_deadline(cluster):
+    reports = cluster.run(K.silent_stage, 1, 2.0, timeout=30)
+    for rank, (message, seconds) in enumerate(reports):
+        if rank == 1:
+            assert message == "silent"
+            continue
+        assert message.startswith(f"stage {rank} (rank {rank}):"), message
+        assert seconds < 2.0 * 3 + 3  # each stage's own deadline, the chain of them at worst
+    assert "from stage 1" in reports[2][0] or "from stage 1" in reports[0][0]
+    assert cluster.run(K.pipeline_matches_one_process, "1f1b", 4)[-1]["loss"] < 1e-10
+
+
+def test_bench_rows_put_the_measurement_beside_the_prediction(cluster):
+    from course_lib.bench import pipeline as bench
+    rows = bench.measure(cluster, stages=[2, 4], schedules=["gpipe", "1f1b"],
+                         microbatches=[1, 4], forward_s=0.005, backward_s=0.01)
+    assert [(r["stages"], r["schedule"], r["microbatches"]) for r in rows] == [
+        (N, s, M) for N in (2, 4) for s in ("gpipe", "1f1b") for M in (1, 4)]
+    for r in rows:
+        assert r["formula_bubble"] == pytest.approx(P.bubble_fraction(r["stages"],
+                                                                      r["microbatches"]))
+        assert r["peak_live"] == r["simulated_peak_live"]
+        assert 0 < r["bubble"] < 1 and r["step_ms"] > 0 and r["simulated_ms"] > 0
+    text = bench.format_table(rows)
+    assert "formula" in text and "ceiling" in text
