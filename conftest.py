@@ -15,5 +15,5 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if os.environ.get(SHARED_ENV) == str(os.getpid()):
         from course_lib.launch import clean_clusters
-        clean_clusters(owner=os.getpid())
+        clean_clusters(shared_by=os.getpid())
         del os.environ[SHARED_ENV]

@@ -49,6 +49,8 @@ from course_lib.launch import (
     stop_and_reap,
 )
 
+SETUP_TIMEOUT = 60  # s: engines report and create their process group within this
+
 
 class ClusterError(RuntimeError):
     """A cluster call failed; the message names the ranks concerned.
@@ -99,7 +101,12 @@ class Cluster:
     def _setup(self):
         """Order engines into ranks, pick the backend, and create the process group."""
         ids = sorted(self.client.ids)
-        probes = self.client[ids].apply_sync(probe_engine)
+        ar = self.client[ids].apply_async(probe_engine)
+        try:
+            probes = ar.get(timeout=SETUP_TIMEOUT)
+        except ipp.error.TimeoutError:
+            raise ClusterError(f"engines {ids} did not answer within {SETUP_TIMEOUT}s (is the "
+                               "controller alive?): start a new cluster") from None
         order = sorted(range(len(ids)), key=lambda i: (probes[i]["mpi_rank"] is None,
                                                        probes[i]["mpi_rank"], i))
         self.engine_ids = [ids[i] for i in order]

@@ -137,7 +137,23 @@ def data_parallel(cluster, out_dir):
              f"{rows[0]['vs_torch']:.2f}x torch DDP's", error < 1e-10)]
 
 
-PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel]
+def pipeline(cluster, out_dir):
+    """A 1F1B pipeline over every rank: gradients equal to one process, and the bubble of
+    sleeping stages (10 ms forward, 20 ms backward) measured against (N-1)/(M+N-1)
+    (notebooks/09_model_parallelism.ipynb)."""
+    from course_lib.pipeline import bubble_fraction
+    from course_lib.testing import pipeline as runs
+    M = 2 * cluster.n
+    error = max(r["grad"] for r in cluster.run(runs.pipeline_matches_one_process, "1f1b", M))
+    bubble, seconds = runs.measured_bubble(cluster.run(runs.timed_step, "1f1b", M, 0.01, 0.02))
+    formula = bubble_fraction(cluster.n, M)
+    return [(f"1F1B pipeline, {cluster.n} stages, {M} micro-batches",
+             f"gradients differ from one process by {error:.1e}; bubble {bubble:.2f} measured, "
+             f"{formula:.2f} by (N-1)/(M+N-1)", error < 1e-10 and abs(bubble - formula) < 0.1)]
+
+
+PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel,
+         pipeline]
 
 
 def _plot_losses(runs, best, path):

@@ -66,9 +66,10 @@ def _owner_alive(cluster_id):
     return psutil.pid_exists(int(owner))
 
 
-def clean_clusters(all=False, owner=None):
+def clean_clusters(all=False, shared_by=None):
     """Stop clusters left behind by a killed notebook kernel (all of ours with ``all=True``,
-    those a process kept running with ``owner=`` its pid).
+    the shared ones a test session kept running with ``shared_by=`` its pid; see
+    ``cluster.SHARED_ENV``).
 
     Returns the ids of the clusters stopped. ``python -m course_lib cluster clean`` calls this.
     Introduced in notebooks/00_welcome_and_cluster.ipynb.
@@ -81,7 +82,8 @@ def clean_clusters(all=False, owner=None):
     except Exception:  # noqa: BLE001 - no profile yet: nothing to clean
         return stopped
     for c in clusters.values():
-        if all or not _owner_alive(c.cluster_id) or _owner(c.cluster_id) == str(owner):
+        shared = c.cluster_id.startswith(f"{shared_by}-shared-")
+        if all or not _owner_alive(c.cluster_id) or shared:
             try:
                 stop_and_reap(c)
             except Exception:  # noqa: BLE001 - already half gone: remove what is left

@@ -65,6 +65,22 @@ def schedule_order(schedule, stage, num_stages, num_microbatches):
     return order + [("B", m) for m in range(M - warmup, M)]
 
 
+def check_order(order, stage, num_microbatches):
+    """Raise ValueError unless ``order`` runs ``("F", m)`` and then ``("B", m)`` exactly once
+    for every micro-batch m < M. Introduced in notebooks/09_model_parallelism.ipynb."""
+    expected = {(op, m) for op in "FB" for m in range(num_microbatches)}
+    got = [tuple(step) for step in order]
+    if sorted(got) != sorted(expected):
+        missing, extra = sorted(expected - set(got)), sorted(set(got) - expected)
+        raise ValueError(f"stage {stage}: an order runs F and B once for each of the "
+                         f"{num_microbatches} micro-batches; missing {missing}, unexpected "
+                         f"{extra}, {len(got)} steps for {2 * num_microbatches}")
+    for m in range(num_microbatches):
+        if got.index(("B", m)) < got.index(("F", m)):
+            raise ValueError(f"stage {stage}: the backward of micro-batch {m} comes before "
+                             "its forward")
+
+
 Simulation = namedtuple("Simulation", "intervals makespan bubble peak_live")
 
 
@@ -190,7 +206,9 @@ StepResult = namedtuple("StepResult", "loss peak_live peak_activation_bytes")
 
 def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=None,
                   schedule="1f1b", timeline=None, timeout=None):
-    """Forward and backward of one training step for this rank's stage (stage = ``comm.rank``);
+    """Forward and backward of one training step for this rank's stage (stage = ``comm.rank``),
+    in the order of ``schedule``: a name of :data:`SCHEDULES`, or a function
+    ``(stage, num_stages, num_microbatches) -> [("F", m), ("B", m), ...]``;
     the gradients accumulate in ``stage_module``'s parameters, equal to one process on the
     whole batch. Stage 0 passes the batch ``x``, the last stage the targets ``y`` and
     ``loss_fn`` (a mean over the batch). Returns ``StepResult(loss on the last stage else None,
@@ -205,7 +223,11 @@ def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=
         raise ValueError(f"num_microbatches must be in 1..{len(x)} (the batch), "
                          f"not {num_microbatches}")
     timeout = comm.timeout if timeout is None else timeout
-    order = schedule_order(schedule, stage, N, num_microbatches)
+    if callable(schedule):  # a function (stage, num_stages, num_microbatches) -> order
+        order = list(schedule(stage, N, num_microbatches))
+        check_order(order, stage, num_microbatches)
+    else:
+        order = schedule_order(schedule, stage, N, num_microbatches)
     M = len(order) // 2
     saved, live_bytes, peak_bytes, live, peak_live = {}, 0, 0, 0, 0
     inputs, outputs, sends, total = {}, {}, [], 0.0

@@ -165,9 +165,10 @@ def test_clean_stops_the_cluster_of_a_killed_kernel(tmp_path):
     assert alive == []
 
 
-def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel():
+def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
     """With SHARED_ENV (set by an nbval session) a second kernel's start_cluster gets the same
-    engines, with a fresh process group; the session's clean stops them, nothing is left."""
+    engines, with a fresh process group; the session's clean stops them, nothing is left, and
+    the session's other clusters (ids "{pid}-{hex}") live on."""
     script = ("import json\n"
               "from course_lib.cluster import start_cluster, engine_info, allreduce_ranks\n"
               "c = start_cluster(n=2)\n"
@@ -178,13 +179,14 @@ def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel():
     runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                            text=True, timeout=120) for _ in range(2)]
     from course_lib.launch import clean_clusters
-    stopped = clean_clusters(owner=os.getpid())
+    stopped = clean_clusters(shared_by=os.getpid())
     first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert first == second and first[:2] == [True, [1.0, 1.0]], (first, second)
     assert stopped == [f"{os.getpid()}-shared-local-2-1"]
     alive = [p for p in first[2] if psutil.pid_exists(p)
              and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert alive == []
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None and

@@ -119,6 +119,26 @@ def bubble_figure(rows):
     return fig
 
 
+def tp_vs_pp_figure(results):
+    """Step time of tensor vs pipeline parallelism for each link. ``results``: ``{link label:
+    {"tensor": s, "pipeline": s}}`` (the slowest rank's, from
+    ``testing.pipeline.tp_and_pp_on_link``). Introduced in notebooks/09_model_parallelism.ipynb."""
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    labels = list(results)
+    xs = np.arange(len(labels))
+    for k, style in enumerate(("tensor", "pipeline")):
+        ax.bar(xs + (k - 0.5) * 0.38, [1e3 * results[lab][style] for lab in labels], 0.38,
+               label=f"{style} parallel", color=f"C{k}")
+    ax.set_xticks(xs, labels)
+    ax.set_yscale("log")
+    ax.set_ylabel("one training step (ms)")
+    ax.set_title("the same model, the same ranks, the same link: how each style pays", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
 def save_all(out_dir):
     """Write the simulated schedules into ``out_dir``; returns the paths.
     Introduced in notebooks/09_model_parallelism.ipynb."""

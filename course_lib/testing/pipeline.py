@@ -117,6 +117,42 @@ def measured_bubble(reports):
     return 1 - busy / (end - start), end - start
 
 
+def tp_and_pp_on_link(link=None, batch=32, d_model=256, num_microbatches=4, steps=3,
+                      timeout=30.0):
+    """One model of N MLP blocks (d_model -> 4 d_model -> d_model, N = the ranks), trained one
+    step (forward + backward) two ways on the same ranks and the same emulated ``link``: tensor
+    parallel (every block split over all ranks: one allreduce of batch x d_model each way per
+    block) and pipeline parallel (block s on rank s, 1F1B, ``num_microbatches``: point to point
+    between stages). Returns the median seconds of each (``steps`` after one warm-up).
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    from course_lib import netem
+    from course_lib.tensor_parallel import ParallelMLP, TensorParallel
+    comm = get_comm("torch", timeout=timeout)
+    comm.link = netem.make_link(link) if link else None
+    N, rank = comm.world_size, comm.rank
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                          nn.Linear(4 * d_model, d_model)) for _ in range(N)])
+    x, y = make_batch(batch, d_model, dtype=torch.float32)
+    tp = TensorParallel(comm)
+    tp_model = nn.Sequential(*[ParallelMLP.from_mlp(block, tp) for block in model])
+    stage = copy.deepcopy(model[rank])
+    times = {"tensor": [], "pipeline": []}
+    for _ in range(steps + 1):
+        comm.barrier()
+        start = netem.start_together(comm)
+        inp = x.clone().requires_grad_()  # inside a network, a block's input needs a gradient
+        nn.functional.mse_loss(tp_model(inp), y).backward()
+        times["tensor"].append(time.monotonic() - start)
+        comm.barrier()
+        start = netem.start_together(comm)
+        pipeline.pipeline_step(stage, comm, num_microbatches, x=x if rank == 0 else None,
+                               y=y if rank == N - 1 else None,
+                               loss_fn=nn.functional.mse_loss if rank == N - 1 else None)
+        times["pipeline"].append(time.monotonic() - start)
+    return {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
+
+
 def silent_stage(silent=1, timeout=2.0):
     """Every stage runs a 1F1B step but stage ``silent``, which never sends: each other rank
     returns ``(the error's text, seconds until it came)``, the silent one ``("silent", 0)``.
