@@ -160,6 +160,25 @@ def balance(layer_times, num_stages):
     return counts[::-1]
 
 
+def layer_times(model, x, repeats=3):
+    """Seconds of forward + backward of each layer of an ``nn.Sequential`` on the input ``x``
+    (the median of ``repeats``), layer by layer: what :func:`balance` cuts by.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    model(x)  # untimed: the first call of a layer pays for its lazy set-up
+    times, inp = [], x.detach()
+    for layer in model:
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            out = layer(inp.requires_grad_())
+            out.backward(torch.ones_like(out))
+            runs.append(time.perf_counter() - start)
+        times.append(sorted(runs)[len(runs) // 2])
+        inp = out.detach()
+    model.zero_grad(set_to_none=True)
+    return times
+
+
 def split_model(model, counts):
     """The stages of an ``nn.Sequential``: ``counts[s]`` layers each, in order.
 

@@ -102,3 +102,12 @@ def test_bench_rows_put_the_measurement_beside_the_prediction(cluster):
         assert 0 < r["bubble"] < 1 and r["step_ms"] > 0 and r["simulated_ms"] > 0
     text = bench.format_table(rows)
     assert "formula" in text and "ceiling" in text
+
+
+def test_layer_times_time_every_layer_and_leave_no_gradient():
+    model = K.sleeping_model(forward_ms=(1, 2, 4))
+    x, _ = K.make_batch(4, 4, dtype=torch.float32)
+    times = P.layer_times(model, x)
+    assert len(times) == 3 and all(t >= 3 * f / 1e3 for t, f in zip(times, (1, 2, 4), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert sum(P.balance(times, 2)) == 3

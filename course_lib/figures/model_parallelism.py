@@ -132,6 +132,9 @@ def tp_vs_pp_figure(results):
                label=f"{style} parallel", color=f"C{k}")
     ax.set_xticks(xs, labels)
     ax.set_yscale("log")
+    from matplotlib.ticker import FormatStrFormatter
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     ax.set_ylabel("one training step (ms)")
     ax.set_title("the same model, the same ranks, the same link: how each style pays", fontsize=10)
     ax.legend()

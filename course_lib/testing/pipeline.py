@@ -105,6 +105,37 @@ def timed_step(schedule="1f1b", num_microbatches=8, forward_s=0.02, backward_s=0
             "peak_bytes": result.peak_activation_bytes}
 
 
+def sleeping_model(forward_ms=(2, 2, 2, 2, 4, 4, 8, 8)):
+    """One :class:`pipeline.SleepLayer` per entry: ``forward_ms`` in forward and twice that in
+    backward per micro-batch, so layer costs are known and ranks do not compete for cores.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    return nn.Sequential(*[pipeline.SleepLayer(f / 1e3, 2 * f / 1e3) for f in forward_ms])
+
+
+def split_step_seconds(counts, forward_ms=(2, 2, 2, 2, 4, 4, 8, 8), batch=16,
+                       num_microbatches=8, steps=2):
+    """Median seconds of a 1F1B step of :func:`sleeping_model` cut into stages of ``counts``
+    layers, and this stage's busy seconds per step. Introduced in
+    notebooks/09_model_parallelism.ipynb."""
+    from course_lib import netem
+    comm = get_comm("torch")
+    rank, N = comm.rank, comm.world_size
+    stage = pipeline.split_model(sleeping_model(forward_ms), counts)[rank]
+    x, y = make_batch(batch, 4, dtype=torch.float32)
+    seconds, busy = [], []
+    for _ in range(steps + 1):
+        tl = Timeline(rank)
+        comm.barrier()
+        start = netem.start_together(comm)
+        pipeline.pipeline_step(stage, comm, num_microbatches, x=x if rank == 0 else None,
+                               y=y if rank == N - 1 else None,
+                               loss_fn=nn.functional.mse_loss if rank == N - 1 else None,
+                               timeline=tl)
+        seconds.append(time.monotonic() - start)
+        busy.append(sum(e.end - e.start for e in tl.events if e.cat in ("forward", "backward")))
+    return {"seconds": sorted(seconds[1:])[steps // 2], "busy": sorted(busy[1:])[steps // 2]}
+
+
 def measured_bubble(reports):
     """From every stage's report of :func:`timed_step`: ``(bubble, step seconds)``, the idle
     share of the busiest stage over the step (first start to last end of any stage).
