@@ -85,37 +85,44 @@ Simulation = namedtuple("Simulation", "intervals makespan bubble peak_live")
 
 
 def simulate(schedule, num_stages, num_microbatches, t_forward=1.0, t_backward=2.0,
-             t_message=0.0, orders=None):
+             t_message=0.0, orders=None, virtual_stages=1):
     """Play a schedule with fixed times per micro-batch: forward and backward of one stage, and
     one message between stages. ``orders``: each stage's own order (default
-    :func:`schedule_order`). Returns ``Simulation(intervals, makespan, bubble, peak_live)``:
+    :func:`schedule_order`; ``"interleaved"`` with ``virtual_stages`` = v chunks per rank:
+    :func:`interleaved_order`). Returns ``Simulation(intervals, makespan, bubble, peak_live)``:
     ``intervals[s]`` = [(op, m, start, end)], bubble = idle share of the busiest stage,
     ``peak_live[s]`` = most micro-batches whose activations stage s holds at once.
 
     Introduced in notebooks/09_model_parallelism.ipynb."""
-    N = num_stages
+    N, v = num_stages, virtual_stages if schedule == "interleaved" else 1
+    if orders is None and schedule == "interleaved":
+        orders = [interleaved_order(s, N, num_microbatches, v) for s in range(N)]
     orders = orders or [schedule_order(schedule, s, N, num_microbatches) for s in range(N)]
+    # every op runs on a virtual stage: stage s itself, or chunk c of rank s = c * N + s
+    orders = [[(op, m, step[2] * N + s if len(step) > 2 else s) for step in order
+               for op, m in [step[:2]]] for s, order in enumerate(orders)]
+    last = N * v - 1
     end, free, nxt = {}, [0.0] * N, [0] * N
     intervals = [[] for _ in range(N)]
     while any(nxt[s] < len(orders[s]) for s in range(N)):
         progressed = False
         for s in range(N):
             while nxt[s] < len(orders[s]):
-                op, m = orders[s][nxt[s]]
+                op, m, k = orders[s][nxt[s]]
                 # a forward needs the previous stage's forward of m; a backward the next
                 # stage's backward of m (the last stage: its own forward of m)
-                dep = (("F", s - 1, m) if s else None) if op == "F" else \
-                      (("B", s + 1, m) if s < N - 1 else ("F", s, m))
+                dep = (("F", k - 1, m) if k else None) if op == "F" else \
+                      (("B", k + 1, m) if k < last else ("F", k, m))
                 if dep is not None and dep not in end:
                     break
-                ready = 0.0 if dep is None else end[dep] + (t_message if dep[1] != s else 0)
+                ready = 0.0 if dep is None else end[dep] + (t_message if dep[1] != k else 0)
                 start = max(free[s], ready)
-                free[s] = end[(op, s, m)] = start + (t_forward if op == "F" else t_backward)
+                free[s] = end[(op, k, m)] = start + (t_forward if op == "F" else t_backward) / v
                 intervals[s].append((op, m, start, free[s]))
                 nxt[s] += 1
                 progressed = True
         if not progressed:
-            stuck = {s: orders[s][nxt[s]] for s in range(N) if nxt[s] < len(orders[s])}
+            stuck = {s: orders[s][nxt[s]][:2] for s in range(N) if nxt[s] < len(orders[s])}
             raise ValueError(f"the orders deadlock: each stage waits for another ({stuck})")
     makespan = max(free)
     busy = max(sum(e - b for _, _, b, e in row) for row in intervals)
@@ -123,9 +130,32 @@ def simulate(schedule, num_stages, num_microbatches, t_forward=1.0, t_backward=2
                       [_peak_live(order) for order in orders])
 
 
+def interleaved_order(stage, num_stages, num_microbatches, virtual_stages=2):
+    """Interleaved 1F1B (Narayanan et al. 2021): rank ``stage`` holds v chunks of layers
+    (virtual stages stage, stage + N, ...) and runs ``("F", m, chunk)`` / ``("B", m, chunk)``
+    for each: micro-batches in groups of N, chunk by chunk; a warm-up of
+    2(N - stage - 1) + (v - 1) N forwards, then one forward and one backward. M must be a
+    multiple of N. Introduced in notebooks/09_model_parallelism.ipynb."""
+    N, M, v = num_stages, num_microbatches, virtual_stages
+    if M % N:
+        raise ValueError(f"interleaved 1F1B runs micro-batches in groups of the {N} stages: "
+                         f"num_microbatches={M} is not a multiple of {N}")
+
+    def step(op, k):  # the k-th forward (or backward) of this rank
+        group, chunk = divmod(k, N * v)
+        chunk //= N
+        return (op, group * N + k % N, chunk if op == "F" else v - 1 - chunk)
+    total = M * v
+    warmup = min(2 * (N - stage - 1) + (v - 1) * N, total)
+    order = [step("F", k) for k in range(warmup)]
+    for k in range(warmup, total):
+        order += [step("F", k), step("B", k - warmup)]
+    return order + [step("B", k) for k in range(total - warmup, total)]
+
+
 def _peak_live(order):
     live = peak = 0
-    for op, _ in order:
+    for op, *_ in order:
         live += 1 if op == "F" else -1
         peak = max(peak, live)
     return peak

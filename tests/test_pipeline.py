@@ -111,3 +111,15 @@ def test_layer_times_time_every_layer_and_leave_no_gradient():
     assert len(times) == 3 and all(t >= 3 * f / 1e3 for t, f in zip(times, (1, 2, 4), strict=True))
     assert all(p.grad is None for p in model.parameters())
     assert sum(P.balance(times, 2)) == 3
+
+
+@pytest.mark.parametrize("N,M,v", [(2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 16, 4), (3, 9, 3)])
+def test_interleaved_bubble_is_the_formula_with_v_chunks(N, M, v):
+    sim = P.simulate("interleaved", N, M, t_forward=1.0, t_backward=2.0, virtual_stages=v)
+    assert sim.bubble == pytest.approx(P.bubble_fraction(N, M, v))
+    for s in range(N):
+        order = P.interleaved_order(s, N, M, v)
+        assert sorted(order) == sorted((op, m, c) for op in "FB" for m in range(M)
+                                       for c in range(v))
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        P.interleaved_order(0, 4, 6, 2)

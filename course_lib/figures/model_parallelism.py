@@ -38,20 +38,26 @@ def simulated_gantt(sim, ax, title=None):
 
 
 def schedules_figure(num_stages=4, num_microbatches=8, t_forward=1.0, t_backward=2.0):
-    """Naive, GPipe and 1F1B on N stages, simulated one under the other, for the same batch:
+    """Naive, GPipe, 1F1B and interleaved 1F1B (2 chunks per rank) on N stages, simulated one
+    under the other, for the same batch:
     the naive schedule's one piece is M micro-batches' work. Time unit: one micro-batch's
     forward. Introduced in notebooks/09_model_parallelism.ipynb."""
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(3, 1, figsize=(10, 6.5), sharex=True)
+    schedules = [*pipeline.SCHEDULES, "interleaved"]
+    fig, axes = plt.subplots(len(schedules), 1, figsize=(10, 8.5), sharex=True)
     longest = 0.0
-    for ax, schedule in zip(axes, pipeline.SCHEDULES, strict=True):
+    for ax, schedule in zip(axes, schedules, strict=True):
         k = num_microbatches if schedule == "naive" else 1  # the whole batch at once
         sim = pipeline.simulate(schedule, num_stages, num_microbatches, k * t_forward,
-                                k * t_backward)
+                                k * t_backward, virtual_stages=2)
         M = 1 if schedule == "naive" else num_microbatches
-        simulated_gantt(sim, ax, f"{schedule} (M = {M}): {sim.makespan:g} units, bubble "
-                        f"{sim.bubble:.0%} = (N-1)/(M+N-1), at most {max(sim.peak_live)} "
-                        "micro-batch(es) alive")
+        if schedule == "interleaved":
+            title = (f"interleaved 1F1B, 2 chunks per rank (M = {M}): {sim.makespan:g} units, "
+                     f"bubble {sim.bubble:.0%} = (N-1)/(2M+N-1), each box half a stage")
+        else:
+            title = (f"{schedule} (M = {M}): {sim.makespan:g} units, bubble {sim.bubble:.0%} = "
+                     f"(N-1)/(M+N-1), at most {max(sim.peak_live)} micro-batch(es) alive")
+        simulated_gantt(sim, ax, title)
         ax.set_xlabel("")
         longest = max(longest, sim.makespan)
     axes[-1].set_xlim(0, longest)
