@@ -1,0 +1,114 @@
+"""What tests and notebook 10 run on every rank: ZeRO stages against one process on the global
+batch and against torch FSDP2 (``fully_shard``). Introduced in
+notebooks/10_sharded_data_parallelism.ipynb."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from course_lib.comm import TorchComm, get_comm
+from course_lib.data import shard_bounds
+from course_lib.zero import ZeroDataParallel
+
+OPTIMIZERS = {
+    "adam": lambda params: torch.optim.Adam(params, lr=0.05),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+}
+
+
+def make_model(seed=0, sizes=(5, 7, 3)):
+    """A float64 MLP whose layer sizes the world sizes 2-4 do not divide (42 and 24
+    parameters). Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(sizes[0], sizes[1]), nn.Tanh(),
+                         nn.Linear(sizes[1], sizes[2])).double()
+
+
+def make_data(batch=12, sizes=(5, 7, 3), seed=1):
+    """The global batch, the same on every rank. Introduced in
+    notebooks/10_sharded_data_parallelism.ipynb."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, sizes[0], generator=g, dtype=torch.float64),
+            torch.randn(batch, sizes[-1], generator=g, dtype=torch.float64))
+
+
+def _comm(world_size):
+    """This rank's comm over the first ``world_size`` ranks (None outside them)."""
+    import torch.distributed as dist
+    comm = get_comm("torch")
+    if world_size is None or world_size == comm.world_size:
+        return comm
+    from course_lib.testing.tensor_parallel import subgroup
+    group = subgroup(world_size)
+    return TorchComm(group) if dist.get_rank() < world_size else None
+
+
+def one_process(optimizer="adam", steps=3, batch=12, seed=0):
+    """The reference: the whole model, the whole batch, one process. Returns the parameters.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    model = make_model(seed)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    x, y = make_data(batch)
+    for _ in range(steps):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def zero_matches_one_process(stage, optimizer="adam", steps=3, world_size=None,
+                             algorithm="ring", batch=12, seed=0):
+    """``steps`` of ZeRO ``stage`` on this rank's rows of the global batch; returns the largest
+    difference of the parameters from :func:`one_process` and this rank's memory by kind, or
+    None outside ``world_size``. Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    comm = _comm(world_size)
+    if comm is None:
+        return None
+    model = ZeroDataParallel(make_model(seed), OPTIMIZERS[optimizer], comm, stage, algorithm)
+    peak = [0]
+
+    def record(module, args):  # runs after the unit's own gather: what the forward holds
+        peak[0] = max(peak[0], model.memory()["parameters"])
+    for unit in model.units:
+        unit.module.register_forward_pre_hook(record)
+    x, y = make_data(batch)
+    a, b = shard_bounds(batch, comm.rank, comm.world_size)
+    for _ in range(steps):
+        nn.functional.mse_loss(model(x[a:b]), y[a:b]).backward()
+        model.step()
+    reference = one_process(optimizer, steps, batch, seed)
+    diff = max(float((p - q).abs().max())
+               for p, q in zip(model.full_parameters(), reference, strict=True))
+    return {"diff": diff, "memory": model.memory(), "at_update": model.memory_at_update,
+            "peak_parameters_in_forward": peak[0], "world_size": comm.world_size}
+
+
+def fsdp2_matches(stage=3, optimizer="adam", steps=3, batch=12, seed=0):
+    """The same training with torch FSDP2 (``fully_shard`` on each layer, then the model, over
+    every rank) and with ZeRO ``stage``; returns the largest difference of their parameters.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    comm = get_comm("torch")
+    x, y = make_data(batch)
+    a, b = shard_bounds(batch, comm.rank, comm.world_size)
+    ours = ZeroDataParallel(make_model(seed), OPTIMIZERS[optimizer], comm, stage)
+    theirs = copy.deepcopy(make_model(seed))
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+    for layer in theirs:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    opt = OPTIMIZERS[optimizer](theirs.parameters())
+    for _ in range(steps):
+        nn.functional.mse_loss(ours(x[a:b]), y[a:b]).backward()
+        ours.step()
+        nn.functional.mse_loss(theirs(x[a:b]), y[a:b]).backward()
+        opt.step()
+        opt.zero_grad()
+    full = [p.full_tensor().detach() for p in theirs.parameters()]
+    return max(float((p - q).abs().max())
+               for p, q in zip(ours.full_parameters(), full, strict=True))

@@ -1,0 +1,78 @@
+"""ZeRO stages 0-3: equal to one process on the global batch at world sizes 1-4, with Adam and
+SGD with momentum, over the course's ring and the native collectives; equal to torch FSDP2; the
+memory each stage holds follows the ZeRO paper's accounting."""
+
+import pytest
+import torch
+
+from course_lib import zero
+from course_lib.testing import zero as K
+
+CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
+
+
+def test_one_rank_is_one_process():
+    from course_lib.comm import Comm
+    for stage in zero.STAGES:
+        model = zero.ZeroDataParallel(K.make_model(), K.OPTIMIZERS["adam"], Comm(0, 1), stage)
+        x, y = K.make_data()
+        for _ in range(3):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            model.step()
+        for p, q in zip(model.full_parameters(), K.one_process(), strict=True):
+            assert torch.allclose(p, q, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("stage", zero.STAGES)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_stage_equals_one_process_with_adam(cluster, stage, world_size):
+    reports = [r for r in cluster.run(K.zero_matches_one_process, stage, "adam",
+                                      world_size=world_size) if r]
+    assert len(reports) == world_size
+    assert max(r["diff"] for r in reports) < 1e-10, reports
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("algorithm", ["ring", "native"])
+def test_sgd_with_momentum_and_native_collectives(cluster, stage, algorithm):
+    reports = cluster.run(K.zero_matches_one_process, stage, "sgd", algorithm=algorithm)
+    assert max(r["diff"] for r in reports) < 1e-10, reports
+
+
+def test_same_parameters_as_torch_fsdp2(cluster):
+    assert max(cluster.run(K.fsdp2_matches, 3, "adam")) < 1e-10
+
+
+def test_each_stage_holds_what_the_paper_says(cluster):
+    """Bytes held after a step, per rank, on 4 ranks: Adam's two numbers per parameter sharded
+    from stage 1, gradients from stage 2 (freed), parameters from stage 3 (freed)."""
+    psi = sum(p.numel() for p in K.make_model().parameters()) * 8  # float64 bytes
+    held = {s: cluster.run(K.zero_matches_one_process, s, "adam")[0]["memory"]
+            for s in zero.STAGES}
+    assert held[0]["parameters"] == psi and held[0]["optimizer"] == 2 * psi
+    shard = psi / 4 + 2 * 8  # a quarter, plus at most one element for each of the 2 units
+    assert held[1]["optimizer"] <= 2 * shard
+    assert held[1]["parameters"] == held[2]["parameters"] == psi
+    assert held[2]["gradients"] == 0 and held[3]["gradients"] == 0  # freed after the step
+    assert held[3]["parameters"] == 0 and held[3]["shards"] <= shard
+    peak = {s: cluster.run(K.zero_matches_one_process, s, "adam")[0]["peak_parameters_in_forward"]
+            for s in (1, 3)}
+    assert peak[1] == psi and peak[3] == 42 * 8  # stage 3: one layer (the larger) at a time
+
+
+def test_bad_arguments_are_clear():
+    from course_lib.comm import Comm
+    with pytest.raises(ValueError, match="stage must be one of"):
+        zero.ZeroDataParallel(K.make_model(), K.OPTIMIZERS["adam"], Comm(0, 1), stage=4)
+    with pytest.raises(ValueError, match="algorithm must be"):
+        zero.ZeroDataParallel(K.make_model(), K.OPTIMIZERS["adam"], Comm(0, 1), 1, "tree")
+
+
+def test_the_papers_accounting():
+    for N in (1, 2, 4):
+        ddp, s1, s2, s3 = (zero.zero_memory(1000, N, s, optimizer_numbers=12,
+                                            bytes_per_number=1) for s in zero.STAGES)
+        assert ddp["total"] == (1 + 1 + 12) * 1000
+        assert s1["total"] == 2 * 1000 + 12 * 1000 / N
+        assert s2["total"] == 1000 + (1 + 12) * 1000 / N
+        assert s3["total"] == (1 + 1 + 12) * 1000 / N
