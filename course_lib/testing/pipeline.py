@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from course_lib import pipeline
-from course_lib.comm import TorchComm, get_comm
+from course_lib.comm import get_comm
+from course_lib.testing.subgroups import subgroup_comm
 from course_lib.timeline import Timeline
 
 
@@ -33,15 +34,6 @@ def make_batch(batch=16, width=8, seed=1, dtype=torch.float64):
             torch.randn(batch, width, generator=g, dtype=dtype))
 
 
-def _stage_comm(world_size, timeout):
-    import torch.distributed as dist
-    comm = get_comm("torch", timeout=timeout)
-    if world_size is None or world_size == comm.world_size:
-        return comm
-    group = dist.new_group(list(range(world_size)))  # every rank must call this
-    return TorchComm(group, timeout=timeout) if comm.rank < world_size else None
-
-
 def pipeline_matches_one_process(schedule="1f1b", num_microbatches=4, counts=None,
                                  num_layers=6, batch=16, width=8, world_size=None, seed=0,
                                  timeout=10.0):
@@ -49,7 +41,7 @@ def pipeline_matches_one_process(schedule="1f1b", num_microbatches=4, counts=Non
     (on every rank); returns ``{"grad": max difference of the stage's gradients, "loss":
     difference of the loss (last stage, else None), "peak_live": ..., "stage": rank}``, or None
     on ranks outside ``world_size``. Introduced in notebooks/09_model_parallelism.ipynb."""
-    comm = _stage_comm(world_size, timeout)
+    comm = subgroup_comm(world_size, timeout)
     if comm is None:
         return None
     N = comm.world_size
@@ -81,7 +73,7 @@ def timed_step(schedule="1f1b", num_microbatches=8, forward_s=0.02, backward_s=0
     of saved activations; None outside ``world_size``.
     Introduced in notebooks/09_model_parallelism.ipynb."""
     from course_lib import netem
-    comm = _stage_comm(world_size, timeout)
+    comm = subgroup_comm(world_size, timeout)
     if comm is None:
         return None
     if link is not None:

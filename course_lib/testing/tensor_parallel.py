@@ -21,32 +21,15 @@ import torch
 from torch import nn
 
 from course_lib.comm import TorchComm
-from course_lib.engine import ENGINE
 from course_lib.tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,
     RowParallelLinear,
     TensorParallel,
 )
+from course_lib.testing.subgroups import subgroup
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
-
-
-def subgroup(world_size=None):
-    """The process group of ranks ``0 .. world_size-1`` (None: the whole world). Every rank must
-    call it; a subgroup is made once per size and kept until the process group is made again.
-
-    Introduced in notebooks/09_model_parallelism.ipynb."""
-    import torch.distributed as dist
-    world = dist.get_world_size()
-    if world_size is None or world_size == world:
-        return None
-    if not 1 <= world_size <= world:
-        raise ValueError(f"world_size must be in 1..{world}, not {world_size!r}")
-    groups = ENGINE.setdefault("subgroups", {})  # shared with checks/lab02: the same groups
-    if world_size not in groups:
-        groups[world_size] = dist.new_group(list(range(world_size)))
-    return groups[world_size]
 
 
 def reference_model(kind="mlp", blocks=1, d_model=12, hidden=16, activation="gelu", seed=0):

@@ -9,8 +9,9 @@ import copy
 import torch
 from torch import nn
 
-from course_lib.comm import TorchComm, get_comm
+from course_lib.comm import get_comm
 from course_lib.data import shard_bounds
+from course_lib.testing.subgroups import subgroup_comm
 from course_lib.zero import ZeroDataParallel
 
 OPTIMIZERS = {
@@ -35,17 +36,6 @@ def make_data(batch=12, sizes=(5, 7, 3), seed=1):
             torch.randn(batch, sizes[-1], generator=g, dtype=torch.float64))
 
 
-def _comm(world_size):
-    """This rank's comm over the first ``world_size`` ranks (None outside them)."""
-    import torch.distributed as dist
-    comm = get_comm("torch")
-    if world_size is None or world_size == comm.world_size:
-        return comm
-    from course_lib.testing.tensor_parallel import subgroup
-    group = subgroup(world_size)
-    return TorchComm(group) if dist.get_rank() < world_size else None
-
-
 def one_process(optimizer="adam", steps=3, batch=12, seed=0):
     """The reference: the whole model, the whole batch, one process. Returns the parameters.
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
@@ -64,7 +54,7 @@ def zero_matches_one_process(stage, optimizer="adam", steps=3, world_size=None,
     """``steps`` of ZeRO ``stage`` on this rank's rows of the global batch; returns the largest
     difference of the parameters from :func:`one_process` and this rank's memory by kind, or
     None outside ``world_size``. Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
-    comm = _comm(world_size)
+    comm = subgroup_comm(world_size)
     if comm is None:
         return None
     model = ZeroDataParallel(make_model(seed), OPTIMIZERS[optimizer], comm, stage, algorithm)
