@@ -7,7 +7,7 @@ For N stages and M micro-batches the table shows the measured bubble (the busies
 share of the step, from every stage's timeline) beside (N-1)/(M+N-1), the step time beside the
 schedule simulator's, and the live micro-batches and activation bytes each schedule keeps::
 
-    python -m course_lib bench pipeline                      # N = 2, 4; M = 1..16, ~40 s
+    python -m course_lib bench pipeline                      # N = 2, 4; M = 1..16, ~1 min
     python -m course_lib bench pipeline --stages 4 --microbatches 8 --link 1Gbit/s
 
 The machine's ceiling printed beside: the fixed cost of one pipeline slot on this machine (a
@@ -27,7 +27,7 @@ COLUMNS = ["stages", "schedule", "microbatches", "step_ms", "simulated_ms", "bub
 
 
 def measure(cluster, stages=(2, 4), schedules=("gpipe", "1f1b"), microbatches=(1, 2, 4, 8, 16),
-            forward_s=0.02, backward_s=0.04, compute_layers=0, width=16, link=None,
+            forward_s=0.04, backward_s=0.08, compute_layers=0, width=16, link=None,
             batch=None):
     """One row per (N, schedule, M), measured on ``cluster`` (its first N ranks for each N).
     ``batch``: rows of the whole batch (default: one row per micro-batch).
@@ -99,8 +99,9 @@ def arguments(parser):
                                                           example="1,4,16")),
       default=[1, 2, 4, 8, 16], help="M, a comma list (default 1,2,4,8,16)")
     a("--schedules", default="gpipe,1f1b", help="comma list of naive, gpipe, 1f1b")
-    a("--forward-ms", type=float, default=20.0, help="each stage's sleep per forward (20)")
-    a("--backward-ms", type=float, default=40.0, help="each stage's sleep per backward (40)")
+    # 40 ms per forward: the machine's ~1 ms per pipeline slot stays under 5 points of bubble
+    a("--forward-ms", type=float, default=40.0, help="each stage's sleep per forward (40)")
+    a("--backward-ms", type=float, default=80.0, help="each stage's sleep per backward (80)")
     a("--compute", type=int, default=0, metavar="LAYERS",
       help="real compute instead of sleeping: this many Linear layers per stage")
     a("--width", type=int, default=16, help="features per layer and activation (default 16)")
