@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import namedtuple
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -282,7 +283,7 @@ def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=
     inputs, outputs, sends, total = {}, {}, [], 0.0
 
     def span(name, cat):
-        return timeline.span(name, cat) if timeline is not None else _nothing()
+        return timeline.span(name, cat) if timeline is not None else nullcontext()
 
     def recv(buf, peer, tag, what, m):
         try:
@@ -347,10 +348,3 @@ def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=
                             f"{e}") from e
     return StepResult(total if last else None, peak_live, peak_bytes)
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

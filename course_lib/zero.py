@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from course_lib.collectives import ring_allgather, ring_reduce_scatter
+from course_lib.collectives import allreduce, ring_allgather, ring_reduce_scatter
 from course_lib.data import shard_bounds
 
 STAGES = (0, 1, 2, 3)  # 0: plain data parallelism (an allreduce), for comparison
@@ -88,6 +88,17 @@ def _reduce_scatter(flat, comm, algorithm):
     if algorithm == "ring":
         ring_reduce_scatter(flat, comm, check=False)
     else:  # Gloo has no reduce-scatter of uneven chunks: an allreduce gives every chunk
+        import torch.distributed as dist
+        dist.all_reduce(flat, group=getattr(comm, "group", None))
+
+
+def _allreduce(flat, comm, algorithm):
+    """Sum ``flat`` over the ranks (DDP): the ring's reduce-scatter then all-gather, or Gloo's."""
+    if comm.world_size == 1:
+        return
+    if algorithm == "ring":
+        allreduce(flat, comm, "ring", check=False)
+    else:
         import torch.distributed as dist
         dist.all_reduce(flat, group=getattr(comm, "group", None))
 
@@ -161,9 +172,7 @@ class ZeroDataParallel(nn.Module):
         if self.stage == 0:  # data parallelism: allreduce the full gradients
             for unit in self.units:
                 flat = _flatten([p.grad for p in unit.params])
-                _reduce_scatter(flat, self.comm, self.algorithm)  # the ring: then all-gather
-                if self.algorithm == "ring" and self.comm.world_size > 1:
-                    ring_allgather(flat, self.comm, check=False)
+                _allreduce(flat, self.comm, self.algorithm)
                 flat /= self.comm.world_size
                 offset = 0
                 for p in unit.params:

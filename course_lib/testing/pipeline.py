@@ -34,6 +34,17 @@ def make_batch(batch=16, width=8, seed=1, dtype=torch.float64):
             torch.randn(batch, width, generator=g, dtype=dtype))
 
 
+def run_stage(stage, comm, num_microbatches, x, y, schedule="1f1b", timeline=None):
+    """``pipeline.pipeline_step`` of this rank's ``stage`` with MSE: the batch ``x`` goes to
+    the first stage, the targets ``y`` to the last. Introduced in
+    notebooks/09_model_parallelism.ipynb."""
+    first, last = comm.rank == 0, comm.rank == comm.world_size - 1
+    return pipeline.pipeline_step(stage, comm, num_microbatches, x=x if first else None,
+                                  y=y if last else None,
+                                  loss_fn=nn.functional.mse_loss if last else None,
+                                  schedule=schedule, timeline=timeline)
+
+
 def pipeline_matches_one_process(schedule="1f1b", num_microbatches=4, counts=None,
                                  num_layers=6, batch=16, width=8, world_size=None, seed=0,
                                  timeout=10.0):
@@ -50,10 +61,8 @@ def pipeline_matches_one_process(schedule="1f1b", num_microbatches=4, counts=Non
     counts = counts or pipeline.balance([1.0] * num_layers, N)
     stages = pipeline.split_model(copy.deepcopy(model), counts)
     mine = stages[comm.rank]
-    first, last = comm.rank == 0, comm.rank == N - 1
-    result = pipeline.pipeline_step(
-        mine, comm, num_microbatches, x=x if first else None, y=y if last else None,
-        loss_fn=nn.functional.mse_loss if last else None, schedule=schedule)
+    last = comm.rank == N - 1
+    result = run_stage(mine, comm, num_microbatches, x, y, schedule)
     loss = nn.functional.mse_loss(model(x), y)  # the reference: one process, whole batch
     loss.backward()
     reference = pipeline.split_model(model, counts)[comm.rank]
@@ -78,7 +87,7 @@ def timed_step(schedule="1f1b", num_microbatches=8, forward_s=0.02, backward_s=0
         return None
     if link is not None:
         comm.link = netem.make_link(link)
-    N, rank = comm.world_size, comm.rank
+    rank = comm.rank
     stage = (make_mlp(compute_layers, width, seed=rank, dtype=torch.float32) if compute_layers
              else pipeline.SleepLayer(forward_s, backward_s))
     x, y = make_batch(batch or num_microbatches, width, dtype=torch.float32)
@@ -87,11 +96,7 @@ def timed_step(schedule="1f1b", num_microbatches=8, forward_s=0.02, backward_s=0
         comm.barrier()
         netem.start_together(comm)  # every stage starts at one agreed instant
         start = tl.now()
-        result = pipeline.pipeline_step(
-            stage, comm, num_microbatches, x=x if rank == 0 else None,
-            y=y if rank == N - 1 else None,
-            loss_fn=nn.functional.mse_loss if rank == N - 1 else None,
-            schedule=schedule, timeline=tl)
+        result = run_stage(stage, comm, num_microbatches, x, y, schedule, tl)
         elapsed = tl.now() - start
     return {"timeline": tl, "start": start, "seconds": elapsed, "peak_live": result.peak_live,
             "peak_bytes": result.peak_activation_bytes}
@@ -111,7 +116,7 @@ def split_step_seconds(counts, forward_ms=(2, 2, 2, 2, 4, 4, 8, 8), batch=16,
     notebooks/09_model_parallelism.ipynb."""
     from course_lib import netem
     comm = get_comm("torch")
-    rank, N = comm.rank, comm.world_size
+    rank = comm.rank
     stage = pipeline.split_model(sleeping_model(forward_ms), counts)[rank]
     x, y = make_batch(batch, 4, dtype=torch.float32)
     seconds, busy = [], []
@@ -119,10 +124,7 @@ def split_step_seconds(counts, forward_ms=(2, 2, 2, 2, 4, 4, 8, 8), batch=16,
         tl = Timeline(rank)
         comm.barrier()
         start = netem.start_together(comm)
-        pipeline.pipeline_step(stage, comm, num_microbatches, x=x if rank == 0 else None,
-                               y=y if rank == N - 1 else None,
-                               loss_fn=nn.functional.mse_loss if rank == N - 1 else None,
-                               timeline=tl)
+        run_stage(stage, comm, num_microbatches, x, y, timeline=tl)
         seconds.append(time.monotonic() - start)
         busy.append(sum(e.end - e.start for e in tl.events if e.cat in ("forward", "backward")))
     return {"seconds": sorted(seconds[1:])[steps // 2], "busy": sorted(busy[1:])[steps // 2]}
@@ -169,9 +171,7 @@ def tp_and_pp_on_link(link=None, batch=32, d_model=256, num_microbatches=4, step
         times["tensor"].append(time.monotonic() - start)
         comm.barrier()
         start = netem.start_together(comm)
-        pipeline.pipeline_step(stage, comm, num_microbatches, x=x if rank == 0 else None,
-                               y=y if rank == N - 1 else None,
-                               loss_fn=nn.functional.mse_loss if rank == N - 1 else None)
+        run_stage(stage, comm, num_microbatches, x, y)
         times["pipeline"].append(time.monotonic() - start)
     return {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
 
@@ -188,9 +188,7 @@ def silent_stage(silent=1, timeout=2.0):
     x, y = make_batch(8, 8)
     t = time.monotonic()
     try:
-        pipeline.pipeline_step(pipeline.split_model(model, [1] * N)[rank], comm, 4,
-                               x=x if rank == 0 else None, y=y if rank == N - 1 else None,
-                               loss_fn=nn.functional.mse_loss if rank == N - 1 else None)
+        run_stage(pipeline.split_model(model, [1] * N)[rank], comm, 4, x, y)
     except pipeline.PipelineError as e:
         return str(e), time.monotonic() - t
     return "finished", time.monotonic() - t
@@ -212,9 +210,7 @@ def torch_pipelining_matches(schedule="1f1b", num_microbatches=4, num_layers=6, 
     ours = pipeline.split_model(copy.deepcopy(model), counts)[rank]
     theirs = pipeline.split_model(copy.deepcopy(model), counts)[rank]
     first, last = rank == 0, rank == N - 1
-    result = pipeline.pipeline_step(
-        ours, comm, num_microbatches, x=x if first else None, y=y if last else None,
-        loss_fn=nn.functional.mse_loss if last else None, schedule=schedule)
+    result = run_stage(ours, comm, num_microbatches, x, y, schedule)
     stage = PipelineStage(theirs, rank, N, torch.device("cpu"), group=dist.group.WORLD)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     runner = cls(stage, num_microbatches, loss_fn=nn.functional.mse_loss)
