@@ -179,6 +179,8 @@ class Comm:
     ``check_sizes="always"`` checks those too (``bench allreduce --check-messages`` measures
     what the check costs). A receive buffer *longer* than its message is an error too: MPI
     would accept it and leave the tail as it was, which hides an off-by-one.
+    ``bytes_sent`` counts the payload bytes sent so far (what notebook 10 compares between
+    data parallelism and ZeRO).
 
     Introduced in notebooks/02_parallel_computing.ipynb."""
 
@@ -190,6 +192,7 @@ class Comm:
         # the emulated link: this comm's own, else the process's (start_cluster(link=...))
         self.link = netem.current() if link is None else netem.make_link(link)
         self._unposted = {}  # (peer, tag) -> checked receives waiting for their sizes, in order
+        self.bytes_sent = 0  # payload bytes this comm has sent (size headers not counted)
 
     def _checked(self, check_size):
         """Whether a message carries its size: the call's choice, else the comm's."""
@@ -296,6 +299,7 @@ class TorchComm(Comm):
         dst = self._peer(dst, _op)
         t = self._tensor(buf)
         req = Request(self, _op, "send", dst, buf, None, tag, self._checked(check_size))
+        self.bytes_sent += nbytes(t)
         if req.checked or self.link is not None:  # header: [bytes, emulated link's stamp in ns]
             import torch
             stamp = 0
@@ -430,6 +434,7 @@ class MpiComm(Comm):
     def isend(self, buf, dst, tag=0, check_size=None, _op="isend"):
         dst = self._peer(dst, _op)  # an MPI message carries its size: nothing to add
         req = Request(self, _op, "send", dst, buf, None, tag)
+        self.bytes_sent += nbytes(buf)
         if self.link is not None:  # the stamp goes first, in a message of its own
             start, req.end = netem.send_stamp(self.link, nbytes(buf))
             stamp = np.array([start])

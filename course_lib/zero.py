@@ -43,13 +43,15 @@ def _flatten(tensors):
 class _Unit:
     """One module's parameters as a flat vector, sharded over the ranks."""
 
-    def __init__(self, module, comm):
+    def __init__(self, module, comm, sharded=True):
         self.module, self.comm = module, comm
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
         self.start, self.stop = shard_bounds(self.numel, comm.rank, comm.world_size)
-        with torch.no_grad():
-            self.shard = _flatten(self.params)[self.start:self.stop].clone()  # what rank owns
+        with torch.no_grad():  # what this rank owns (data parallelism: nothing of its own)
+            self.shard = (_flatten(self.params)[self.start:self.stop].clone() if sharded
+                          else None)
+        self.reduced = False  # its gradients of this step are reduce-scattered already
 
     def gather(self, algorithm):
         """Every rank's shard into a full flat vector, copied into the parameters."""
@@ -71,11 +73,22 @@ class _Unit:
 
     def reduce_scatter_grads(self, algorithm, keep_full):
         """Sum the gradients over the ranks; this rank's shard of the mean becomes the shard's
-        gradient. ``keep_full=False`` frees the full gradients (stages 2 and 3)."""
+        gradient. ``keep_full=True`` (stage 1) keeps the full gradients as views of the one
+        flat buffer that is reduce-scattered, as DDP's buckets do (their other chunks then
+        hold partial sums, which nothing reads); ``False`` frees them (stages 2 and 3)."""
         flat = _flatten([p.grad if p.grad is not None else torch.zeros_like(p)
                          for p in self.params])
+        if keep_full:  # the gradients become views of ``flat``: one copy, not two
+            offset = 0
+            for p in self.params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
         _reduce_scatter(flat, self.comm, algorithm)
-        self.shard.grad = flat[self.start:self.stop] / self.comm.world_size
+        mine = flat[self.start:self.stop].div_(self.comm.world_size)
+        if not keep_full:  # a copy: a view would keep the whole buffer alive
+            mine = mine.clone()
+        self.shard.grad = mine if self.shard.grad is None else self.shard.grad + mine
+        self.reduced = True
         if not keep_full:
             for p in self.params:
                 p.grad = None
@@ -114,52 +127,80 @@ def _all_gather(full, comm, algorithm):
         dist.all_reduce(full, group=getattr(comm, "group", None))
 
 
+class DoesNotFit(MemoryError):
+    """The training state would not fit the memory budget of a rank: raised before training,
+    with the numbers. Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+
+
 class ZeroDataParallel(nn.Module):
     """``module`` trained data-parallel with ZeRO ``stage`` 0-3 over ``comm`` (see the module
     docstring). ``make_optimizer(shards)`` builds the optimizer over this rank's shards (stage
     0: over all parameters). ``algorithm``: "ring" (the course's collectives) or "native".
+    ``memory_budget``: bytes a rank may hold for the training state; a model whose state would
+    not fit (by :func:`planned_memory`, with ``optimizer_numbers`` numbers of optimizer state per
+    parameter: Adam's 2) raises :class:`DoesNotFit` before anything is sharded, and a step that
+    held more raises it after. One ``backward`` per ``step`` (or several: gradients add up).
 
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
 
-    def __init__(self, module, make_optimizer, comm, stage=1, algorithm="ring"):
+    def __init__(self, module, make_optimizer, comm, stage=1, algorithm="ring",
+                 memory_budget=None, optimizer_numbers=2):
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
         if algorithm not in ("ring", "native"):
             raise ValueError(f"algorithm must be 'ring' or 'native', not {algorithm!r}")
         self.module, self.comm, self.stage, self.algorithm = module, comm, stage, algorithm
+        self.memory_budget = memory_budget
+        if memory_budget is not None:
+            plan = planned_memory(module, comm.world_size, stage, optimizer_numbers)
+            if plan["total"] > memory_budget:
+                raise DoesNotFit(does_not_fit_message(module, comm.world_size, stage,
+                                                      memory_budget, optimizer_numbers))
         self.memory_at_update = None  # memory() just before the last optimizer update
-        children = [m for m in module.children() if any(True for _ in m.parameters())]
-        units = children if children and sum(
-            sum(p.numel() for p in m.parameters()) for m in children) == sum(
-            p.numel() for p in module.parameters()) else [module]
-        self.units = [_Unit(m, comm) for m in units]
+        self.peak = None              # memory() when this rank held the most, since reset_peak()
+        self.units = [_Unit(m, comm, sharded=stage > 0) for m in units_of(module)]
         if stage == 0:
             self.optimizer = make_optimizer([p for u in self.units for p in u.params])
         else:
             self.optimizer = make_optimizer([u.shard for u in self.units])
-        if stage == 3:
-            for unit in self.units:
+        for unit in self.units:
+            if stage == 3:
                 unit.release()
-                self._hook(unit)
+                self._gather_around(unit)
+            if stage >= 2:
+                self._reduce_when_ready(unit)
 
-    def _hook(self, unit):
+    def _gather_around(self, unit):
         """Stage 3: gather a unit's parameters before its forward and before its backward,
-        free them after each."""
+        free them after its forward (and, in ``_reduce_when_ready``, after its backward)."""
         module, algorithm = unit.module, self.algorithm
+
+        def before_forward(m, args):
+            unit.gather(algorithm)
+            self._note_peak()
+
         def after_forward(m, args, out):
             unit.release()
             if torch.is_tensor(out) and out.requires_grad:  # its gradient arrives first
                 out.register_hook(lambda grad: unit.gather(algorithm))
-        module.register_forward_pre_hook(lambda m, args: unit.gather(algorithm))
+        module.register_forward_pre_hook(before_forward)
         module.register_forward_hook(after_forward)
-        done = set()
 
-        def grad_ready(p):  # after the unit's last gradient of this backward: free it
-            done.add(id(p))
-            if len(done) == len(unit.params):
-                done.clear()
-                unit.release()
+    def _reduce_when_ready(self, unit):
+        """Stages 2-3: as soon as a unit's gradients are all in (during the backward), reduce-
+        scatter them and free the full gradients (stage 3: and the parameters), so that at most
+        one unit's full gradients exist at a time."""
+        ready = set()
+
+        def grad_ready(p):
+            ready.add(id(p))
+            if len(ready) == len(unit.params):
+                ready.clear()
+                self._note_peak()  # the unit's full gradients, before they are freed
+                unit.reduce_scatter_grads(self.algorithm, keep_full=False)
+                if self.stage == 3:
+                    unit.release()
         for p in unit.params:
             p.register_post_accumulate_grad_hook(grad_ready)
 
@@ -178,22 +219,26 @@ class ZeroDataParallel(nn.Module):
                 for p in unit.params:
                     p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
-            self.memory_at_update = self.memory()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        for unit in self.units:
-            unit.reduce_scatter_grads(self.algorithm, keep_full=self.stage == 1)
-        self.memory_at_update = self.memory()  # what the update needs: the most state held
+        for unit in self.units:  # stage 1; stages 2-3: a unit the backward did not reach
+            if self.stage and not unit.reduced:
+                unit.reduce_scatter_grads(self.algorithm, keep_full=self.stage == 1)
+                if self.stage == 3:
+                    unit.release()
+            unit.reduced = False
+        self.memory_at_update = self._note_peak()  # the update needs the gradients: the most
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         for unit in self.units:
-            if self.stage < 3:
+            if self.stage in (1, 2):
                 unit.gather(self.algorithm)
-            else:  # a unit whose input needs no gradient misses its after-backward hook
-                unit.release()
-            for p in unit.params:
-                p.grad = None
+            if self.stage:
+                for p in unit.params:
+                    p.grad = None
+        self._note_peak()  # the optimizer state exists from the first update on
+        if self.memory_budget is not None and self.peak["total"] > self.memory_budget:
+            raise DoesNotFit(f"rank {self.comm.rank}: ZeRO stage {self.stage} held "
+                             f"{self.peak['total']} bytes, more than the budget of "
+                             f"{self.memory_budget}: {self.peak}")
 
     def full_parameters(self):
         """Every parameter, whole (stage 3 gathers them for the moment), as detached copies."""
@@ -208,19 +253,105 @@ class ZeroDataParallel(nn.Module):
 
     def memory(self):
         """Bytes this rank holds now, by kind: full parameters, gradients (full and shards),
-        optimizer state, parameter shards. (``memory_at_update``: the same just before the
-        last update, when the gradients are held.)"""
-        def size(t):
-            return t.untyped_storage().size() if t is not None else 0
+        optimizer state, parameter shards, and their total. (``memory_at_update``: the same just
+        before the last update; ``peak``: when the total was largest.)"""
+        seen = set()  # a storage counts once: stage 1's gradients are views of one buffer
+
+        def size(tensors):
+            total = 0
+            for t in tensors:
+                if t is not None and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().size()
+            return total
         params = [p for u in self.units for p in u.params]
-        state = [v for s in self.optimizer.state.values() for v in s.values()
-                 if torch.is_tensor(v) and v.dim() > 0]
         shards = [u.shard for u in self.units] if self.stage else []
-        return {"parameters": sum(size(p) for p in params),
-                "gradients": sum(size(p.grad) for p in params)
-                + sum(size(s.grad) for s in shards),
-                "optimizer": sum(size(v) for v in state),
-                "shards": sum(size(s) for s in shards)}
+        held = {"parameters": size(params),
+                "gradients": size([p.grad for p in params] + [s.grad for s in shards]),
+                "optimizer": size(v for s in self.optimizer.state.values() for v in s.values()
+                                  if torch.is_tensor(v) and v.dim() > 0),
+                "shards": size(shards)}
+        held["total"] = sum(held.values())
+        return held
+
+    def _note_peak(self):
+        held = self.memory()
+        if self.peak is None or held["total"] > self.peak["total"]:
+            self.peak = held
+        return held
+
+    def reset_peak(self):
+        """Forget the peak: ``peak`` then tracks from now on."""
+        self.peak = None
+
+
+def units_of(module):
+    """The units ZeRO shards one at a time: the top-level children with parameters, if they
+    hold them all, else the whole module. Introduced in
+    notebooks/10_sharded_data_parallelism.ipynb."""
+    children = [m for m in module.children() if any(True for _ in m.parameters())]
+    if children and sum(_numel(m) for m in children) == _numel(module):
+        return children
+    return [module]
+
+
+def _numel(module):
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+
+def planned_memory(module, world_size, stage, optimizer_numbers=2):
+    """Bytes one rank of ``world_size`` will hold at most while training ``module`` with
+    :class:`ZeroDataParallel` at ``stage``, by kind (as ``memory()`` counts them): the paper's
+    accounting plus what this implementation adds (stages 1-2 keep their parameter shard
+    beside the full parameters; stage 2 the full gradients of one unit during the backward;
+    stage 3 the unit being computed, gathered, with its full gradients).
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    p = next(module.parameters())
+    b, N, K = p.element_size(), world_size, optimizer_numbers
+    sizes = [_numel(m) for m in units_of(module)]
+    psi = sum(sizes)
+    shard = sum(-(-n // N) for n in sizes) if stage else 0  # the first shards are the longest
+    largest = max(sizes)
+    plan = {"parameters": b * (psi if stage < 3 else largest),
+            "gradients": b * {0: psi, 1: psi, 2: largest + shard, 3: largest + shard}[stage],
+            "optimizer": b * K * (shard if stage else psi),
+            "shards": b * shard}
+    plan["total"] = sum(plan.values())
+    return plan
+
+
+def does_not_fit_message(module, world_size, stage, budget, optimizer_numbers=2):
+    """Why the state of ``module`` does not fit ``budget`` bytes per rank at ``stage`` on
+    ``world_size`` ranks, with the numbers and the fewest ranks that would fit.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    plan = planned_memory(module, world_size, stage, optimizer_numbers)
+    parts = ", ".join(f"{kind} {_mb(plan[kind])}" for kind in
+                      ("parameters", "gradients", "optimizer", "shards") if plan[kind])
+    ranks = f"{world_size} rank" + ("s" if world_size > 1 else "")
+    lines = [f"ZeRO stage {stage} on {ranks} needs {_mb(plan['total'])} per rank "
+             f"({parts}), more than the budget of {_mb(budget)}."]
+    fits = [(s, n) for s in STAGES for n in (world_size, 2 * world_size, 4 * world_size,
+                                              8 * world_size, 16 * world_size)
+            if planned_memory(module, n, s, optimizer_numbers)["total"] <= budget]
+    if fits:
+        s, n = min(fits, key=lambda sn: (sn[1], sn[0]))  # fewest ranks, then least sent
+        lines.append(f"It would fit with stage {s} on {n} ranks "
+                     f"({_mb(planned_memory(module, n, s, optimizer_numbers)['total'])}).")
+    else:
+        largest = max(_numel(m) for m in units_of(module)) * next(module.parameters()).element_size()
+        lines.append(f"Even sharding over {16 * world_size} ranks does not fit: at stage 3 a "
+                     f"rank still gathers its largest unit whole ({_mb(2 * largest)} with its "
+                     "gradients); split that layer (tensor parallelism, notebook 09) or raise "
+                     "the budget.")
+    return "\n".join(lines)
+
+
+def _mb(n_bytes):
+    """1234567 -> '1.18 MiB', 1216 -> '1.19 KiB', 96 -> '96 B'."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= size:
+            return f"{n_bytes / size:.2f} {unit}"
+    return f"{n_bytes:.0f} B"
 
 
 def zero_memory(num_params, world_size, stage, optimizer_numbers=2, bytes_per_number=4):

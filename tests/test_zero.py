@@ -76,3 +76,56 @@ def test_the_papers_accounting():
         assert s1["total"] == 2 * 1000 + 12 * 1000 / N
         assert s2["total"] == 1000 + (1 + 12) * 1000 / N
         assert s3["total"] == (1 + 1 + 12) * 1000 / N
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_peak_held_is_the_plan(cluster, world_size):
+    """What a rank held at its peak, counted from its tensors, equals planned_memory: the plan
+    that the memory budget is checked against before training."""
+    for stage in zero.STAGES:
+        reports = [r for r in cluster.run(K.zero_matches_one_process, stage, "adam",
+                                          world_size=world_size) if r]
+        for r in reports:
+            assert r["peak"]["total"] <= r["plan"]["total"], (stage, r["peak"], r["plan"])
+            assert r["peak"]["total"] >= 0.9 * r["plan"]["total"], (stage, r["peak"], r["plan"])
+
+
+def test_a_model_that_does_not_fit_is_refused_before_training():
+    from course_lib.comm import Comm
+    model = K.make_model()
+    need = zero.planned_memory(model, 1, 0)["total"]
+    with pytest.raises(zero.DoesNotFit, match=r"(?s)ZeRO stage 0 on 1 rank.*budget.*would fit"):
+        zero.ZeroDataParallel(model, K.OPTIMIZERS["adam"], Comm(0, 1), 0, memory_budget=need - 1)
+    assert all(p.untyped_storage().size() for p in model.parameters())  # nothing was freed
+    plan3 = zero.planned_memory(model, 4, 3)
+    assert plan3["total"] < need  # 2 units: the larger one, gathered, dominates
+    tiny = zero.does_not_fit_message(model, 4, 3, budget=100)
+    assert "Even sharding" in tiny and "largest unit" in tiny
+
+
+def test_bench_counts_what_each_stage_sends_and_holds(cluster):
+    """bench zero on 1 and 2 ranks of a small model: the bytes counted equal the formula (DDP,
+    stages 1-2: 2(N-1)/N x params; stage 3: 3(N-1)/N), and what a rank held is the plan and
+    within 10% of the paper's accounting."""
+    from course_lib.bench import zero as bench
+    rows = bench.measure(cluster, ranks=(1, 2), layers=16, width=16, batch=8, steps=2)
+    assert len(rows) == 2 * len(bench.IMPLEMENTATIONS)
+    for r in rows:
+        if r["implementation"] in ("torch-ddp", "fsdp2"):
+            assert r["sent_mib"] is None and r["held_mib"] is None
+            continue
+        assert r["sent_mib"] == pytest.approx(r["formula_sent_mib"], rel=1e-9, abs=1e-12), r
+        assert r["held_mib"] <= r["planned_mib"]
+        assert r["held_mib"] == pytest.approx(r["paper_mib"], rel=0.1), r
+    zero3 = next(r for r in rows if r["implementation"] == "zero3" and r["ranks"] == 2)
+    ddp = next(r for r in rows if r["implementation"] == "ddp" and r["ranks"] == 2)
+    assert zero3["sent_mib"] == pytest.approx(1.5 * ddp["sent_mib"])
+    text = bench.format_table(rows)
+    assert "ZeRO-3 (ring)" in text and "torch FSDP2" in text and "# ceiling" in text
+
+
+def test_bench_refuses_bad_options(capsys):
+    from course_lib.__main__ import main
+    assert main(["bench", "zero", "--implementations", "zero4"]) == 2
+    assert "zero4" in capsys.readouterr().err
+    assert main(["bench", "zero", "--ranks", "1,4", "--batch", "2"]) == 2

@@ -12,7 +12,7 @@ from torch import nn
 from course_lib.comm import get_comm
 from course_lib.data import shard_bounds
 from course_lib.testing.subgroups import subgroup_comm
-from course_lib.zero import ZeroDataParallel
+from course_lib.zero import ZeroDataParallel, planned_memory
 
 OPTIMIZERS = {
     "adam": lambda params: torch.optim.Adam(params, lr=0.05),
@@ -73,6 +73,7 @@ def zero_matches_one_process(stage, optimizer="adam", steps=3, world_size=None,
     diff = max(float((p - q).abs().max())
                for p, q in zip(model.full_parameters(), reference, strict=True))
     return {"diff": diff, "memory": model.memory(), "at_update": model.memory_at_update,
+            "peak": model.peak, "plan": planned_memory(make_model(seed), comm.world_size, stage),
             "peak_parameters_in_forward": peak[0], "world_size": comm.world_size}
 
 
