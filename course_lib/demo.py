@@ -152,8 +152,29 @@ def pipeline(cluster, out_dir):
              f"{formula:.2f} by (N-1)/(M+N-1)", error < 1e-10 and abs(bubble - formula) < 0.1)]
 
 
+def sharded(cluster, out_dir):
+    """ZeRO-3 over every rank: the memory a rank holds against DDP's, training under a budget
+    one process cannot, and the same parameters as torch FSDP2
+    (notebooks/10_sharded_data_parallelism.ipynb)."""
+    from course_lib import zero
+    from course_lib.testing import zero as runs
+    one = zero.planned_memory(runs.deep_model(), 1, 0)["total"]
+    # 10% above what ZeRO-3 on these ranks needs: 42% of what one process (or a DDP rank)
+    # holds on 4 ranks, 60% on 2
+    budget = int(1.1 * zero.planned_memory(runs.deep_model(), cluster.n, 3)["total"])
+    reports = cluster.run(runs.train_under_budget, budget, 3)
+    held = max(r["peak"]["total"] for r in reports)
+    fsdp = max(cluster.run(runs.fsdp2_matches, 3, "adam"))
+    ok = (all(r["refused"] is None for r in reports) and held <= budget
+          and max(r["diff"] for r in reports) < 1e-10 and fsdp < 1e-10)
+    return [(f"ZeRO-3, {cluster.n} ranks, budget {budget / 1024:.0f} KiB per rank",
+             f"holds {held / 1024:.0f} KiB per rank vs DDP's {one / 1024:.0f} KiB; equal to one "
+             f"process ({max(r['diff'] for r in reports):.0e}) and to torch FSDP2 ({fsdp:.0e})",
+             ok)]
+
+
 PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel,
-         pipeline]
+         pipeline, sharded]
 
 
 def _plot_losses(runs, best, path):

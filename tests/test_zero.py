@@ -129,3 +129,19 @@ def test_bench_refuses_bad_options(capsys):
     assert main(["bench", "zero", "--implementations", "zero4"]) == 2
     assert "zero4" in capsys.readouterr().err
     assert main(["bench", "zero", "--ranks", "1,4", "--batch", "2"]) == 2
+
+
+def test_zero3_trains_under_a_budget_one_process_cannot(cluster):
+    """A budget of 40% of what one process needs: refused on 1 rank (before training, with the
+    numbers); ZeRO-3 on 4 ranks trains under it, equal to one process without a budget; a
+    budget below one gathered layer is refused even on 4 ranks."""
+    one = zero.planned_memory(K.deep_model(), 1, 0)["total"]
+    budget = int(0.4 * one)
+    alone = cluster.run(K.train_under_budget, budget, 0, world_size=1)[0]
+    assert alone["refused"] and "more than the budget" in alone["refused"], alone
+    sharded = [r for r in cluster.run(K.train_under_budget, budget, 3) if r]
+    assert all(r["refused"] is None for r in sharded), sharded
+    assert max(r["peak"]["total"] for r in sharded) <= budget
+    assert max(r["diff"] for r in sharded) < 1e-10
+    tiny = cluster.run(K.train_under_budget, 2000, 3)
+    assert all("Even sharding" in r["refused"] for r in tiny), tiny

@@ -103,3 +103,51 @@ def fsdp2_matches(stage=3, optimizer="adam", steps=3, batch=12, seed=0):
     full = [p.full_tensor().detach() for p in theirs.parameters()]
     return max(float((p - q).abs().max())
                for p, q in zip(ours.full_parameters(), full, strict=True))
+
+
+def deep_model(layers=16, width=32, seed=0):
+    """A float64 MLP of ``layers`` Linear(width, width) + Tanh: many equal layers, so that
+    ZeRO-3's one gathered layer is a small part of the whole. Introduced in
+    notebooks/10_sharded_data_parallelism.ipynb."""
+    torch.manual_seed(seed)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*blocks).double()
+
+
+def train_under_budget(budget, stage=3, world_size=None, steps=5, layers=16, width=32,
+                       batch=16, seed=0):
+    """Train :func:`deep_model` with ZeRO ``stage`` under a memory budget of ``budget`` bytes
+    per rank (Adam). Returns this rank's losses, the most it held and the largest difference
+    from one process on the whole batch without a budget; or, when the state does not fit,
+    the refusal (raised before training). None outside ``world_size``.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    from course_lib.zero import DoesNotFit
+    comm = subgroup_comm(world_size)
+    if comm is None:
+        return None
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, width, generator=g, dtype=torch.float64)
+    y = torch.randn(batch, width, generator=g, dtype=torch.float64)
+    try:
+        model = ZeroDataParallel(deep_model(layers, width, seed), OPTIMIZERS["adam"], comm,
+                                 stage, memory_budget=budget)
+    except DoesNotFit as refusal:
+        return {"refused": str(refusal), "world_size": comm.world_size}
+    reference = deep_model(layers, width, seed)
+    optimizer = OPTIMIZERS["adam"](reference.parameters())
+    a, b = shard_bounds(batch, comm.rank, comm.world_size)
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(model(x[a:b]), y[a:b])
+        loss.backward()
+        model.step()
+        losses.append(float(loss))
+        nn.functional.mse_loss(reference(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    diff = max(float((p - q.detach()).abs().max())
+               for p, q in zip(model.full_parameters(), reference.parameters(), strict=True))
+    return {"refused": None, "losses": losses, "peak": model.peak, "diff": diff,
+            "world_size": comm.world_size}
