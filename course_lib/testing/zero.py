@@ -29,19 +29,20 @@ def make_model(seed=0, sizes=(5, 7, 3)):
 
 
 def make_data(batch=12, sizes=(5, 7, 3), seed=1):
-    """The global batch, the same on every rank. Introduced in
-    notebooks/10_sharded_data_parallelism.ipynb."""
+    """The global batch, the same on every rank: inputs of ``sizes[0]`` features, targets of
+    ``sizes[-1]``. Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(batch, sizes[0], generator=g, dtype=torch.float64),
             torch.randn(batch, sizes[-1], generator=g, dtype=torch.float64))
 
 
-def one_process(optimizer="adam", steps=3, batch=12, seed=0):
+def one_process(optimizer="adam", steps=3, batch=12, seed=0, model="small"):
     """The reference: the whole model, the whole batch, one process. Returns the parameters.
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
-    model = make_model(seed)
+    make, sizes = MODELS[model]
+    model = make(seed=seed)
     opt = OPTIMIZERS[optimizer](model.parameters())
-    x, y = make_data(batch)
+    x, y = make_data(batch, sizes)
     for _ in range(steps):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -50,30 +51,36 @@ def one_process(optimizer="adam", steps=3, batch=12, seed=0):
 
 
 def zero_matches_one_process(stage, optimizer="adam", steps=3, world_size=None,
-                             algorithm="ring", batch=12, seed=0):
+                             algorithm="ring", batch=12, seed=0, model="small"):
     """``steps`` of ZeRO ``stage`` on this rank's rows of the global batch; returns the largest
-    difference of the parameters from :func:`one_process` and this rank's memory by kind, or
-    None outside ``world_size``. Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    difference of the parameters from :func:`one_process`, this rank's memory by kind and the
+    bytes it sent per step, or None outside ``world_size``. ``model``: "small" (2 layers,
+    :func:`make_model`) or "deep" (16 layers, :func:`deep_model`).
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
     comm = subgroup_comm(world_size)
     if comm is None:
         return None
-    model = ZeroDataParallel(make_model(seed), OPTIMIZERS[optimizer], comm, stage, algorithm)
+    make, sizes = MODELS[model]
+    name, model = model, ZeroDataParallel(make(seed=seed), OPTIMIZERS[optimizer], comm, stage,
+                                          algorithm)
     peak = [0]
 
     def record(module, args):  # runs after the unit's own gather: what the forward holds
         peak[0] = max(peak[0], model.memory()["parameters"])
     for unit in model.units:
         unit.module.register_forward_pre_hook(record)
-    x, y = make_data(batch)
+    x, y = make_data(batch, sizes)
     a, b = shard_bounds(batch, comm.rank, comm.world_size)
+    sent = comm.bytes_sent
     for _ in range(steps):
         nn.functional.mse_loss(model(x[a:b]), y[a:b]).backward()
         model.step()
-    reference = one_process(optimizer, steps, batch, seed)
+    sent = (comm.bytes_sent - sent) / steps
+    reference = one_process(optimizer, steps, batch, seed, name)
     diff = max(float((p - q).abs().max())
                for p, q in zip(model.full_parameters(), reference, strict=True))
     return {"diff": diff, "memory": model.memory(), "at_update": model.memory_at_update,
-            "peak": model.peak, "plan": planned_memory(make_model(seed), comm.world_size, stage),
+            "peak": model.peak, "sent_per_step": sent, "plan": planned_memory(make(seed=seed), comm.world_size, stage),
             "peak_parameters_in_forward": peak[0], "world_size": comm.world_size}
 
 
@@ -119,9 +126,9 @@ def deep_model(layers=16, width=32, seed=0):
 def train_under_budget(budget, stage=3, world_size=None, steps=5, layers=16, width=32,
                        batch=16, seed=0):
     """Train :func:`deep_model` with ZeRO ``stage`` under a memory budget of ``budget`` bytes
-    per rank (Adam). Returns this rank's losses, the most it held and the largest difference
-    from one process on the whole batch without a budget; or, when the state does not fit,
-    the refusal (raised before training). None outside ``world_size``.
+    per rank (Adam). Returns the losses on the global batch, the most this rank held and the
+    largest difference from one process on the whole batch without a budget; or, when the
+    state does not fit, the refusal (raised before training). None outside ``world_size``.
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
     from course_lib.zero import DoesNotFit
     comm = subgroup_comm(world_size)
@@ -130,24 +137,30 @@ def train_under_budget(budget, stage=3, world_size=None, steps=5, layers=16, wid
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(batch, width, generator=g, dtype=torch.float64)
     y = torch.randn(batch, width, generator=g, dtype=torch.float64)
+    def adam(params):
+        return torch.optim.Adam(params, lr=3e-3)
     try:
-        model = ZeroDataParallel(deep_model(layers, width, seed), OPTIMIZERS["adam"], comm,
-                                 stage, memory_budget=budget)
+        model = ZeroDataParallel(deep_model(layers, width, seed), adam, comm, stage,
+                                 memory_budget=budget)
     except DoesNotFit as refusal:
         return {"refused": str(refusal), "world_size": comm.world_size}
     reference = deep_model(layers, width, seed)
-    optimizer = OPTIMIZERS["adam"](reference.parameters())
+    optimizer = adam(reference.parameters())
     a, b = shard_bounds(batch, comm.rank, comm.world_size)
     losses = []
     for _ in range(steps):
         loss = nn.functional.mse_loss(model(x[a:b]), y[a:b])
         loss.backward()
         model.step()
-        losses.append(float(loss))
-        nn.functional.mse_loss(reference(x), y).backward()
+        whole = nn.functional.mse_loss(reference(x), y)  # the global batch's loss
+        losses.append(float(whole))
+        whole.backward()
         optimizer.step()
         optimizer.zero_grad()
     diff = max(float((p - q.detach()).abs().max())
                for p, q in zip(model.full_parameters(), reference.parameters(), strict=True))
     return {"refused": None, "losses": losses, "peak": model.peak, "diff": diff,
             "world_size": comm.world_size}
+
+
+MODELS = {"small": (make_model, (5, 3)), "deep": (deep_model, (32, 32))}

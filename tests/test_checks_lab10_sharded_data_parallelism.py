@@ -1,0 +1,237 @@
+"""Lab 10's checks (course_lib/checks/lab10_sharded_data_parallelism.py): the reference passes,
+typical mistakes fail with their hint."""
+
+import pytest
+import torch
+
+from course_lib import collectives
+from course_lib.checks import CheckFailed
+from course_lib.checks import lab10_sharded_data_parallelism as checks
+from course_lib.data import shard_bounds
+
+CLUSTER_SIZE = 4  # world sizes 2, 3 and 4 on the first ranks of one cluster
+CLUSTER_BACKEND = "gloo"  # CPU tensors, as in the lab
+
+
+
+def reduce_scatter(buf, comm):
+    """Lab 05's ring reduce-scatter, as a student writes it (on comm.sendrecv)."""
+    rank, N = comm.rank, comm.world_size
+    chunks = [shard_bounds(len(buf), c, N) for c in range(N)]
+    for s in range(N - 1):
+        s0, s1 = chunks[(rank - s - 1) % N]
+        r0, r1 = chunks[(rank - s - 2) % N]
+        tmp = torch.empty_like(buf[r0:r1])
+        comm.sendrecv(buf[s0:s1], (rank + 1) % N, tmp, (rank - 1) % N)
+        buf[r0:r1] += tmp
+    return chunks[rank]
+
+
+def all_gather(buf, comm):
+    """Lab 05's ring all-gather, as a student writes it."""
+    rank, N = comm.rank, comm.world_size
+    chunks = [shard_bounds(len(buf), c, N) for c in range(N)]
+    for s in range(N - 1):
+        s0, s1 = chunks[(rank - s) % N]
+        r0, r1 = chunks[(rank - s - 1) % N]
+        comm.sendrecv(buf[s0:s1], (rank + 1) % N, buf[r0:r1], (rank - 1) % N)
+    return buf
+
+
+# ---------------------------------------------------------------- exercise 1
+def test_ring_collectives_check_runs_lab05s_checks(cluster, capsys):
+    assert checks.check_ring_collectives(reduce_scatter, all_gather, cluster) is True
+    out = capsys.readouterr().out
+    assert "check_ring_reduce_scatter" in out and "check_ring_allgather" in out
+
+    def unfinished(buf, comm):
+        raise NotImplementedError
+    assert checks.check_ring_collectives(unfinished, all_gather, cluster) is False
+
+    def gathers_nothing(buf, comm):
+        return buf
+    with pytest.raises(CheckFailed, match="received nothing into its buffer"):
+        checks.check_ring_collectives(reduce_scatter, gathers_nothing, cluster)
+
+
+# ---------------------------------------------------------------- exercise 2
+def reference(params, grads, momentum_shard, comm, lr, momentum, reduce_scatter, all_gather):
+    g = grads.clone()
+    start, stop = reduce_scatter(g, comm)
+    g = g[start:stop] / comm.world_size
+    if momentum_shard is None:
+        momentum_shard = torch.zeros_like(g)
+    momentum_shard = momentum * momentum_shard + g
+    params[start:stop] -= lr * momentum_shard
+    all_gather(params, comm)
+    return momentum_shard
+
+
+def make_step(mistake):
+    """The reference step with one typical mistake."""
+    def step(params, grads, momentum_shard, comm, lr, momentum, reduce_scatter, all_gather):
+        rank, N, n = comm.rank, comm.world_size, len(params)
+        g = grads if mistake == "grads in place" else grads.clone()
+        if mistake == "rank 0 skips the collectives" and rank == 0:  # rank 1 waits for it
+            a, b = shard_bounds(n, rank, N)
+            return torch.zeros(b - a, dtype=params.dtype)
+        start, stop = reduce_scatter(g, comm)
+        if mistake == "another rank's chunk":
+            start, stop = shard_bounds(n, (rank + 1) % N, N)
+        if mistake == "equal chunks":
+            start, stop = rank * (n // N), (rank + 1) * (n // N)
+        if mistake == "allreduce the gradient":
+            all_gather(g, comm)
+        if mistake == "whole vector":  # DDP's update on every rank, DDP's momentum
+            start, stop = 0, n
+        mine = (grads if mistake == "local gradient" else g)[start:stop]
+        if mistake not in ("sum", "no all-gather, sum"):
+            mine = mine / N
+        if mistake == "dampened momentum":  # m = momentum * m + (1 - momentum) * g
+            mine = (1 - momentum) * mine
+        if momentum_shard is None:
+            size = {"momentum one too long": stop - start + 1, "momentum of DDP's size": n,
+                    "momentum one too long, all of it": stop - start + 1}
+            momentum_shard = torch.zeros(size.get(mistake, stop - start), dtype=params.dtype)
+        old = momentum_shard
+        if mistake == "momentum one too long":
+            momentum_shard[:stop - start] = momentum * momentum_shard[:stop - start] + mine
+            update = momentum_shard[:stop - start]
+        else:
+            momentum_shard = momentum * momentum_shard + mine
+            update = momentum_shard
+        if mistake == "update a copy":
+            params = params.clone()
+        params[start:stop] -= lr * update
+        if mistake == "all-gather the gradient instead":
+            all_gather(g, comm)
+        elif not mistake.startswith("no all-gather"):
+            all_gather(params, comm)
+        if mistake == "raises":
+            raise ValueError("something went wrong on purpose")
+        return {"returns None": None, "returns params": params,
+                "returns the old momentum": old}.get(mistake, momentum_shard)
+    return step
+
+
+@pytest.mark.parametrize("mistake,hint", [
+    ("sum", r"update is N = 2 times DDP's: the reduce-scatter leaves the SUM"),
+    ("no all-gather", r"only rank 0's own chunk params\[0:4\] is right \(your step never "
+                      r"called all_gather\)"),
+    ("another rank's chunk", r"rank 0 had changed params\[4:7\] \(rank 1's chunk\), but its "
+                             r"chunk is params\[0:4\] = shard_bounds\(7, 0, 2\)"),
+    ("equal chunks", r"rank 0 had changed params\[0:3\], but its chunk is params\[0:4\]"),
+    ("local gradient", r"updated with its own local gradient \(divided by N\), not with the sum"),
+    ("update a copy", r"params did not change: update them in place"),
+    ("returns the old momentum", r"step 1 was right, but step 2 is plain SGD"),
+    ("whole vector", r"keeps a momentum of 7 numbers, one per parameter: that is DDP's memory"),
+    ("momentum of DDP's size", r"The size of tensor a \(7\) must match.*\nHint: a tensor of "
+                               r"len\(params\) = 7 numbers met one of rank 0's chunk.*A "
+                               r"momentum of 7 numbers would be DDP's memory"),
+    ("momentum one too long", r"momentum shard has shape \(5,\); its chunk"),
+    ("returns None", r"returned None: return the momentum shard"),
+    ("returns params", r"returned params: return the momentum shard"),
+    ("grads in place", r"changed the caller's grads\nHint: reduce-scatter a copy"),
+    ("allreduce the gradient", r"1 reduce-scatter\(s\) \['a copy'\] and 2 all-gather\(s\) "
+                               r"\['a copy', 'params'\]\. You also all-gathered the gradient"),
+    ("raises", r"raised on rank 0: ValueError: something went wrong on purpose"),
+    ("no all-gather, sum", r"your step never called all_gather; and rank 0's update is N = 2 "
+                           r"times DDP's"),
+    ("all-gather the gradient instead", r"own chunk params\[0:4\] is right \(your step "
+                                        r"all-gathered a copy, not params\)"),
+    ("dampened momentum", r"Hint: A ZeRO-1 step: g = grads.clone\(\)"),
+    ("momentum one too long, all of it", r"size of tensor a \(5\).*\nHint: two tensors of "
+                                         r"different lengths met"),
+    ("rank 0 skips the collectives", r"raised on rank 1: CommTimeout.*\nHint: the ranks "
+                                     r"waited for each other past their deadline"),
+])
+def test_zero1_check_names_the_mistake(cluster, mistake, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_zero1_step(make_step(mistake), reduce_scatter, all_gather, cluster)
+
+
+def test_zero1_check_passes_the_reference(cluster, capsys):
+    assert checks.check_zero1_step(reference, reduce_scatter, all_gather, cluster) is True
+    assert "4/4 cases (3 steps each, on 2, 3 and 4 ranks) match DDP" in capsys.readouterr().out
+    # the library's ring (the lab's way out for a student who skipped lab 05) works too
+    assert checks.check_zero1_step(reference, collectives.ring_reduce_scatter,
+                                   collectives.ring_allgather, cluster) is True
+
+
+def test_zero1_check_returns_false_until_implemented(cluster, capsys):
+    def unfinished(params, grads, momentum_shard, comm, lr, momentum, rs, ag):
+        raise NotImplementedError
+    assert checks.check_zero1_step(unfinished, reduce_scatter, all_gather, cluster) is False
+    assert "not implemented yet" in capsys.readouterr().out
+
+    def ring_unfinished(buf, comm):
+        raise NotImplementedError
+    assert checks.check_zero1_step(reference, ring_unfinished, all_gather, cluster) is False
+    assert "your ring_unfinished (exercise 1) is not implemented" in capsys.readouterr().out
+
+
+def test_ddp_reference_is_the_mean_gradient_with_momentum():
+    ref = checks.ddp_reference(5, 3, steps=2, lr=0.1, momentum=0.9)
+    g0, g1 = (sum(step["grads"]) / 3 for step in ref)
+    assert ref[0]["after"] == pytest.approx(checks.case_params(5) - 0.1 * g0)
+    assert ref[1]["after"] == pytest.approx(ref[0]["after"] - 0.1 * (0.9 * g0 + g1))
+
+
+# ---------------------------------------------------------------- exercise 3
+def memory(num_params, world_size, stage, optimizer_bytes=12, bytes_per_number=2):
+    psi, N, K = num_params, world_size, optimizer_bytes
+    params = bytes_per_number * psi / (N if stage >= 3 else 1)
+    grads = bytes_per_number * psi / (N if stage >= 2 else 1)
+    return params + grads + K * psi / (N if stage >= 1 else 1)
+
+
+def stage_off_by_one(num_params, world_size, stage, optimizer_bytes=12, bytes_per_number=2):
+    return memory(num_params, world_size, min(stage + 1, 3), optimizer_bytes, bytes_per_number)
+
+
+def stage1_shards_gradients(num_params, world_size, stage, optimizer_bytes=12,
+                            bytes_per_number=2):
+    if stage != 1:
+        return memory(num_params, world_size, stage, optimizer_bytes, bytes_per_number)
+    b, psi = bytes_per_number, num_params
+    return b * psi + b * psi / world_size + optimizer_bytes * psi
+
+
+def optimizer_bytes_times_bytes(num_params, world_size, stage, optimizer_bytes=12,
+                                bytes_per_number=2):
+    return memory(num_params, world_size, stage, optimizer_bytes * bytes_per_number,
+                  bytes_per_number)
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (stage_off_by_one, r"that is stage 1's accounting, 4Ψ \+ KΨ/N.*; stage 0 is \(2·2 \+ K\)Ψ"),
+    (stage1_shards_gradients, r"you divided the parameters or the gradients by N but not the "
+                              r"optimizer state"),
+    (optimizer_bytes_times_bytes, r"optimizer_bytes = 12 is already bytes per parameter"),
+])
+def test_memory_check_names_the_mistake(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_zero_memory_per_rank(wrong)
+
+
+def returns_the_lectures_dict(num_params, world_size, stage, optimizer_bytes=12,
+                              bytes_per_number=2):
+    from course_lib.zero import zero_memory
+    return zero_memory(num_params, world_size, stage, optimizer_bytes / bytes_per_number,
+                       bytes_per_number)
+
+
+def test_memory_check_wants_one_number():
+    with pytest.raises(CheckFailed, match="expected a number.*got dict\nHint: return the total"):
+        checks.check_zero_memory_per_rank(returns_the_lectures_dict)
+
+
+def test_memory_check_passes_the_paper_and_waits_for_an_answer(capsys):
+    assert checks.check_zero_memory_per_rank(memory) is True
+    assert "9/9 cases" in capsys.readouterr().out
+    assert checks.zero_memory_reference(7.5e9, 64, 0) == pytest.approx(120e9)
+    assert checks.zero_memory_reference(7.5e9, 64, 3) == pytest.approx(120e9 / 64)
+
+    def unfinished(num_params, world_size, stage, optimizer_bytes=12, bytes_per_number=2):
+        raise NotImplementedError
+    assert checks.check_zero_memory_per_rank(unfinished) is False
