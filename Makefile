@@ -32,11 +32,16 @@ demo: $(STAMP)            ## the headless tour: cluster, algorithms, summary tab
 
 test: test-lib test-notebooks lint   ## the whole suite: library tests, every notebook and lab
 
+# Two pytest workers, one test file or notebook each at a time: much of the suite waits (clusters
+# starting, deadlines, emulated links), so two overlap on 2 cores. JOBS=0 runs in one process.
+JOBS   ?= 2
+XDIST   = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
+
 test-lib: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(XDIST) tests
 
 test-notebooks: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(NBVAL) notebooks labs
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NBVAL) notebooks labs
 
 lint: $(STAMP)
 	$(PY) -m ruff check course_lib tests
