@@ -338,7 +338,8 @@ def does_not_fit_message(module, world_size, stage, budget, optimizer_numbers=2)
         lines.append(f"It would fit with stage {s} on {n} ranks "
                      f"({_mb(planned_memory(module, n, s, optimizer_numbers)['total'])}).")
     else:
-        largest = max(_numel(m) for m in units_of(module)) * next(module.parameters()).element_size()
+        element = next(module.parameters()).element_size()
+        largest = max(_numel(m) for m in units_of(module)) * element
         lines.append(f"Even sharding over {16 * world_size} ranks does not fit: at stage 3 a "
                      f"rank still gathers its largest unit whole ({_mb(2 * largest)} with its "
                      "gradients); split that layer (tensor parallelism, notebook 09) or raise "

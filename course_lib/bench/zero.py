@@ -2,7 +2,8 @@
 against data parallelism (the course's and torch DDP) and torch FSDP2.
 
 Introduced in notebooks/10_sharded_data_parallelism.ipynb. Every rank trains the same MLP
-(``--layers`` Linear(width, width) + ReLU: 32 x 384 by default, so one layer is 1/32 of the model, float32, Adam) on its part of a global batch with:
+(``--layers`` Linear(width, width) + ReLU, float32, Adam; 32 x 384 by default, so one layer is
+1/32 of the model) on its part of a global batch with:
 the course's DDP (``zero.ZeroDataParallel`` stage 0) and ZeRO stages 1-3 over the ring, torch's
 ``DistributedDataParallel`` and FSDP2 (``fully_shard`` on every layer). Memory per rank is shown
 three ways: counted from the tensors a rank holds at its peak (by kind), the process's peak
@@ -199,7 +200,7 @@ def measure(cluster, ranks=(1, 2, 4), implementations=IMPLEMENTATIONS, layers=32
                 width, batch, steps, link) if r is not None]
     rows = []
     for N in ranks:
-        for i, name in enumerate(implementations):
+        for i in range(len(implementations)):
             per_rank = [m[i] | t[i] for m, t in zip(reports["memory", N], reports["time", N],
                                                      strict=True)]
             rows.append(_row(per_rank, link))

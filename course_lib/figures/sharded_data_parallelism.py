@@ -95,7 +95,7 @@ def step_times(rows, link, ax=None):
     ax.bar(xs, [r["step_ms"] for r in rows], 0.6, color="C0", label="measured step")
     ax.bar(xs, wire, 0.6, color="none", edgecolor="k", hatch="//",
            label="the bytes sent, at the link's bandwidth")
-    for x, r in zip(xs, rows):
+    for x, r in zip(xs, rows, strict=True):
         ax.text(x, r["step_ms"], f"{r['sent_mib']:.1f} MiB sent", ha="center", va="bottom",
                 fontsize=8)
     names = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}

@@ -80,7 +80,8 @@ def zero_matches_one_process(stage, optimizer="adam", steps=3, world_size=None,
     diff = max(float((p - q).abs().max())
                for p, q in zip(model.full_parameters(), reference, strict=True))
     return {"diff": diff, "memory": model.memory(), "at_update": model.memory_at_update,
-            "peak": model.peak, "sent_per_step": sent, "plan": planned_memory(make(seed=seed), comm.world_size, stage),
+            "peak": model.peak, "sent_per_step": sent,
+            "plan": planned_memory(make(seed=seed), comm.world_size, stage),
             "peak_parameters_in_forward": peak[0], "world_size": comm.world_size}
 
 

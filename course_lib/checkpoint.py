@@ -1,0 +1,295 @@
+"""Checkpoints that survive the crash they are written for.
+
+Introduced in notebooks/11_fault_tolerance.ipynb. ``torch.save(state, path)`` writes in place:
+a process killed in the middle leaves a truncated file, and the checkpoint that was there
+before is gone. Here every file is written atomically, the way databases do::
+
+    write to a temporary file in the same directory, flush, fsync it
+    os.replace(temporary, final)        # atomic on POSIX: old or new, never half of one
+    fsync the directory                 # the rename itself survives a power cut
+
+and carries a SHA-256 of its contents, checked on load, so a file damaged anyway (a full disk,
+a copy cut short) is reported with its path and the previous good checkpoint is used::
+
+    save(state, "ckpt", step=120)                 # ckpt/step-00000120.pt, then ckpt/latest
+    state, path = load_latest("ckpt")             # the newest good one, or (None, None)
+
+A training state (``training_state``) holds everything a bit-exact resume needs: model and
+optimizer, step and epoch, the position in the data, and every random generator. A sharded
+state (one part per rank) is written as one directory per step, every rank's file first and a
+commit marker last (as ``torch.distributed.checkpoint`` writes its ``.metadata`` last): a
+directory without its marker is a crash between ranks' writes, and is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from course_lib import faults
+
+MAGIC = b"course-checkpoint sha256="
+LATEST = "latest"
+COMMIT = "COMMITTED"
+_STEP_FILE = re.compile(r"^step-(\d{8})\.pt$")
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be used; the message names its path and why.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+
+
+# ---------------------------------------------------------------- one file
+def naive_save(state, path):
+    """What ``torch.save(state, path)`` does, for comparison: open ``path`` for writing (which
+    empties the checkpoint that was there) and write into it; a crash half-way leaves half a
+    file. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    with open(path, "wb") as f:
+        f.write(data[:len(data) // 2])
+        f.flush()
+        faults.point("checkpoint-mid-write")
+        f.write(data[len(data) // 2:])
+
+
+def _fsync_directory(directory):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path, data, fault_point="checkpoint-mid-write"):
+    """Write ``data`` (bytes) to ``path`` so that ``path`` holds either its old contents or all
+    of ``data``, whenever the process dies (``fault_point``: where :mod:`faults` can kill it,
+    half-way). Introduced in notebooks/11_fault_tolerance.ipynb."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            half = len(data) // 2
+            f.write(data[:half])
+            f.flush()
+            faults.point(fault_point)  # a crash here must cost nothing
+            f.write(data[half:])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def to_bytes(state):
+    """``state`` serialised by ``torch.save``, behind a header with the SHA-256 of the rest.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def from_bytes(data, path="<bytes>"):
+    """The state in ``data``, after checking its SHA-256 (``torch.load(weights_only=True)``:
+    tensors, numbers, strings and containers only, never code). Raises
+    :class:`CheckpointError` naming ``path``. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    header, _, payload = data.partition(b"\n")
+    if not header.startswith(MAGIC):
+        raise CheckpointError(f"{path}: not a course checkpoint (no checksum header; "
+                              f"{len(data)} bytes)")
+    expected = header[len(MAGIC):].decode(errors="replace")
+    actual = hashlib.sha256(payload).hexdigest()
+    if actual != expected:
+        raise CheckpointError(f"{path}: checksum mismatch ({len(payload)} bytes of payload, "
+                              f"sha256 {actual[:12]}..., expected {expected[:12]}...): truncated "
+                              "or damaged")
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def save_file(state, path):
+    """``state`` into ``path``, atomically, with its checksum. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+    atomic_write(path, to_bytes(state))
+    return Path(path)
+
+
+def load_file(path):
+    """The state saved in ``path`` by :func:`save_file`, checked. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror})") from e
+    return from_bytes(data, path)
+
+
+# ---------------------------------------------------------------- numbered checkpoints
+def _steps(directory, pattern):
+    found = []
+    for entry in Path(directory).iterdir() if Path(directory).is_dir() else []:
+        match = pattern.match(entry.name)
+        if match:
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def save(state, directory, step, keep=3):
+    """``state`` as ``directory/step-{step:08d}.pt`` (atomic, checksummed), then the ``latest``
+    pointer (atomic too), then all but the ``keep`` newest checkpoints removed. Returns the path.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    remove_orphans(directory)
+    path = save_file(state, directory / f"step-{step:08d}.pt")
+    atomic_write(directory / LATEST, path.name.encode(),  # written last: names a whole file
+                 fault_point="latest-mid-write")
+    _keep_newest(directory, keep, _STEP_FILE)
+    return path
+
+
+def remove_orphans(directory):
+    """Remove the temporary files of writers that died (their process is gone); returns them.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    import psutil
+    removed = []
+    for tmp in Path(directory).rglob(".*.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
+
+
+def _keep_newest(directory, keep, pattern):
+    import shutil
+    for _, old in _steps(directory, pattern)[:-keep] if keep else []:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def load_latest(directory, report=print):
+    """The newest checkpoint of ``directory`` that loads and checks: ``(state, path)``, or
+    ``(None, None)`` when there is none. A damaged one is reported (``report``, one line naming
+    its path and why) and the one before it is tried. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+    for _, path in reversed(_steps(directory, _STEP_FILE)):
+        try:
+            return load_file(path), path
+        except CheckpointError as e:
+            report(f"skipping a damaged checkpoint: {e}")
+    return None, None
+
+
+# ---------------------------------------------------------------- what a resume needs
+def rng_states():
+    """Every random generator's state: Python's, numpy's and torch's.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
+
+
+def set_rng_states(states):
+    """Put back what :func:`rng_states` returned. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(states["torch"])
+    n = states["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached"]))
+
+
+def training_state(model, optimizer, step, epoch=0, position=0, **extra):
+    """Everything a bit-exact resume needs: parameters and buffers, the optimizer's state, the
+    step, the epoch and the position in it, the random generators, and ``extra``.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+            "epoch": epoch, "position": position, "rng": rng_states(), "extra": extra}
+
+
+def restore(state, model, optimizer):
+    """Load a :func:`training_state` into ``model`` and ``optimizer`` and the generators;
+    returns ``(step, epoch, position)``. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    set_rng_states(state["rng"])
+    return state["step"], state["epoch"], state["position"]
+
+
+# ---------------------------------------------------------------- one part per rank
+def save_sharded(part, directory, step, comm, keep=3, timeout=None):
+    """This rank's ``part`` of a distributed state into ``directory/step-{step:08d}/rank-{r}.pt``;
+    once every rank has written (a barrier with a deadline), rank 0 writes the commit marker
+    (the ranks' checksums) and the ``latest`` pointer. Every rank must call it.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    folder = Path(directory) / f"step-{step:08d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    data = to_bytes(part)
+    atomic_write(folder / f"rank-{comm.rank}.pt", data)
+    digest = torch.tensor(list(hashlib.sha256(data).digest()), dtype=torch.uint8)
+    digests = _gather_digests(digest, comm, timeout)
+    if comm.rank == 0:
+        marker = {"step": step, "world_size": comm.world_size,
+                  "sha256": [bytes(d.tolist()).hex() for d in digests]}
+        atomic_write(folder / COMMIT, json.dumps(marker).encode(),  # the commit: written last
+                     fault_point="commit-mid-write")
+        atomic_write(Path(directory) / LATEST, folder.name.encode(), fault_point="latest-mid-write")
+        _keep_newest(directory, keep, _STEP_DIR)
+    comm.barrier(timeout)  # nobody goes on before the checkpoint is committed
+    return folder
+
+
+def _gather_digests(digest, comm, timeout):
+    """Every rank's 32-byte digest on rank 0 (point to point, with the comm's deadlines)."""
+    if comm.rank != 0:
+        comm.send(digest, 0, timeout=timeout)
+        return None
+    digests = [digest]
+    for r in range(1, comm.world_size):
+        buf = torch.empty(32, dtype=torch.uint8)
+        comm.recv(buf, r, timeout=timeout)
+        digests.append(buf)
+    return digests
+
+
+def load_sharded(directory, rank, world_size, report=print):
+    """This rank's part of the newest *committed* step of ``directory``: ``(part, folder)``, or
+    ``(None, None)``. A step without its marker (a crash before every rank had written), saved
+    by another world size, or with any rank's file failing its checksum is reported and skipped;
+    every rank checks every file, so all ranks choose the same step.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    for _, folder in reversed(_steps(directory, _STEP_DIR)):
+        marker = folder / COMMIT
+        if not marker.exists():
+            report(f"skipping {folder}: no {COMMIT} marker (a crash before every rank wrote)")
+            continue
+        info = json.loads(marker.read_bytes())
+        if info["world_size"] != world_size:
+            report(f"skipping {folder}: saved by {info['world_size']} ranks, not {world_size}")
+            continue
+        try:
+            mine = None
+            for r in range(world_size):
+                path = folder / f"rank-{r}.pt"
+                data = path.read_bytes()
+                if hashlib.sha256(data).hexdigest() != info["sha256"][r]:
+                    raise CheckpointError(f"{path}: not the file the commit marker names")
+                mine = data if r == rank else mine
+            return from_bytes(mine, folder / f"rank-{rank}.pt"), folder
+        except (OSError, CheckpointError) as e:
+            report(f"skipping {folder}: {e}")
+    return None, None

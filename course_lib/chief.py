@@ -1,0 +1,177 @@
+"""The chief worker, and training that survives a killed worker.
+
+Introduced in notebooks/11_fault_tolerance.ipynb. In data-parallel training one rank, the
+*chief* (rank 0), has the duties no other rank has: it initialises the model and broadcasts it,
+counts the steps, writes the log, and saves the checkpoints from which the job restarts. Every
+rank runs :func:`train`; the notebook's process runs :func:`supervise`, which restarts the
+engines when one dies and calls :func:`train` again, which resumes from the last checkpoint::
+
+    run = supervise(cluster, "ckpt", steps=40, checkpoint_every=5,
+                    faults=["train-step:kill@17:rank=1"])      # rank 1 dies at its 17th step
+    run.restarts, run.recomputed                               # 1, [2]  (steps 16-17 again)
+
+The promise: at most ``checkpoint_every`` steps are computed twice per failure, and the final
+parameters are those of an uninterrupted run, bit for bit: the data of step s depends only on
+(seed, s), the checkpoint holds the parameters *and* the optimizer's momentum, and the sums of
+the allreduce are taken in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from course_lib import checkpoint, faults
+
+LOG = "train.jsonl"
+
+
+class RecoveryFailed(RuntimeError):
+    """Training failed more times than the supervisor may restart it.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+
+
+def make_model(seed=0):
+    """The model every run trains: a float64 MLP on 8 features. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).double()
+
+
+def batch(step, rank, world_size, seed=0, size=32, pool=512):
+    """This rank's rows of step ``step``'s global batch, drawn from a fixed data set of ``pool``
+    rows (a teacher's targets) by a generator seeded with (seed, step): a function of the step
+    alone, so a resumed run sees the data the uninterrupted one saw. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(pool, 8, generator=g, dtype=torch.float64)
+    y = torch.tanh(X @ torch.randn(8, 1, generator=g, dtype=torch.float64) / 8 ** 0.5)
+    order = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
+    rows = torch.randperm(pool, generator=order)[:size]
+    mine = rows[rank * size // world_size:(rank + 1) * size // world_size]
+    return X[mine], y[mine]
+
+
+def _broadcast_state(model, optimizer, comm):
+    """The chief's parameters and momentum buffers to every rank (dist.broadcast, in order)."""
+    import torch.distributed as dist
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0, group=getattr(comm, "group", None))
+        state = optimizer.state[p]
+        if comm.rank != 0 and "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        dist.broadcast(state["momentum_buffer"], src=0, group=getattr(comm, "group", None))
+
+
+def _log(directory, **record):
+    with open(Path(directory) / LOG, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr=0.02,
+          seed=0, timeout=20.0):
+    """On every rank: data-parallel SGD with momentum for ``steps`` steps, resuming from the last
+    checkpoint of ``directory``. The chief loads or initialises, broadcasts, logs every step
+    (JSONL) and checkpoints every ``checkpoint_every`` steps. ``fault_specs``: fault points to
+    arm (:func:`faults.parse`), each firing once in the life of ``directory`` (unless it says
+    ``once=`` itself). Returns this rank's parameters, flat.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    import torch.distributed as dist
+
+    from course_lib.comm import get_comm
+    comm = get_comm("torch", timeout=timeout)
+    rank, N = comm.rank, comm.world_size
+    faults.disarm()  # what an earlier call armed in this engine
+    for i, spec in enumerate(fault_specs):  # not again in the restarted process
+        faults.parse(spec if "once=" in spec else f"{spec}:once={directory}/.fault-{i}", rank)
+    model = make_model(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    start = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:  # the chief: restore or initialise
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        state, path = checkpoint.load_latest(directory)
+        if state is not None:
+            start[0] = checkpoint.restore(state, model, optimizer)[0]
+        _log(directory, event="start", attempt=attempt, step=int(start), world_size=N,
+             checkpoint=path.name if path else None, time=time.time())
+    dist.broadcast(start, src=0, group=getattr(comm, "group", None))
+    if start.item() > 0:
+        _broadcast_state(model, optimizer, comm)
+    else:
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0, group=getattr(comm, "group", None))
+    for step in range(int(start), steps):
+        faults.point("train-step")
+        X, y = batch(step, rank, N, seed)
+        loss = nn.functional.mse_loss(model(X), y)
+        optimizer.zero_grad()
+        loss.backward()
+        for p in model.parameters():  # the mean gradient; the loss only to log it
+            dist.all_reduce(p.grad, group=getattr(comm, "group", None))
+            p.grad /= N
+        optimizer.step()
+        dist.all_reduce(loss.detach_(), group=getattr(comm, "group", None))
+        if rank == 0:
+            _log(directory, event="step", attempt=attempt, step=step + 1,
+                 loss=loss.item() / N, time=time.time())
+            if (step + 1) % checkpoint_every == 0:
+                checkpoint.save(checkpoint.training_state(model, optimizer, step + 1),
+                                directory, step + 1)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@dataclass
+class Run:
+    """What :func:`supervise` saw: the final parameters of every rank, the failures, and the
+    log. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    params: list
+    failures: list = field(default_factory=list)
+    log: list = field(default_factory=list)
+
+    @property
+    def restarts(self):
+        return len(self.failures)
+
+    @property
+    def recomputed(self):
+        """Steps computed twice at each restart: the last step logged before it, minus the
+        step it resumed from."""
+        out, last = [], 0
+        for record in self.log:
+            if record["event"] == "start" and record["attempt"] > 0:
+                out.append(last - record["step"])
+            elif record["event"] == "step":
+                last = record["step"]
+        return out
+
+
+def read_log(directory):
+    """The chief's log, one dict per line. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    path = Path(directory) / LOG
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def supervise(cluster, directory, steps=40, checkpoint_every=5, faults=(), max_restarts=3,
+              report=print, **train_kwargs):
+    """Run :func:`train` on ``cluster``; when an engine dies or a rank stops answering, restart
+    and resume from the last checkpoint, at most ``max_restarts`` times.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    from course_lib.cluster import ClusterTimeout, EngineDied
+    failures = []
+    for attempt in range(max_restarts + 1):
+        try:
+            params = cluster.run(train, str(directory), steps, checkpoint_every, attempt,
+                                 tuple(faults), **train_kwargs)
+            return Run(params, failures, read_log(directory))
+        except (EngineDied, ClusterTimeout) as e:
+            failures.append(str(e).splitlines()[0])
+            report(f"attempt {attempt} failed: {failures[-1]}\n  -> restarting; the chief "
+                   "resumes from the last checkpoint")
+    raise RecoveryFailed(f"training failed {len(failures)} times, more than max_restarts = "
+                         f"{max_restarts}: " + "; ".join(failures))

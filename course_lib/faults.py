@@ -1,0 +1,103 @@
+"""Fault injection: named points in the code where a test, a notebook or a benchmark makes a
+process die or hang on purpose.
+
+Introduced in notebooks/11_fault_tolerance.ipynb. Code that can be interrupted calls
+``faults.point("name")`` where a failure would hurt (in the middle of a checkpoint write, at a
+training step); nothing happens unless that point is *armed* in this process::
+
+    faults.arm("train-step", "kill", at=7)           # this process dies at its 7th step
+    faults.arm("checkpoint-mid-write", "kill")       # ... or half-way through its next save
+
+``"kill"`` is SIGKILL, as the kernel's out-of-memory killer or a lost node: no ``finally``,
+no flush. ``"hang"`` sleeps (for ``hang_s`` seconds), as a process stuck in a collective whose
+peer is gone: only a deadline notices. ``once=path`` fires only if ``path`` does not exist yet
+(and creates it first), so the restarted process does not fail again at the same place. Points
+can be armed from the environment too, for processes started by a launcher (``torchrun``)::
+
+    COURSE_LIB_FAULTS="train-step:kill@7:rank=1:once=/tmp/fired"
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+ENV = "COURSE_LIB_FAULTS"
+ACTIONS = ("kill", "hang")
+_ARMED = {}   # name -> [plan, ...], each dict(action, at, once, hang_s, hits)
+
+
+class FaultSpecError(ValueError):
+    """A fault specification that cannot be read. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+
+
+def arm(name, action="kill", at=1, once=None, hang_s=3600.0):
+    """Make the ``at``-th time this process reaches point ``name`` (counted from now) fail with
+    ``action``; a point may carry several such plans. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+    if action not in ACTIONS:
+        raise FaultSpecError(f"action must be one of {ACTIONS}, not {action!r}")
+    if not (isinstance(at, int) and at >= 1):
+        raise FaultSpecError(f"at must be a count >= 1, not {at!r}")
+    _ARMED.setdefault(name, []).append(
+        {"action": action, "at": at, "once": once, "hang_s": hang_s, "hits": 0})
+
+
+def disarm(name=None):
+    """Disarm point ``name`` (every point if None). Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+    for key in [name] if name else list(_ARMED):
+        _ARMED.pop(key, None)
+
+
+def parse(spec, rank=None):
+    """Arm the points of ``spec`` ("name:action@at[:rank=r][:once=path]", comma-separated) that
+    apply to ``rank``; returns the names armed. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    armed = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, rest = item.partition(":")
+        fields = rest.split(":") if rest else []
+        if not name or not fields:
+            raise FaultSpecError(f"{item!r}: expected name:action@at[:rank=r][:once=path]")
+        action, _, at = fields[0].partition("@")
+        options = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
+        try:
+            at = int(at or 1)
+            target = int(options["rank"]) if "rank" in options else None
+        except ValueError:
+            raise FaultSpecError(f"{item!r}: at and rank must be integers") from None
+        if target is None or target == rank:
+            arm(name, action, at, options.get("once"))
+            armed.append(name)
+    return armed
+
+
+def arm_from_environment(rank=None):
+    """Arm what ``$COURSE_LIB_FAULTS`` says for this ``rank`` (default: ``$RANK``).
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    if rank is None and os.environ.get("RANK", "").isdigit():
+        rank = int(os.environ["RANK"])
+    return parse(os.environ.get(ENV, ""), rank)
+
+
+def point(name):
+    """A place where a failure is possible: fails here if ``name`` is armed and due.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    for plan in _ARMED.get(name, ()):
+        plan["hits"] += 1
+        if plan["hits"] == plan["at"]:
+            _fire(plan)
+
+
+def _fire(plan):
+    if plan["once"] is not None:
+        try:  # exclusive create: exactly one process, once, fires
+            os.close(os.open(plan["once"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+    if plan["action"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(10)  # the signal is delivered at once; never return from a kill
+    time.sleep(plan["hang_s"])

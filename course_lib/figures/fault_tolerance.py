@@ -1,0 +1,41 @@
+"""The figures of notebooks/11_fault_tolerance.ipynb: the loss of a run that was killed and
+resumed, against the uninterrupted run, with the steps computed twice shaded.
+
+    from course_lib.figures import fault_tolerance as figures
+    figures.loss_with_restarts(run.log, clean.log)
+"""
+
+from __future__ import annotations
+
+
+def loss_with_restarts(log, reference_log=None, ax=None):
+    """Loss against global step for each attempt of a supervised run (from the chief's log),
+    a vertical line at each failure, the recomputed steps shaded, over ``reference_log`` (the
+    uninterrupted run). Introduced in notebooks/11_fault_tolerance.ipynb."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        ax = plt.subplots(figsize=(7, 3.5))[1]
+    if reference_log:
+        ref = [r for r in reference_log if r["event"] == "step"]
+        ax.plot([r["step"] for r in ref], [r["loss"] for r in ref], color="0.6", lw=4,
+                label="uninterrupted run")
+    attempts = sorted({r["attempt"] for r in log})
+    last_step = 0
+    for a in attempts:
+        steps = [r for r in log if r["attempt"] == a and r["event"] == "step"]
+        start = next(r for r in log if r["attempt"] == a and r["event"] == "start")
+        if a > 0:
+            ax.axvline(last_step + 0.5, color="C3", ls="--", lw=1)
+            ax.axvspan(start["step"] + 0.5, last_step + 0.5, color="C3", alpha=0.15,
+                       label="computed twice" if a == 1 else None)
+            ax.annotate(f"killed; resumed from step {start['step']}", (last_step + 0.5, 0.95),
+                        xycoords=("data", "axes fraction"), fontsize=8, color="C3",
+                        ha="right", va="top", rotation=90)
+        if steps:
+            ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], "o-", ms=3,
+                    color=f"C{a}", label=f"attempt {a}")
+            last_step = steps[-1]["step"]
+    ax.set_xlabel("global step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize="small")
+    return ax

@@ -1,0 +1,147 @@
+"""Checkpoints: a process killed in the middle of a write loses nothing with the atomic save (and
+everything with the in-place one); damaged files are named and skipped; a resume is bit-exact;
+a sharded checkpoint is used only once committed; fault points fire where and when armed."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from course_lib import checkpoint as C
+from course_lib import faults
+from course_lib.testing.checkpoint import save_killed_mid_write
+
+CLUSTER_SIZE = 2
+
+
+def _run(code, **env):
+    """Run ``code`` in a fresh Python; returns the CompletedProcess."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+
+
+def test_naive_save_killed_mid_write_loses_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "model.pt"
+    C.naive_save({"w": torch.ones(3), "step": 1}, path)
+    assert save_killed_mid_write(path, naive=True) == -signal.SIGKILL
+    with pytest.raises(RuntimeError, match="PytorchStreamReader|zip archive"):  # half a file
+        torch.load(path, weights_only=True)
+
+
+def test_atomic_save_killed_mid_write_keeps_the_previous_checkpoint(tmp_path):
+    C.save({"w": torch.ones(3), "step": 1}, tmp_path, step=1)
+    assert save_killed_mid_write(tmp_path) == -signal.SIGKILL
+    state, path = C.load_latest(tmp_path)
+    assert path.name == "step-00000001.pt" and state["step"] == 1
+    assert (tmp_path / C.LATEST).read_text() == "step-00000001.pt"
+    orphans = list(tmp_path.glob(".*.tmp-*"))
+    assert orphans, "the killed writer's temporary file should be left"
+    assert C.remove_orphans(tmp_path) == orphans and not list(tmp_path.glob(".*.tmp-*"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip a byte", "not a checkpoint"])
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_used(tmp_path, damage):
+    for step in (1, 2):
+        C.save({"w": torch.full((1000,), float(step)), "step": step}, tmp_path, step)
+    newest = tmp_path / "step-00000002.pt"
+    data = newest.read_bytes()
+    newest.write_bytes({"truncate": data[:len(data) // 2],
+                        "flip a byte": data[:-10] + bytes([data[-10] ^ 1]) + data[-9:],
+                        "not a checkpoint": b"PK" + data[40:]}[damage])
+    said = []
+    state, path = C.load_latest(tmp_path, report=said.append)
+    assert state["step"] == 1 and path.name == "step-00000001.pt"
+    assert len(said) == 1 and str(newest) in said[0]
+    assert ("checksum mismatch" if damage != "not a checkpoint" else "not a course") in said[0]
+
+
+def test_only_the_newest_are_kept_and_an_empty_directory_has_none(tmp_path):
+    assert C.load_latest(tmp_path / "missing") == (None, None)
+    for step in range(0, 50, 10):
+        C.save({"step": step}, tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000030.pt",
+                                                               "step-00000040.pt"]
+    assert C.load_latest(tmp_path)[0]["step"] == 40
+
+
+def _train(model, optimizer, X, y, steps, start=0):
+    """SGD with dropout (torch's generator) on batches drawn by numpy's generator."""
+    for _ in range(start, steps):
+        rows = np.random.choice(len(X), 8, replace=False)
+        loss = torch.nn.functional.mse_loss(model(X[rows]), y[rows])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _setup():
+    torch.manual_seed(0)
+    np.random.seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(16, 1)).double()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    X = torch.randn(64, 5, dtype=torch.float64)
+    return model, optimizer, X, X.sum(1, keepdim=True)
+
+
+def test_resume_is_bit_exact(tmp_path):
+    model, optimizer, X, y = _setup()
+    _train(model, optimizer, X, y, 20)
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+
+    model, optimizer, X, y = _setup()
+    _train(model, optimizer, X, y, 12)
+    C.save(C.training_state(model, optimizer, step=12), tmp_path, 12)
+    torch.manual_seed(123)  # the generators move on, as in a new process
+    np.random.seed(123)
+    model, optimizer, _, _ = _setup()
+    step, _, _ = C.restore(C.load_latest(tmp_path)[0], model, optimizer)
+    _train(model, optimizer, X, y, 20, start=step)
+    for p, q in zip(model.parameters(), uninterrupted, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_sharded_checkpoint_counts_only_once_committed(cluster, tmp_path):
+    from course_lib.testing.checkpoint import save_and_load_sharded
+    reports = cluster.run(save_and_load_sharded, str(tmp_path))
+    assert [r["loaded_step"] for r in reports] == [20, 20]
+    assert all(torch.equal(r["part"], torch.full((3,), 20.0 + r["rank"])) for r in reports)
+    # a crash between the ranks' writes: step 30 has rank 0's file and no marker
+    (tmp_path / "step-00000030").mkdir()
+    (tmp_path / "step-00000020" / "rank-1.pt").write_bytes(b"damaged")
+    said = []
+    part, folder = C.load_sharded(tmp_path, 0, 2, report=said.append)
+    assert folder.name == "step-00000010" and torch.equal(part, torch.full((3,), 10.0))
+    assert "no COMMITTED marker" in said[0] and "rank-1.pt" in said[1]
+    assert C.load_sharded(tmp_path, 0, 3, report=said.append) == (None, None)
+    assert "saved by 2 ranks, not 3" in said[-1]
+
+
+def test_fault_points_fire_at_the_count_once_and_for_their_rank(tmp_path):
+    out = _run("""
+        from course_lib import faults
+        faults.arm_from_environment()
+        for step in range(1, 10):
+            print(step, flush=True)
+            faults.point("train-step")
+    """, COURSE_LIB_FAULTS=f"train-step:kill@4:rank=1:once={tmp_path / 'fired'}", RANK="1")
+    assert out.returncode == -signal.SIGKILL and out.stdout.split() == ["1", "2", "3", "4"]
+    again = _run("""
+        from course_lib import faults
+        faults.arm_from_environment()
+        for step in range(1, 10):
+            faults.point("train-step")
+        print("finished")
+    """, COURSE_LIB_FAULTS=f"train-step:kill@4:rank=1:once={tmp_path / 'fired'}", RANK="1")
+    assert again.returncode == 0 and "finished" in again.stdout  # once: not again
+    assert faults.parse("train-step:kill@4:rank=1", rank=0) == []
+    with pytest.raises(faults.FaultSpecError, match="at and rank must be integers"):
+        faults.parse("train-step:kill@x")
+    with pytest.raises(faults.FaultSpecError, match="action must be one of"):
+        faults.parse("train-step:explode@2")
+    faults.disarm()

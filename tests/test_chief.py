@@ -1,0 +1,46 @@
+"""Training that survives a killed worker: the supervisor restarts the engines, the chief resumes
+from its last checkpoint, at most K steps are computed twice, and the final parameters equal an
+uninterrupted run's bit for bit — a worker killed, the chief killed mid-checkpoint, the chief
+killed twice in a row."""
+
+import torch
+
+from course_lib import chief
+
+CLUSTER_SIZE = 2
+STEPS, K = 24, 5
+
+
+def _uninterrupted(cluster, tmp_path):
+    run = chief.supervise(cluster, tmp_path / "clean", STEPS, K)
+    assert run.restarts == 0 and torch.equal(run.params[0], run.params[1])
+    return run.params[0]
+
+
+def test_a_killed_worker_is_restarted_and_the_result_is_bit_exact(cluster, tmp_path):
+    reference = _uninterrupted(cluster, tmp_path)
+    said = []
+    run = chief.supervise(cluster, tmp_path / "ckpt", STEPS, K, report=said.append,
+                          faults=["train-step:kill@13:rank=1"])
+    assert run.restarts == 1 and "rank 1" in run.failures[0] and "restarting" in said[0]
+    assert run.recomputed == [2]  # killed before step 13: steps 11-12 again, from step 10
+    assert all(torch.equal(p, reference) for p in run.params)
+    steps = [r["step"] for r in run.log if r["event"] == "step"]
+    assert steps[:12] == list(range(1, 13)) and steps[12:] == list(range(11, STEPS + 1))
+
+
+def test_the_chief_killed_mid_checkpoint_resumes_from_the_one_before(cluster, tmp_path):
+    reference = _uninterrupted(cluster, tmp_path)
+    run = chief.supervise(cluster, tmp_path / "ckpt", STEPS, K,
+                          faults=["checkpoint-mid-write:kill@2:rank=0"])
+    starts = [r for r in run.log if r["event"] == "start"]
+    assert run.restarts == 1 and starts[1]["checkpoint"] == "step-00000005.pt"
+    assert run.recomputed == [5] and all(torch.equal(p, reference) for p in run.params)
+
+
+def test_the_chief_killed_twice_in_a_row_still_finishes(cluster, tmp_path):
+    reference = _uninterrupted(cluster, tmp_path)
+    run = chief.supervise(cluster, tmp_path / "ckpt", STEPS, K,
+                          faults=["train-step:kill@8:rank=0", "train-step:kill@3:rank=0"])
+    assert run.restarts == 2 and all(n <= K for n in run.recomputed)
+    assert all(torch.equal(p, reference) for p in run.params)
