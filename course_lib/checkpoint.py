@@ -293,3 +293,33 @@ def load_sharded(directory, rank, world_size, report=print):
         except (OSError, CheckpointError) as e:
             report(f"skipping {folder}: {e}")
     return None, None
+
+
+# ---------------------------------------------------------------- how often
+def young_interval(cost, mtbf):
+    """Young's checkpoint interval sqrt(2 C M), in the unit of ``cost`` and ``mtbf``.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    return (2 * cost * mtbf) ** 0.5
+
+
+def time_to_finish(interval, work=1000.0, mtbf=3.0, cost=1 / 60, restart=5 / 60, runs=200,
+                   seed=0):
+    """Mean time to finish ``work`` units of work, checkpointing every ``interval`` at ``cost``
+    each, with failures at random (exponential, mean ``mtbf``), each costing ``restart`` and
+    the work since the last checkpoint (a simulation, hours by default).
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    rng = np.random.default_rng(seed)
+    totals = []
+    for _ in range(runs):
+        done = clock = 0.0
+        next_failure = rng.exponential(mtbf)
+        while done < work:
+            segment = min(interval, work - done) + cost      # work, then save
+            if clock + segment <= next_failure:
+                clock += segment
+                done += segment - cost
+            else:                                           # lost since the last checkpoint
+                clock = next_failure + restart
+                next_failure = clock + rng.exponential(mtbf)
+        totals.append(clock)
+    return float(np.mean(totals))

@@ -145,3 +145,16 @@ def test_fault_points_fire_at_the_count_once_and_for_their_rank(tmp_path):
     with pytest.raises(faults.FaultSpecError, match="action must be one of"):
         faults.parse("train-step:explode@2")
     faults.disarm()
+
+
+def test_the_simulated_best_interval_is_youngs():
+    """Checkpointing every sqrt(2CM) finishes within 1% of the best interval simulated, and
+    ten times more or less often costs more."""
+    young = C.young_interval(cost=1 / 60, mtbf=3.0)
+    assert young == pytest.approx((2 * 3.0 / 60) ** 0.5)
+    times = {t: C.time_to_finish(t, work=200, runs=100) for t in np.geomspace(0.05, 2, 12)}
+    at_young = C.time_to_finish(young, work=200, runs=100)
+    assert at_young <= 1.01 * min(times.values())
+    assert C.time_to_finish(young / 10, work=200, runs=100) > 1.05 * at_young
+    assert C.time_to_finish(young * 10, work=200, runs=100) > 1.05 * at_young
+    assert C.time_to_finish(1.0, work=10, mtbf=1e9, cost=0.0) == pytest.approx(10.0)

@@ -39,3 +39,41 @@ def loss_with_restarts(log, reference_log=None, ax=None):
     ax.set_ylabel("training loss")
     ax.legend(fontsize="small")
     return ax
+
+
+def checkpoint_interval(mtbf=3.0, cost=1 / 60, restart=5 / 60, work=1000.0, ax=None):
+    """Simulated hours to finish ``work`` hours of work against the checkpoint interval, with
+    Young's sqrt(2CM) marked. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from course_lib.checkpoint import time_to_finish, young_interval
+    if ax is None:
+        ax = plt.subplots(figsize=(7, 3.5))[1]
+    intervals = np.geomspace(0.02, 3, 16)
+    hours = [time_to_finish(t, work, mtbf, cost, restart) for t in intervals]
+    young = young_interval(cost, mtbf)
+    ax.semilogx(intervals * 60, hours, "o-", label="simulated")
+    ax.axvline(young * 60, color="k", ls="--", lw=1,
+               label=f"Young: sqrt(2CM) = {young * 60:.0f} min")
+    ax.set(xlabel="checkpoint interval (minutes)", ylabel=f"hours to finish {work:g} h of work",
+           title=f"MTBF {mtbf:g} h, checkpoint {cost * 60:g} min, restart {restart * 60:g} min")
+    ax.title.set_fontsize(10)
+    ax.legend()
+    return ax
+
+
+def save_all(out_dir):
+    """Write the checkpoint-interval figure into ``out_dir``; returns the paths.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ax = checkpoint_interval()
+    path = out / "11_checkpoint_interval.png"
+    ax.figure.tight_layout()
+    ax.figure.savefig(path, dpi=120)
+    plt.close(ax.figure)
+    return [path]
