@@ -175,3 +175,36 @@ def supervise(cluster, directory, steps=40, checkpoint_every=5, faults=(), max_r
                    "resumes from the last checkpoint")
     raise RecoveryFailed(f"training failed {len(failures)} times, more than max_restarts = "
                          f"{max_restarts}: " + "; ".join(failures))
+
+
+def main(argv=None):
+    """``torchrun --nproc-per-node 2 --max-restarts 2 -m course_lib.chief --dir ckpt``: the same
+    training under torchrun's elastic restarts (a rank that dies makes torchrun restart every
+    rank, which resume from the last checkpoint). Faults come from ``$COURSE_LIB_FAULTS``; the
+    chief writes the final parameters to ``--out``. Launch it with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (as ``launch.run_ranks`` does): with the store
+    shared, a restarted rank can read its peer's address from the failed attempt.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    import argparse
+    import os
+
+    from course_lib.comm import init_torch_from_launcher
+    parser = argparse.ArgumentParser(prog="python -m course_lib.chief")
+    parser.add_argument("--dir", required=True, help="checkpoint directory")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--every", type=int, default=5, help="checkpoint every K steps")
+    parser.add_argument("--out", help="the chief writes the final parameters here")
+    args = parser.parse_args(argv)
+    init_torch_from_launcher("gloo", timeout=20)
+    torch.set_num_threads(1)  # as on the cluster's engines: the same sums, in the same order
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    specs = [s for s in os.environ.get(faults.ENV, "").split(",") if s.strip()]
+    params = train(args.dir, args.steps, args.every, attempt, specs)
+    import torch.distributed as dist
+    if dist.get_rank() == 0 and args.out:
+        checkpoint.save_file({"params": params, "attempts": attempt + 1}, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

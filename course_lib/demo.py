@@ -173,8 +173,29 @@ def sharded(cluster, out_dir):
              ok)]
 
 
+def fault_tolerance(cluster, out_dir):
+    """Data-parallel training with the chief's checkpoints every 5 steps, rank 1 killed at its
+    13th step, the engines restarted and training resumed: steps lost, and the parameters
+    against the uninterrupted run (notebooks/11_fault_tolerance.ipynb)."""
+    import tempfile
+
+    import torch
+
+    from course_lib import chief
+    work = Path(tempfile.mkdtemp(prefix="demo-ckpt-"))
+    K = 5
+    clean = chief.supervise(cluster, work / "clean", 24, K, report=lambda line: None)
+    run = chief.supervise(cluster, work / "killed", 24, K, report=lambda line: None,
+                          faults=[f"train-step:kill@13:rank={cluster.n - 1}"])
+    exact = all(torch.equal(p, clean.params[0]) for p in run.params)
+    return [(f"rank {cluster.n - 1} killed, {cluster.n} ranks, checkpoints every {K} steps",
+             f"{run.restarts} restart, {run.recomputed} step(s) computed twice (at most {K}); "
+             f"parameters equal to the uninterrupted run: {exact}",
+             run.restarts == 1 and max(run.recomputed) <= K and exact)]
+
+
 PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel,
-         pipeline, sharded]
+         pipeline, sharded, fault_tolerance]
 
 
 def _plot_losses(runs, best, path):

@@ -186,6 +186,10 @@ def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
                "--nproc-per-node", str(world_size), *args]
     env = dict(os.environ if env is None else env)
     env.setdefault("MPIEXEC_TIMEOUT", str(int(timeout)))
+    # torchrun shares its rendezvous store with the ranks; after a restart (--max-restarts) a
+    # rank can then read its peer's address of the failed attempt and never connect
+    # (pytorch/pytorch#135712): one store per attempt
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)

@@ -44,3 +44,25 @@ def test_the_chief_killed_twice_in_a_row_still_finishes(cluster, tmp_path):
                           faults=["train-step:kill@8:rank=0", "train-step:kill@3:rank=0"])
     assert run.restarts == 2 and all(n <= K for n in run.recomputed)
     assert all(torch.equal(p, reference) for p in run.params)
+
+
+def test_torchrun_elastic_restart_resumes_and_matches(cluster, tmp_path):
+    """The same training under torchrun --max-restarts 2, rank 1 killed at its 13th step on the
+    first attempt: torchrun restarts both ranks, which resume from step 10; the parameters equal
+    the cluster's uninterrupted run."""
+    import os
+
+    from course_lib import checkpoint
+    from course_lib.launch import run_ranks
+    reference = _uninterrupted(cluster, tmp_path)
+    env = {**os.environ, "COURSE_LIB_FAULTS": "train-step:kill@13:rank=1"}
+    output = run_ranks("torchrun", 2, ["--max-restarts", "2", "-m", "course_lib.chief",
+                              "--dir", str(tmp_path / "ckpt"), "--steps", str(STEPS),
+                              "--every", str(K), "--out", str(tmp_path / "final.pt")],
+              env=env, timeout=180)
+    final = checkpoint.load_file(tmp_path / "final.pt")
+    log = chief.read_log(tmp_path / "ckpt")
+    # (a restart that fails to meet its peers is restarted again: torchrun's business)
+    assert final["attempts"] >= 2, (log, output[-3000:])
+    assert [r["step"] for r in log if r["event"] == "start"][:2] == [0, 10], output[-3000:]
+    assert torch.equal(final["params"], reference)
