@@ -158,3 +158,14 @@ def test_the_simulated_best_interval_is_youngs():
     assert C.time_to_finish(young / 10, work=200, runs=100) > 1.05 * at_young
     assert C.time_to_finish(young * 10, work=200, runs=100) > 1.05 * at_young
     assert C.time_to_finish(1.0, work=10, mtbf=1e9, cost=0.0) == pytest.approx(10.0)
+
+
+def test_dcp_commits_with_metadata_last_but_overwrites_in_place(cluster, tmp_path):
+    """torch.distributed.checkpoint writes one file per rank and .metadata; saved again into
+    the same directory by a writer that dies before .metadata, the step-10 checkpoint is gone:
+    the old metadata now reads the failed save's numbers (step 20)."""
+    from course_lib.testing.checkpoint import dcp_round_trip
+    reports = cluster.run(dcp_round_trip, str(tmp_path))
+    for r in reports:
+        assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"] and r["exact"]
+        assert r["step_after_crash"] == 20 and r["values_after_crash"] == [20.0]

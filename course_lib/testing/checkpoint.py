@@ -36,3 +36,49 @@ def save_killed_mid_write(path, naive=False, step=2, numbers=100_000):
             f"{save}\n")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120,
                           text=True).returncode
+
+
+def dcp_round_trip(directory, timeout=20.0):
+    """On every rank: a state sharded over the ranks (a DTensor, rows split) and the step, saved
+    by ``torch.distributed.checkpoint`` (DCP) and loaded into a fresh state; then saved again
+    *into the same directory* by a writer that dies after the data files and before
+    ``.metadata`` (DCP's commit), and loaded once more. Returns the files DCP wrote, whether
+    the first load was exact, and what the second load read: the step the metadata describes
+    beside whose numbers came back. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    comm = get_comm("torch", timeout=timeout)
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+
+    def state(step):
+        full = torch.full((4 * comm.world_size, 3), float(step), dtype=torch.float64)
+        return {"w": distribute_tensor(full, mesh, [Shard(0)]),
+                "step": torch.tensor(step)}
+
+    def load():
+        target = state(0)
+        dcp.load(target, checkpoint_id=directory)
+        return target["w"].full_tensor(), int(target["step"])
+
+    dcp.save(state(10), checkpoint_id=directory)
+    files = sorted(p.name for p in Path(directory).iterdir())
+    w, step = load()
+    exact = bool(torch.equal(w, state(10)["w"].full_tensor())) and step == 10
+
+    class DiesBeforeMetadata(FileSystemWriter):
+        def finish(self, metadata, results):  # the data files are written; the commit is not
+            raise RuntimeError("killed before .metadata")
+    try:
+        dcp.save(state(20), storage_writer=DiesBeforeMetadata(directory))
+    except CheckpointException:  # every rank hears of the coordinator's failure
+        pass
+    w, step = load()
+    values = sorted({float(v) for v in w.unique()})
+    return {"files": files, "exact": exact, "step_after_crash": step,
+            "values_after_crash": values}
