@@ -169,3 +169,19 @@ def test_dcp_commits_with_metadata_last_but_overwrites_in_place(cluster, tmp_pat
     for r in reports:
         assert r["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"] and r["exact"]
         assert r["step_after_crash"] == 20 and r["values_after_crash"] == [20.0]
+
+
+def test_bench_measures_saves_and_redoes_at_most_k_steps_per_failure(tmp_path):
+    from course_lib.bench import checkpoint as bench
+    saves = bench.save_times([1 << 16, 1 << 18], tmp_path, repeats=1)
+    assert [r["size"] for r in saves] == [1 << 16, 1 << 18]
+    assert all(r["atomic_ms"] > 0 and r["dcp_ms"] > 0 and r["load_ms"] > 0 for r in saves)
+    for K in (2, 8):
+        run = bench.run_with_failures(K, work=40, step_s=0.002, mtbf_steps=10, restart_s=0.0,
+                                      state_bytes=1 << 16, directory=tmp_path / f"k{K}")
+        assert run["failures"] > 0 and run["redone"] <= run["failures"] * K
+        assert run["saves"] >= 40 // K
+    rows = bench.interval_rows([2, 8], work=20, step_s=0.002, mtbf_steps=10,
+                               state_bytes=1 << 16, restart_s=0.0, repeats=1)
+    text = bench.format_tables(saves, rows, 0.002, 10)
+    assert "ceiling" in text and "Young's sqrt(2CM)" in text
