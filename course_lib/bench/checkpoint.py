@@ -88,8 +88,8 @@ def run_with_failures(interval, work=200, step_s=0.01, mtbf_steps=100, state_byt
     """Train ``work`` steps (sleep ``step_s`` and update a state of ``state_bytes``),
     checkpointing every ``interval`` steps, with failures at random times (exponential, mean
     ``mtbf_steps`` steps of time): each costs ``restart_s``, a load of the last checkpoint and
-    the steps since. Returns the measured seconds and counts. Introduced in
-    notebooks/11_fault_tolerance.ipynb."""
+    the steps since. Returns the measured seconds, counts, and the mean save and step times.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
     import torch
     rng = np.random.default_rng(seed)
     directory = Path(directory or tempfile.mkdtemp(prefix="bench-ckpt-"))
@@ -99,11 +99,13 @@ def run_with_failures(interval, work=200, step_s=0.01, mtbf_steps=100, state_byt
     start = time.perf_counter()
     next_failure = start + rng.exponential(mtbf_s)
     saves = failures = redone = 0
-    save_s = []
+    save_s, steps_s = [], []
     while state["step"] < work:
+        t = time.perf_counter()
         time.sleep(step_s)
         state["w"].add_(1.0)
         state["step"] += 1
+        steps_s.append(time.perf_counter() - t)
         if time.perf_counter() >= next_failure:  # the state is lost: back to the checkpoint
             failures += 1
             lost_at = state["step"]
@@ -118,22 +120,24 @@ def run_with_failures(interval, work=200, step_s=0.01, mtbf_steps=100, state_byt
             save_s.append(time.perf_counter() - t)
             saves += 1
     return {"seconds": time.perf_counter() - start, "saves": saves, "failures": failures,
-            "redone": redone, "save_s": float(np.mean(save_s)) if save_s else 0.0}
+            "redone": redone, "save_s": float(np.mean(save_s)) if save_s else 0.0,
+            "step_s": float(np.mean(steps_s))}
 
 
 def interval_rows(intervals, work=200, step_s=0.01, mtbf_steps=100, state_bytes=4 << 20,
                   restart_s=0.05, repeats=2):
     """One row per checkpoint interval K: measured time to finish (mean over ``repeats``
-    failure draws) beside the first-order model with the measured save cost. Introduced in
+    failure draws) beside the first-order model with the measured save and step times. Introduced in
     notebooks/11_fault_tolerance.ipynb."""
     rows = []
     for K in intervals:
         runs = [run_with_failures(K, work, step_s, mtbf_steps, state_bytes, restart_s, seed=s)
                 for s in range(repeats)]
         C = float(np.mean([r["save_s"] for r in runs if r["saves"]] or [0.0]))
+        t = float(np.mean([r["step_s"] for r in runs]))  # a step as this machine ran it
         M = mtbf_steps * step_s
-        ideal = work * step_s
-        model = ideal * (1 + C / (K * step_s) + (K * step_s / 2 + restart_s) / M)
+        ideal = work * t
+        model = ideal * (1 + C / (K * t) + (K * t / 2 + restart_s) / M)
         rows.append({"interval": K, "seconds": float(np.mean([r["seconds"] for r in runs])),
                      "model_s": model, "ideal_s": ideal, "save_ms": 1e3 * C,
                      "failures": float(np.mean([r["failures"] for r in runs])),

@@ -77,3 +77,22 @@ def save_all(out_dir):
     ax.figure.savefig(path, dpi=120)
     plt.close(ax.figure)
     return [path]
+
+
+def measured_intervals(rows, young_steps, ax=None):
+    """Measured time to finish against the checkpoint interval K (rows of
+    ``bench.checkpoint.interval_rows``), the first-order model beside it and Young's interval
+    marked. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        ax = plt.subplots(figsize=(7, 3.5))[1]
+    ks = [r["interval"] for r in rows]
+    ax.semilogx(ks, [r["seconds"] for r in rows], "o-", label="measured")
+    ax.semilogx(ks, [r["model_s"] for r in rows], "--", color="0.5",
+                label="1 + C/(Kt) + (Kt/2 + R)/M")
+    ax.axhline(rows[0]["ideal_s"], color="k", lw=0.8)
+    ax.text(ks[0], rows[0]["ideal_s"], "  the work alone", va="bottom", fontsize=8)
+    ax.axvline(young_steps, color="C3", ls=":", label=f"Young: {young_steps:.0f} steps")
+    ax.set(xlabel="checkpoint every K steps", ylabel="seconds to finish")
+    ax.legend(fontsize="small")
+    return ax
