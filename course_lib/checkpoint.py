@@ -302,7 +302,7 @@ def young_interval(cost, mtbf):
     return (2 * cost * mtbf) ** 0.5
 
 
-def time_to_finish(interval, work=1000.0, mtbf=3.0, cost=1 / 60, restart=5 / 60, runs=200,
+def time_to_finish(interval, work=200.0, mtbf=3.0, cost=1 / 60, restart=5 / 60, runs=100,
                    seed=0):
     """Mean time to finish ``work`` units of work, checkpointing every ``interval`` at ``cost``
     each, with failures at random (exponential, mean ``mtbf``), each costing ``restart`` and

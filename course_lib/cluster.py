@@ -212,9 +212,7 @@ class Cluster:
                     return self._results_without(ar, dead, name)
             elif dead:
                 self._interrupt(ar, self._pending(ar), engines_dead=True)
-                pids = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in dead)
-                raise EngineDied(f"{pids} died while running {name}; the next call restarts "
-                                 "the engines (their state is lost)")
+                raise self._died(dead, name)
             if time.monotonic() > deadline and not ar.ready():
                 late = [r for r in self._pending(ar) if r not in dead]
                 killed = self._interrupt(ar, late)
@@ -223,6 +221,12 @@ class Cluster:
                     "they were interrupted; the next call re-creates the process group"
                 raise ClusterTimeout(f"{name} did not finish within {timeout:g}s on rank(s) "
                                      f"{late} of {self.n}; {then}")
+        dead = self._dead_ranks()  # died as the call ended (its peers' collectives failed at once)
+        if dead:
+            self._broken = "engines"
+            if allow_dead:
+                return self._results_without(ar, dead, name)
+            raise self._died(dead, name)
         try:
             return ar.get()
         except ipp.error.CompositeError as e:
@@ -237,6 +241,11 @@ class Cluster:
         detail = "\n".join(f"--- rank {r}: {text}" for r, text in sorted(errors.items()))
         raise RemoteError(f"{name} raised on rank(s) {sorted(errors)} of {self.n} (first: rank "
                           f"{first}: {errors[first].splitlines()[0]})\n{detail}", errors)
+
+    def _died(self, dead, name):
+        pids = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in dead)
+        return EngineDied(f"{pids} died while running {name}; the next call restarts the "
+                          "engines (their state is lost)")
 
     def _results_without(self, ar, dead, name):
         """Results in rank order, with an EngineDied error in place of each dead rank's."""

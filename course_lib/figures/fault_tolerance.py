@@ -41,7 +41,7 @@ def loss_with_restarts(log, reference_log=None, ax=None):
     return ax
 
 
-def checkpoint_interval(mtbf=3.0, cost=1 / 60, restart=5 / 60, work=1000.0, ax=None):
+def checkpoint_interval(mtbf=3.0, cost=1 / 60, restart=5 / 60, work=200.0, ax=None):
     """Simulated hours to finish ``work`` hours of work against the checkpoint interval, with
     Young's sqrt(2CM) marked. Introduced in notebooks/11_fault_tolerance.ipynb."""
     import matplotlib.pyplot as plt
