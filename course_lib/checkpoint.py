@@ -29,6 +29,7 @@ import json
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -174,7 +175,6 @@ def remove_orphans(directory):
 
 
 def _keep_newest(directory, keep, pattern):
-    import shutil
     for _, old in _steps(directory, pattern)[:-keep] if keep else []:
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 

@@ -57,15 +57,16 @@ def batch(step, rank, world_size, seed=0, size=32, pool=512):
     return X[mine], y[mine]
 
 
-def _broadcast_state(model, optimizer, comm):
-    """The chief's parameters and momentum buffers to every rank (dist.broadcast, in order)."""
+def _broadcast_state(model, optimizer, comm, momentum):
+    """The chief's parameters (and, resuming, its momentum buffers) to every rank, in order."""
     import torch.distributed as dist
     for p in model.parameters():
         dist.broadcast(p.data, src=0, group=getattr(comm, "group", None))
-        state = optimizer.state[p]
-        if comm.rank != 0 and "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p)
-        dist.broadcast(state["momentum_buffer"], src=0, group=getattr(comm, "group", None))
+        if momentum:
+            state = optimizer.state[p]
+            if comm.rank != 0 and "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            dist.broadcast(state["momentum_buffer"], src=0, group=getattr(comm, "group", None))
 
 
 def _log(directory, **record):
@@ -101,11 +102,7 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
         _log(directory, event="start", attempt=attempt, step=int(start), world_size=N,
              checkpoint=path.name if path else None, time=time.time())
     dist.broadcast(start, src=0, group=getattr(comm, "group", None))
-    if start.item() > 0:
-        _broadcast_state(model, optimizer, comm)
-    else:
-        for p in model.parameters():
-            dist.broadcast(p.data, src=0, group=getattr(comm, "group", None))
+    _broadcast_state(model, optimizer, comm, momentum=start.item() > 0)
     for step in range(int(start), steps):
         faults.point("train-step")
         X, y = batch(step, rank, N, seed)

@@ -1,2 +1,16 @@
 """The figures of the notebooks, one module per notebook topic. Every module's ``save_all(out_dir)``
 writes its figures into ``images/``: ``python -m course_lib images`` calls them all."""
+
+from pathlib import Path
+
+
+def save_figure(fig, out_dir, name, dpi=120):
+    """Write ``fig`` as ``out_dir/name`` (laid out tight), close it, and return the path: the end
+    of every ``save_all``. Introduced in notebooks/09_model_parallelism.ipynb."""
+    import matplotlib.pyplot as plt
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=dpi)
+    plt.close(fig)
+    return out / name

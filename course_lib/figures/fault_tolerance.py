@@ -7,6 +7,8 @@ resumed, against the uninterrupted run, with the steps computed twice shaded.
 
 from __future__ import annotations
 
+from course_lib.figures import save_figure
+
 
 def loss_with_restarts(log, reference_log=None, ax=None):
     """Loss against global step for each attempt of a supervised run (from the chief's log),
@@ -66,17 +68,7 @@ def checkpoint_interval(mtbf=3.0, cost=1 / 60, restart=5 / 60, work=200.0, ax=No
 def save_all(out_dir):
     """Write the checkpoint-interval figure into ``out_dir``; returns the paths.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
-    from pathlib import Path
-
-    import matplotlib.pyplot as plt
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ax = checkpoint_interval()
-    path = out / "11_checkpoint_interval.png"
-    ax.figure.tight_layout()
-    ax.figure.savefig(path, dpi=120)
-    plt.close(ax.figure)
-    return [path]
+    return [save_figure(checkpoint_interval().figure, out_dir, "11_checkpoint_interval.png")]
 
 
 def measured_intervals(rows, young_steps, ax=None):

@@ -10,11 +10,10 @@ the measured figures need a running cluster and are drawn in the notebook::
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
 from course_lib import pipeline
+from course_lib.figures import save_figure
 
 COLOURS = {"F": "tab:blue", "B": "tab:orange"}
 
@@ -151,11 +150,4 @@ def tp_vs_pp_figure(results):
 def save_all(out_dir):
     """Write the simulated schedules into ``out_dir``; returns the paths.
     Introduced in notebooks/09_model_parallelism.ipynb."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    fig = schedules_figure()
-    path = out / "09_pipeline_schedules.png"
-    fig.savefig(path, dpi=120)
-    import matplotlib.pyplot as plt
-    plt.close(fig)
-    return [path]
+    return [save_figure(schedules_figure(), out_dir, "09_pipeline_schedules.png")]

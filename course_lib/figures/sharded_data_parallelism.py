@@ -9,10 +9,9 @@ against the number of ranks (the paper's accounting), and measured against predi
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
+from course_lib.figures import save_figure
 from course_lib.zero import STAGES, zero_memory
 
 NAMES = {0: "DDP", 1: "ZeRO-1 (optimizer state)", 2: "ZeRO-2 (+ gradients)",
@@ -110,12 +109,4 @@ def step_times(rows, link, ax=None):
 def save_all(out_dir):
     """Write the accounting figure into ``out_dir``; returns the paths.
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
-    import matplotlib.pyplot as plt
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    ax = memory_vs_ranks()
-    path = out / "10_zero_memory.png"
-    ax.figure.tight_layout()
-    ax.figure.savefig(path, dpi=120)
-    plt.close(ax.figure)
-    return [path]
+    return [save_figure(memory_vs_ranks().figure, out_dir, "10_zero_memory.png")]
