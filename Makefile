@@ -32,11 +32,10 @@ demo: $(STAMP)            ## the headless tour: cluster, algorithms, summary tab
 
 test: test-lib test-notebooks lint   ## the whole suite: library tests, every notebook and lab
 
-# JOBS=2: two pytest workers, one test file or notebook each at a time (much of the suite waits:
-# clusters starting, deadlines, emulated links; two overlap on 2 cores: ~1/3 faster). Off by
-# default until the parameter-server tests are isolated from each other's stale ZeroMQ peers:
-# test_stragglers' silent worker was not reported lost in 2 of 3 runs on two workers.
-JOBS   ?= 0
+# Two pytest workers, one test file or notebook each at a time (much of the suite waits:
+# clusters starting, deadlines, emulated links; two overlap on 2 cores: ~1/3 faster).
+# JOBS=0: one process, the order of a plain pytest run.
+JOBS   ?= 2
 XDIST   = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
 test-lib: $(STAMP)

@@ -88,9 +88,7 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
     from course_lib.comm import get_comm
     comm = get_comm("torch", timeout=timeout)
     rank, N = comm.rank, comm.world_size
-    faults.disarm()  # what an earlier call armed in this engine
-    for i, spec in enumerate(fault_specs):  # not again in the restarted process
-        faults.parse(spec if "once=" in spec else f"{spec}:once={directory}/.fault-{i}", rank)
+    faults.arm_once(fault_specs, directory, rank)  # not again in the restarted process
     model = make_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     start = torch.zeros(1, dtype=torch.int64)

@@ -258,7 +258,8 @@ class Cluster:
             try:
                 results.append(self.client.get_result(msg_id, block=False).get(timeout=10))
             except ipp.error.RemoteError as e:
-                errors[r] = f"{e.ename}: {e.evalue}\n{e.traceback or ''}"
+                errors[r] = re.sub(r"\x1b\[[0-9;]*m", "", f"{e.ename}: {e.evalue}\n"
+                                   f"{e.traceback or ''}")
                 results.append(None)
         if errors:
             detail = "\n".join(f"--- rank {r}: {text}" for r, text in sorted(errors.items()))

@@ -74,6 +74,16 @@ def parse(spec, rank=None):
     return armed
 
 
+def arm_once(specs, directory, rank=None):
+    """Disarm every point, then arm ``specs`` for ``rank``, each firing once in the life of
+    ``directory`` (a ``once=`` file there, unless the spec names its own): a process restarted
+    to resume from ``directory``'s checkpoint does not fail again at the same place.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    disarm()
+    for i, spec in enumerate(specs):
+        parse(spec if "once=" in spec else f"{spec}:once={directory}/.fault-{i}", rank)
+
+
 def arm_from_environment(rank=None):
     """Arm what ``$COURSE_LIB_FAULTS`` says for this ``rank`` (default: ``$RANK``).
     Introduced in notebooks/11_fault_tolerance.ipynb."""

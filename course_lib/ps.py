@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from course_lib import faults
 from course_lib.data import shard_bounds
 from course_lib.engine import ENGINE
-from course_lib.ps_server import PSError, ServerConnections, bind_server, serve
+from course_lib.ps_server import PSError, ServerConnections, bind_server, serve, serve_restarting
 
 __all__ = ["PSError", "PSResult", "apply_push", "make_spec", "run_role", "simulate_async",
            "train", "worker_step"]
@@ -86,10 +87,11 @@ def worker_step(problem, pull, push, Xb, yb):
 # ---------------------------------------------------------------- running on a cluster
 def _worker(spec, addresses, problem, X, y, theta0, cfg):
     w, num_workers = spec["worker"].index(ENGINE["rank"]), len(spec["worker"])
-    conn = ServerConnections(addresses, len(theta0), 2 * cfg["timeout"] + 5)
+    conn = ServerConnections(addresses, len(theta0), 2 * cfg["timeout"] + 5,
+                             retry=0.5 if cfg["server_restarts"] else None)
     rng, delay_rng = np.random.default_rng(cfg["seed"]), np.random.default_rng([cfg["seed"], w])
     log = dict(worker=ENGINE["rank"], steps=0, rejected=0, loss_sums=[], counts=[], times=[],
-               dropped=0, step_ids=[])
+               dropped=0, step_ids=[], versions=[], t0=time.time())
     slow_s = cfg["slow"].get(ENGINE["rank"], 0.0)
     try:
         state = {}
@@ -127,10 +129,12 @@ def _worker(spec, addresses, problem, X, y, theta0, cfg):
             log["counts"].append(b - a)
             log["times"].append(time.monotonic() - t0)
             log["step_ids"].append(step)
+            log["versions"].append(state["versions"][0])  # server 0's, after this push
             log["steps"] += 1
             step = state["versions"][0] if cfg["backup_workers"] else step + 1
         conn.done()
-        return dict(log, stopped=False, bytes=conn.bytes, theta=state["theta"])
+        return dict(log, stopped=False, bytes=conn.bytes, theta=state["theta"],
+                    resent=conn.resent)
     finally:
         conn.close()
 
@@ -140,8 +144,14 @@ def run_role(spec, addresses, problem, X, y, theta0, cfg):
 
     Introduced in notebooks/04_parameter_server.ipynb."""
     role = role_of(spec, ENGINE["rank"])
+    if role == "ps" and cfg["server_restarts"]:
+        return dict(serve_restarting(spec, len(theta0), cfg, apply_push), role="ps")
     if role == "ps":
-        return dict(serve(spec, len(theta0), cfg, apply_push), role="ps")
+        faults.arm_once(cfg["faults"], cfg["checkpoint_dir"], ENGINE["rank"])
+        try:
+            return dict(serve(spec, len(theta0), cfg, apply_push), role="ps")
+        finally:
+            faults.disarm()
     if role == "worker":
         return dict(_worker(spec, addresses, problem, X, y, theta0, cfg), role="worker")
     return {"role": "idle"}
@@ -194,7 +204,7 @@ class PSResult:
 def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32, mode="sync",
           staleness_aware=False, max_staleness=None, seed=0, timeout=10.0, time_limit=120.0,
           delay=0.0, stop_after=None, crash_after=None, host="127.0.0.1", backup_workers=0,
-          slow=None):
+          slow=None, checkpoint_dir=None, checkpoint_every=20, server_restarts=0, faults=()):
     """Train ``problem`` on (X, y) with the servers and workers of ``spec`` on ``cluster``.
 
     ``mode`` 'sync' (equal to ``gd.minibatch_sgd`` with the same seed and global ``batch_size``)
@@ -207,6 +217,12 @@ def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32,
     N - b gradients; late ones are dropped (``servers[0]["dropped"]``, ``["used"]``) and a
     late worker goes on with the server's current step. Every wait has a deadline of
     ``timeout`` s; the whole run ``time_limit`` s.
+    ``checkpoint_dir``: each server checkpoints its shard there (``server-{s}/``) at init,
+    every ``checkpoint_every`` updates and when a worker finishes. ``server_restarts=r``
+    (async; notebook 11): a server that is killed is started again, at most r times, on the
+    same address, from its last checkpoint; the workers resend what went unanswered.
+    ``faults``: fault points armed on the servers (``"ps-server-update:kill@60"``: a server
+    dies after its 60th update), each firing once per ``checkpoint_dir``.
     Introduced in notebooks/04_parameter_server.ipynb.
     """
     if mode not in ("sync", "async"):
@@ -220,11 +236,28 @@ def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32,
                          f"backups; got mode={mode!r}, spec {spec}")
     if set(spec["ps"]) & set(spec["worker"]) or max(spec["ps"] + spec["worker"]) >= cluster.n:
         raise ValueError(f"spec {spec} needs distinct ranks below {cluster.n}")
+    if server_restarts and (mode != "async" or checkpoint_dir is None):
+        raise ValueError(f"server_restarts={server_restarts} needs mode='async' (a sync step "
+                         f"waits for every worker) and a checkpoint_dir to restart from; got "
+                         f"mode={mode!r}, checkpoint_dir={checkpoint_dir!r}")
+    if faults and checkpoint_dir is None:
+        raise ValueError("faults= need a checkpoint_dir= (where each one records that it fired)")
+    if checkpoint_dir is not None:
+        checkpoint_dir = os.path.abspath(checkpoint_dir)
+        old = sorted(p for p in os.listdir(checkpoint_dir) if p.startswith("server-")) \
+            if os.path.isdir(checkpoint_dir) else []
+        if old:
+            raise ValueError(f"{checkpoint_dir} holds the servers' checkpoints of another run "
+                             f"({', '.join(old)}): a restarted server would resume from them; "
+                             "pass a new directory")
+        os.makedirs(checkpoint_dir, exist_ok=True)
     cfg = dict(mode=mode, lr=lr, num_epochs=num_epochs, batch_size=batch_size, seed=seed,
                staleness_aware=staleness_aware, max_staleness=max_staleness, timeout=timeout,
                time_limit=time_limit, delay=delay, stop_after=dict(stop_after or {}),
                crash_after=dict(crash_after or {}), backup_workers=int(backup_workers),
-               slow={int(r): float(s) for r, s in (slow or {}).items()})
+               slow={int(r): float(s) for r, s in (slow or {}).items()},
+               checkpoint_dir=checkpoint_dir, checkpoint_every=int(checkpoint_every),
+               server_restarts=int(server_restarts), faults=tuple(faults))
     bound = cluster.run(bind_server, spec, host)  # in rank order; None on non-servers
     # server s of the spec (``spec["ps"][s]``) holds shard s: its address goes to place s
     addresses = [bound[r] for r in spec["ps"]]

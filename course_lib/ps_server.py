@@ -12,6 +12,14 @@ Operations (worker -> server, the reply carries the server's shard and version):
 ``count`` samples, computed on the shard of version ``version``; the reply is the updated shard,
 so a push is also the next pull) and ``done``.
 
+A server that dies can come back (``ps.train(..., server_restarts=1)``, notebook 11): the
+server runs in a child process of its rank that checkpoints its shard (at ``init``, every
+``checkpoint_every`` updates and when a worker finishes); when the child is killed, the rank
+starts another on the same address, which resumes from the last checkpoint, as Kubernetes
+restarts a failed container in place. A worker that hears nothing within ``retry`` s closes its
+socket, opens a new one and sends the same request again (the "lazy pirate" of the ZeroMQ
+guide), until the deadline.
+
 On an emulated network (``start_cluster(link=...)``, :mod:`course_lib.netem`) the header carries
 the sender's stamp and every message pays the link's time: a server's single link carries every
 worker's push, one after another, which is why sharding the parameters over more servers helps.
@@ -20,11 +28,16 @@ worker's push, one after another, which is why sharding the parameters over more
 from __future__ import annotations
 
 import json
+import pickle
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
-from course_lib import netem
+from course_lib import faults, netem
 from course_lib.engine import ENGINE
 
 
@@ -79,16 +92,16 @@ def bind_server(spec, host="127.0.0.1"):
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.linger = 0
     port = sock.bind_to_random_port(f"tcp://{host}")
-    _BOUND["sock"] = sock
-    return f"tcp://{host}:{port}"
+    _BOUND.update(sock=sock, address=f"tcp://{host}:{port}")
+    return _BOUND["address"]
 
 
-def close_server():
-    """Close the socket :func:`bind_server` bound, if any. Introduced in
-    notebooks/04_parameter_server.ipynb."""
+def close_server(linger=0):
+    """Close the socket :func:`bind_server` bound, if any (``linger`` ms to deliver what is
+    queued). Introduced in notebooks/04_parameter_server.ipynb."""
     sock = _BOUND.pop("sock", None)
     if sock is not None:
-        sock.close(linger=0)
+        sock.close(linger=linger)
 
 
 def serve(spec, n_params, cfg, apply_push):
@@ -110,8 +123,16 @@ def serve(spec, n_params, cfg, apply_push):
     theta, version, waiting_init = None, 0, []
     stats = dict(server=ENGINE["rank"], shard=(start, stop), staleness=[], pushes=0, pulls=0,
                  bytes_in=0, bytes_out=0, rejected=0, lost=[], per_worker={w: 0 for w in workers},
-                 used=[], step_ends=[], dropped=[])
+                 used=[], step_ends=[], dropped=[], restored_from=None, from_lost=0, skipped=[])
     done, heard = set(), {w: time.monotonic() for w in workers}
+    every, directory = cfg.get("checkpoint_every"), cfg.get("checkpoint_dir")
+    directory = directory and Path(directory) / f"server-{s}"
+    if directory:
+        theta, version, done = _restore(directory, stats)
+
+    def save():
+        if directory:
+            _save(directory, theta, version, done)
     pending = {}  # sync: worker -> (identity, grad_sum, count) of the current step
     step_started = time.monotonic()
     t0, deadline = time.monotonic(), time.monotonic() + cfg["time_limit"]
@@ -148,7 +169,9 @@ def serve(spec, n_params, cfg, apply_push):
             stats["lost"].remove(w)
         stats["bytes_in"] += len(payload)
         if op == "init":
-            theta = np.frombuffer(payload, np.float64).copy()
+            if theta is None:  # a restarted server keeps what it restored
+                theta = np.frombuffer(payload, np.float64).copy()
+                save()
             for ident in waiting_init:
                 reply(ident)
             reply(identity)
@@ -160,6 +183,9 @@ def serve(spec, n_params, cfg, apply_push):
                 reply(identity)
         elif op == "done":
             done.add(w)
+            save()  # a restarted server must not wait for a worker that has finished
+            if header.get("ack"):
+                reply(identity)
         elif op == "push":
             grad, count = np.frombuffer(payload, np.float64), header["count"]
             stats["pushes"] += 1
@@ -173,17 +199,23 @@ def serve(spec, n_params, cfg, apply_push):
                     step_started = time.monotonic()
                 pending[w] = (identity, grad, count)
             else:
-                staleness = version - header["version"]
+                pulled = header["version"]
+                if pulled > version:  # computed on versions a killed server lost: fresh now
+                    stats["from_lost"] += 1
+                    pulled = version
+                staleness = version - pulled
                 if cfg["max_staleness"] is not None and staleness > cfg["max_staleness"]:
                     stats["rejected"] += 1
                     reply(identity, rejected=True)
                     continue
                 if count:
                     theta, version, staleness = apply_push(
-                        theta, version, grad / count, header["version"], cfg["lr"],
-                        cfg["staleness_aware"])
+                        theta, version, grad / count, pulled, cfg["lr"], cfg["staleness_aware"])
                     stats["staleness"].append(staleness)
+                    if every and version % every == 0:
+                        save()
                 reply(identity)
+                faults.point("ps-server-update")  # e.g. killed after its n-th update
         running = set(workers) - done
         if sync and pending and (len(pending) >= min(len(workers) - backup, len(running))
                                  if backup else set(pending) >= running):
@@ -194,16 +226,95 @@ def serve(spec, n_params, cfg, apply_push):
                 stats["staleness"] += [0] * len(pending)
             elif backup:  # the first gradients held no sample: an empty step, still a step
                 version += 1
+            if every and version % every == 0:
+                save()
             stats["used"].append(sorted(pending))
             stats["step_ends"].append(time.monotonic() - t0)
             for identity, _, _ in pending.values():
                 reply(identity)
             pending = {}
             step_started = time.monotonic()
-    close_server()
+    close_server(linger=2000)  # the last replies still go out
     stats["elapsed"] = time.monotonic() - t0
     stats["version"], stats["theta"] = version, theta
     return stats
+
+
+def _restore(directory, stats):
+    """(theta, version, done) of the server's last good checkpoint, or (None, 0, set())."""
+    from course_lib import checkpoint
+    state, _ = checkpoint.load_latest(directory, report=stats["skipped"].append)
+    if state is None:
+        return None, 0, set()
+    stats["restored_from"] = int(state["version"])
+    return state["theta"].numpy().copy(), int(state["version"]), set(state["done"])
+
+
+def _save(directory, theta, version, done):
+    import torch
+
+    from course_lib import checkpoint
+    checkpoint.save({"theta": torch.from_numpy(theta), "version": version, "done": sorted(done)},
+                    directory, version, keep=2)
+
+
+def serve_restarting(spec, n_params, cfg, apply_push):
+    """:func:`serve` in a child process that is started again, on the same address, each time
+    it is killed (at most ``cfg["server_restarts"]`` times); the new one resumes from the
+    shard's last checkpoint. Returns the last child's statistics, with ``restarts``: one record
+    (attempt, signal, time) per restart. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    rank, address = ENGINE["rank"], _BOUND["address"]
+    close_server()  # the child binds the address
+    job = dict(rank=rank, link=netem.current(), address=address, spec=spec, n_params=n_params,
+               cfg=cfg, apply_push=apply_push)
+    deadline, restarts = time.monotonic() + cfg["time_limit"] + 10, []
+    with tempfile.TemporaryDirectory(prefix="course_lib-ps-") as tmp:
+        out, err = Path(tmp, "stats.pkl"), Path(tmp, "stderr.txt")
+        for attempt in range(cfg["server_restarts"] + 1):
+            with open(err, "wb") as stderr:
+                child = subprocess.Popen([sys.executable, "-m", "course_lib.ps_server", str(out)],
+                                         stdin=subprocess.PIPE, stderr=stderr)
+                child.stdin.write(pickle.dumps(dict(job, attempt=attempt)))
+                child.stdin.close()
+                try:
+                    code = child.wait(timeout=max(deadline - time.monotonic(), 1.0))
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                    raise PSError(f"server rank {rank}: no end within the time limit "
+                                  f"{cfg['time_limit']:g}s (attempt {attempt})") from None
+            if code == 0:
+                return dict(pickle.loads(out.read_bytes()), restarts=restarts)
+            if code > 0:  # an error, not a kill: restarting would fail again
+                tail = err.read_text(errors="replace").strip().splitlines()[-1:]
+                raise PSError(f"server rank {rank} failed (exit status {code}): {tail}")
+            restarts.append(dict(attempt=attempt, signal=-code, time=time.time()))
+    raise PSError(f"server rank {rank} was killed {len(restarts)} times, more than "
+                  f"server_restarts = {cfg['server_restarts']}")
+
+
+def _serve_child(out):
+    """``python -m course_lib.ps_server OUT``: one life of a restartable server (its job is
+    pickled on stdin, its statistics are pickled to OUT)."""
+    job = pickle.loads(sys.stdin.buffer.read())
+    ENGINE.update(rank=job["rank"])
+    netem.set_link(job["link"])
+    cfg = job["cfg"]
+    faults.arm_once(cfg["faults"], cfg["checkpoint_dir"], job["rank"])
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    for _ in range(50):  # the killed server's port can take a moment to be free again
+        try:
+            sock.bind(job["address"])
+            break
+        except zmq.ZMQError:
+            time.sleep(0.1)
+    else:
+        sock.bind(job["address"])  # raises, naming the address
+    _BOUND.update(sock=sock, address=job["address"])
+    stats = serve(job["spec"], job["n_params"], cfg, job["apply_push"])
+    Path(out).write_bytes(pickle.dumps(dict(stats, attempt=job["attempt"])))
 
 
 # ---------------------------------------------------------------- the worker
@@ -212,32 +323,50 @@ class ServerConnections:
 
     Introduced in notebooks/04_parameter_server.ipynb."""
 
-    def __init__(self, addresses, n_params, timeout):
-        import zmq
-
+    def __init__(self, addresses, n_params, timeout, retry=None):
         from course_lib.data import shard_bounds
-        self.rank, self.timeout = ENGINE["rank"], timeout
-        ctx = zmq.Context.instance()
-        self.socks = []
-        for address in addresses:
-            sock = ctx.socket(zmq.DEALER)
-            sock.linger = 2000  # a closing worker still delivers its 'done'
-            sock.connect(address)
-            self.socks.append(sock)
+        self.rank, self.timeout, self.retry = ENGINE["rank"], timeout, retry
+        self.addresses = list(addresses)
+        self.socks = [self._connect(address) for address in addresses]
         self.bounds = [shard_bounds(n_params, s, len(addresses)) for s in range(len(addresses))]
-        self.n_params, self.bytes = n_params, 0
+        self.n_params, self.bytes, self.resent = n_params, 0, 0
+
+    @staticmethod
+    def _connect(address):
+        import zmq
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.linger = 2000  # a closing worker still delivers its 'done'
+        sock.connect(address)
+        return sock
+
+    def _reply(self, s, message, what):
+        """Server ``s``'s reply to ``message``. With ``retry``: when none came within ``retry``
+        s, a new socket (a late reply to the old one is never mistaken for this one) sends
+        ``message`` again, until ``timeout`` s have passed."""
+        deadline = time.monotonic() + self.timeout
+        while self.retry is not None:
+            wait = min(self.retry, deadline - time.monotonic())
+            if wait <= 0 or self.socks[s].poll(int(wait * 1000)):
+                break
+            self.socks[s].close(linger=0)
+            self.socks[s] = self._connect(self.addresses[s])
+            self.bytes += _send(self.socks[s], *message)
+            self.resent += 1
+        return _recv(self.socks[s], max(deadline - time.monotonic(), 0.001), what)[1:]
 
     def _exchange(self, op, vectors=None, **header):
         """Send ``op`` to every server (its slice of ``vectors``); gather the replies."""
+        messages = []
         for s, sock in enumerate(self.socks):
             a, b = self.bounds[s]
             extra = {k: (v[s] if isinstance(v, list) else v) for k, v in header.items()}
-            self.bytes += _send(sock, dict(op=op, worker=self.rank, **extra),
-                                None if vectors is None else vectors[a:b])
+            messages.append((dict(op=op, worker=self.rank, **extra),
+                             None if vectors is None else vectors[a:b]))
+            self.bytes += _send(sock, *messages[-1])
         theta, versions, rejected, self.dropped = np.empty(self.n_params), [], False, False
-        for s, sock in enumerate(self.socks):
-            _, reply, payload = _recv(sock, self.timeout,
-                                      f"{op} sent by worker rank {self.rank} to server {s}")
+        for s in range(len(self.socks)):
+            reply, payload = self._reply(s, messages[s],
+                                         f"{op} sent by worker rank {self.rank} to server {s}")
             if reply["op"] == "error":
                 raise PSError(f"worker rank {self.rank}: server {s} failed: {reply['message']}")
             a, b = self.bounds[s]
@@ -258,9 +387,15 @@ class ServerConnections:
                               version=list(versions))
 
     def done(self):
+        if self.retry is not None:  # a server that may be restarted must have heard it
+            return self._exchange("done", ack=True)
         for sock in self.socks:
             _send(sock, dict(op="done", worker=self.rank))
 
     def close(self, linger=2000):
         for sock in self.socks:
             sock.close(linger=linger)
+
+
+if __name__ == "__main__":
+    _serve_child(sys.argv[1])

@@ -146,3 +146,48 @@ def test_staleness_aware_step_tames_high_staleness():
     losses, staleness = ps.simulate_async(problem, X, y, theta0, lr=0.1, num_workers=1,
                                           num_updates=50, seed=0)
     assert staleness.max() == 0 and losses[-1] < losses[0]
+
+
+# ---------------------------------------------------------------- a server killed (notebook 11)
+def test_async_server_killed_comes_back_from_its_checkpoint(cluster, linear, tmp_path):
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(1, 3, world_size=4)
+    result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=6, batch_size=30,
+                      mode="async", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=20,
+                      server_restarts=1, faults=["ps-server-update:kill@70"], timeout=10)
+    server = result.servers[0]
+    assert [(r["attempt"], r["signal"]) for r in server["restarts"]] == [(0, 9)]
+    assert server["restored_from"] == 60 and server["skipped"] == []  # 70 = 60 + 10 lost
+    assert server["version"] == 60 + server["pushes"] and server["pushes"] > 60
+    assert [w["steps"] for w in result.workers] == [60, 60, 60]   # every worker finished
+    assert sum(w["resent"] for w in result.workers) >= 1           # what went unanswered
+    versions = [v for w in result.workers for v in w["versions"]]
+    assert max(versions) >= 70 and any(np.diff(w["versions"]).min() < 0 for w in result.workers)
+    assert problem.loss(result.theta, X, y) < problem.loss(theta0, X, y) / 10
+    assert (tmp_path / "ckpt" / ".fault-0").exists()               # fired once, not again
+
+
+def test_a_killed_server_without_restarts_is_named_by_the_workers(cluster, linear, tmp_path):
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(1, 3, world_size=4)
+    with pytest.raises(RemoteError, match=r"(?s)rank\(s\) \[0\] died.*no reply to push sent by "
+                                          r"worker rank \d to server 0"):
+        ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=2, batch_size=30,
+                 mode="async", checkpoint_dir=tmp_path, faults=["ps-server-update:kill@10"],
+                 timeout=1)
+    again = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=1, batch_size=30)
+    assert np.isfinite(again.theta).all()  # the next call restarted the dead engine
+
+
+def test_server_restarts_bad_arguments(cluster, linear, tmp_path):
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(1, 3, world_size=4)
+    with pytest.raises(ValueError, match="mode='async'"):
+        ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, server_restarts=1,
+                 checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, mode="async", server_restarts=1)
+    (tmp_path / "server-0").mkdir()
+    with pytest.raises(ValueError, match="another run"):
+        ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, mode="async", server_restarts=1,
+                 checkpoint_dir=tmp_path)
