@@ -91,7 +91,7 @@ def _worker(spec, addresses, problem, X, y, theta0, cfg):
                              retry=0.5 if cfg["server_restarts"] else None)
     rng, delay_rng = np.random.default_rng(cfg["seed"]), np.random.default_rng([cfg["seed"], w])
     log = dict(worker=ENGINE["rank"], steps=0, rejected=0, loss_sums=[], counts=[], times=[],
-               dropped=0, step_ids=[], versions=[], t0=time.time())
+               dropped=0, step_ids=[], versions=[])
     slow_s = cfg["slow"].get(ENGINE["rank"], 0.0)
     try:
         state = {}
@@ -109,7 +109,7 @@ def _worker(spec, addresses, problem, X, y, theta0, cfg):
             log["rejected"] += rejected
             log["dropped"] += conn.dropped
 
-        t0 = time.monotonic()
+        t0, log["t0"] = time.monotonic(), time.time()  # "times" count from here
         per_epoch = -(-len(X) // cfg["batch_size"])
         total, epoch, order = cfg["num_epochs"] * per_epoch, -1, None
         step = state["versions"][0] if cfg["backup_workers"] else 0  # a late starter skips

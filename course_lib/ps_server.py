@@ -129,6 +129,7 @@ def serve(spec, n_params, cfg, apply_push):
     directory = directory and Path(directory) / f"server-{s}"
     if directory:
         theta, version, done = _restore(directory, stats)
+    stats["ready"] = time.time()  # restored (if need be): serving from now on
 
     def save():
         if directory:
@@ -261,8 +262,9 @@ def _save(directory, theta, version, done):
 def serve_restarting(spec, n_params, cfg, apply_push):
     """:func:`serve` in a child process that is started again, on the same address, each time
     it is killed (at most ``cfg["server_restarts"]`` times); the new one resumes from the
-    shard's last checkpoint. Returns the last child's statistics, with ``restarts``: one record
-    (attempt, signal, time) per restart. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    shard's last checkpoint. Returns the last child's statistics (``ready``: when it began to
+    serve) with ``restarts``: one record (attempt, signal, time it was seen dead) per restart.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
     rank, address = ENGINE["rank"], _BOUND["address"]
     close_server()  # the child binds the address
     job = dict(rank=rank, link=netem.current(), address=address, spec=spec, n_params=n_params,

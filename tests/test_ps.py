@@ -165,6 +165,13 @@ def test_async_server_killed_comes_back_from_its_checkpoint(cluster, linear, tmp
     assert max(versions) >= 70 and any(np.diff(w["versions"]).min() < 0 for w in result.workers)
     assert problem.loss(result.theta, X, y) < problem.loss(theta0, X, y) / 10
     assert (tmp_path / "ckpt" / ".fault-0").exists()               # fired once, not again
+    import matplotlib
+    matplotlib.use("Agg")
+    from course_lib.figures import fault_tolerance
+    axes = fault_tolerance.server_restart(result)
+    points = [line for line in axes[0].lines if line.get_label().startswith("worker")]
+    assert sum(len(line.get_xdata()) for line in points) == 180
+    assert axes[0].patches and axes[1].patches  # the outage, shaded on both
 
 
 def test_a_killed_server_without_restarts_is_named_by_the_workers(cluster, linear, tmp_path):

@@ -88,3 +88,37 @@ def measured_intervals(rows, young_steps, ax=None):
     ax.set(xlabel="checkpoint every K steps", ylabel="seconds to finish")
     ax.legend(fontsize="small")
     return ax
+
+
+def server_restart(result, axes=None):
+    """A parameter server killed and restarted (``ps.train(..., server_restarts=1)``): the
+    server's version in each reply to each worker, and each worker's batch loss, against time;
+    the outage and the version restored marked.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    if axes is None:
+        axes = plt.subplots(1, 2, figsize=(10, 3.5))[1]
+    server = result.servers[0]
+    t0 = min(w["t0"] for w in result.workers)
+    for i, w in enumerate(result.workers):
+        t = w["t0"] - t0 + np.asarray(w["times"])
+        axes[0].plot(t, w["versions"], ".", ms=3, color=f"C{i}", label=f"worker rank {w['worker']}")
+        loss = np.asarray(w["loss_sums"]) / np.maximum(w["counts"], 1)
+        axes[1].plot(t, loss, ".", ms=3, color=f"C{i}", label=f"worker rank {w['worker']}")
+    for i, r in enumerate(server["restarts"]):
+        last = i == len(server["restarts"]) - 1
+        down = (r["time"] - t0, (server["ready"] if last else r["time"]) - t0)
+        for ax in axes:
+            ax.axvspan(*down, color="C3", alpha=0.15, label="server down" if i == 0 else None)
+        axes[0].annotate(f" killed;\n back {down[1] - down[0]:.1f} s later" if last else "",
+                         (down[0], 0.95), xycoords=("data", "axes fraction"), fontsize=8,
+                         color="C3", va="top")
+    if server["restored_from"] is not None:
+        axes[0].axhline(server["restored_from"], color="0.5", ls=":", lw=1,
+                        label=f"restored: version {server['restored_from']}")
+    axes[0].set(xlabel="seconds", ylabel="server version in the reply")
+    axes[1].set(xlabel="seconds", ylabel="batch loss", yscale="log")
+    axes[0].legend(fontsize="small", loc="lower right")
+    axes[1].legend(fontsize="small", loc="upper right")
+    return axes
