@@ -188,6 +188,25 @@ class Cluster:
             results.append(result)
         return results
 
+    def balanced_view(self, ranks=None):
+        """An ipyparallel ``LoadBalancedView`` over ``ranks`` (default: every rank whose engine
+        is alive): each task goes to whichever of them is free, results come back in any order.
+        Independent tasks (the trials of a search) need no process group.
+        Introduced in notebooks/13_hyperparameter_search.ipynb."""
+        dead, wanted = self.dead_ranks(), list(range(self.n) if ranks is None else ranks)
+        live = [r for r in wanted if r not in dead]
+        if not live:
+            raise ClusterError(f"no live engine among ranks {wanted} (dead: {dead})")
+        return self.client.load_balanced_view([self.engine_ids[r] for r in live])
+
+    def dead_ranks(self):
+        """Ranks whose engine process has died; the next :meth:`run` restarts them.
+        Introduced in notebooks/13_hyperparameter_search.ipynb."""
+        dead = self._dead_ranks()
+        if dead:
+            self._broken = "engines"
+        return dead
+
     def _dead_ranks(self):
         import psutil
         return [r for r, pid in enumerate(self.pids)
