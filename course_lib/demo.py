@@ -194,8 +194,40 @@ def fault_tolerance(cluster, out_dir):
              run.restarts == 1 and max(run.recomputed) <= K and exact)]
 
 
+def hyperparameter_search(cluster, out_dir):
+    """Synchronous successive halving against ASHA on the same epochs, with trials that sleep
+    for their training time: how busy the engines were, and a Gantt chart of both.
+
+    Demonstrates notebooks/13_hyperparameter_search.ipynb."""
+    from course_lib import hpsearch
+    from course_lib.figures import hyperparameter_search as figures
+    from course_lib.figures import save_figure
+    kw = dict(min_epochs=1, max_epochs=9, eta=3, trial=hpsearch.sleep_trial, epoch_s=0.03)
+    sh = hpsearch.successive_halving(cluster, num_configs=27, **kw)
+    asha = hpsearch.asha(cluster, budget=sh.epochs_spent, **kw)
+    save_figure(figures.gantt([sh, asha])[0].figure, out_dir, "demo_hpsearch_gantt.png")
+
+    def first_promotion_before_rung0_ends(r):
+        return min(j.start for j in r.jobs if j.rung == 1) < max(
+            j.end for j in r.jobs if j.rung == 0)
+    ok = (asha.epochs_spent == sh.epochs_spent and first_promotion_before_rung0_ends(asha)
+          and not first_promotion_before_rung0_ends(sh))
+    rng = np.random.default_rng(0)
+    configs = [hpsearch.sample(hpsearch.SPACE, rng) for _ in range(81)]
+    sim = [hpsearch.simulate(policy, 64) for policy in (
+        hpsearch.SuccessiveHalving(configs, 1, 27, 3),
+        hpsearch.ASHA(iter(configs * 4), 1, 27, 3, hpsearch.halving_budget(81, 1, 27, 3)))]
+    return [(f"ASHA vs synchronous successive halving, {sh.epochs_spent} epochs",
+             f"engines busy {asha.busy_fraction():.0%} vs {sh.busy_fraction():.0%}; "
+             f"{asha.elapsed:.1f}s vs {sh.elapsed:.1f}s; ASHA promotes before rung 0 ends", ok),
+            ("the same, simulated: 81 configurations, 64 engines",
+             f"engines busy {sim[1].busy_fraction():.0%} vs {sim[0].busy_fraction():.0%}; "
+             f"ASHA done in {sim[0].elapsed / sim[1].elapsed:.1f}x less time",
+             sim[1].elapsed < sim[0].elapsed)]
+
+
 PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel,
-         pipeline, sharded, fault_tolerance]
+         pipeline, sharded, fault_tolerance, hyperparameter_search]
 
 
 def _plot_losses(runs, best, path):

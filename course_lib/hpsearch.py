@@ -128,11 +128,21 @@ def train_trial(config, epochs, directory, seed=0):
     return dict(accs=accs, first_epoch=first, start=start, end=time.time(), pid=os.getpid())
 
 
+def surrogate(config, epoch, epoch_s=0.05):
+    """(validation accuracy after ``epoch`` epochs, seconds per epoch) of a stand-in trial: a
+    smooth function of ``config``, best near lr = 0.1, better when wider, slower to rise with
+    warm-up; an epoch takes ``epoch_s`` at batch size 32, longer for smaller batches (more
+    steps). Introduced in notebooks/13_hyperparameter_search.ipynb."""
+    quality = math.exp(-math.log10(config["lr"] / 0.1) ** 2) * (
+        0.7 + 0.05 * math.log2(config.get("width", 64)))
+    rate = 1.0 / (1 + config.get("warmup", 0))
+    accuracy = 0.1 + 0.85 * quality * (1 - math.exp(-rate * epoch))
+    return accuracy, epoch_s * (0.5 + 16 / config.get("batch_size", 32))
+
+
 def sleep_trial(config, epochs, directory, seed=0, epoch_s=0.05):
     """A stand-in for :func:`train_trial` that sleeps for its training time (so 8 engines fit
-    on 2 cores): ``epoch_s`` per epoch at batch size 32, longer for smaller batches (more
-    steps). Its accuracy curve is a smooth function of ``config``: best near lr = 0.1, better
-    when wider, slower to rise with warm-up. Resumes like a real trial.
+    on 2 cores) and reports the accuracy of :func:`surrogate`. Resumes like a real trial.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
     from course_lib.checkpoint import atomic_write
     start, directory = time.time(), Path(directory)
@@ -141,13 +151,11 @@ def sleep_trial(config, epochs, directory, seed=0, epoch_s=0.05):
     path = directory / "accs.json"
     accs = json.loads(path.read_text()) if path.exists() else []
     first = len(accs)
-    quality = math.exp(-math.log10(config["lr"] / 0.1) ** 2) * (0.7 + 0.05 * math.log2(
-        config.get("width", 64)))
-    rate = 1.0 / (1 + config.get("warmup", 0))
     for epoch in range(first, epochs):
         faults.point("trial-epoch")
-        time.sleep(epoch_s * (0.5 + 16 / config.get("batch_size", 32)))
-        accs.append(0.1 + 0.85 * quality * (1 - math.exp(-rate * (epoch + 1))))
+        accuracy, seconds = surrogate(config, epoch + 1, epoch_s)
+        time.sleep(seconds)
+        accs.append(accuracy)
     atomic_write(path, json.dumps(accs).encode())
     return dict(accs=accs, first_epoch=first, start=start, end=time.time(), pid=os.getpid())
 
@@ -271,7 +279,7 @@ class ASHA:
     """Asynchronous successive halving: when asked, promote the best configuration of the
     highest rung that is in the top 1/``eta`` of that rung's results so far and not yet
     promoted; else start a new configuration (from ``configs``, which may be endless); never
-    wait. ``budget``: stop starting jobs once that many epochs are spent or running.
+    wait. ``budget``: start no job that would take the epochs spent or running past it.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
 
     def __init__(self, configs, min_epochs, max_epochs, eta=3, budget=None):
@@ -284,15 +292,22 @@ class ASHA:
         self.promoted = [set() for _ in self.epochs]  # rung -> config ids sent up already
 
     def next(self):
-        if self.budget is not None and self.spent >= self.budget:
-            return None
         job = self._promotion() or self._new()
         if job is not None:
-            self.spent += job.epochs - (self.epochs[job.rung - 1] if job.rung else 0)
+            self.spent += self._cost(job.rung)
         return job
+
+    def _cost(self, rung):
+        """Epochs a job of ``rung`` adds (a promotion resumes from the rung below)."""
+        return self.epochs[rung] - (self.epochs[rung - 1] if rung else 0)
+
+    def _affordable(self, rung):
+        return self.budget is None or self.spent + self._cost(rung) <= self.budget
 
     def _promotion(self):
         for rung in range(len(self.epochs) - 2, -1, -1):
+            if not self._affordable(rung + 1):
+                continue
             ranked = sorted(self.results[rung], key=lambda c: -self.results[rung][c])
             for config_id in ranked[:len(ranked) // self.eta]:
                 if config_id not in self.promoted[rung]:
@@ -302,6 +317,8 @@ class ASHA:
         return None
 
     def _new(self):
+        if not self._affordable(0):
+            return None
         config_id, config = next(self.new, (None, None))
         if config_id is None:
             return None
@@ -432,6 +449,37 @@ def _engine_of(directory, job):
         return int(path.read_text())
     except (OSError, ValueError):
         return None
+
+
+def simulate(policy, num_engines, epoch_s=1.0, overhead_s=0.0, name=None):
+    """Run ``policy`` on ``num_engines`` imaginary engines with :func:`surrogate` trials, on a
+    simulated clock (no cluster, no waiting): the same decisions :func:`run` makes, at any
+    scale. Introduced in notebooks/13_hyperparameter_search.ipynb."""
+    import heapq
+    free, events, jobs, now = list(range(num_engines))[::-1], [], [], 0.0
+    while True:
+        while free and (job := policy.next()) is not None:
+            rank = free.pop()
+            job.rank, job.start, job.first_epoch = rank, now, _resumed_from(jobs, job)
+            job.accs, seconds = [], overhead_s
+            for epoch in range(1, job.epochs + 1):
+                accuracy, epoch_seconds = surrogate(job.config, epoch, epoch_s)
+                job.accs.append(accuracy)
+                seconds += epoch_seconds if epoch > job.first_epoch else 0.0
+            job.end = now + seconds
+            heapq.heappush(events, (job.end, len(jobs) + len(events), job))
+        if not events:
+            break
+        now, _, job = heapq.heappop(events)
+        free.append(job.rank)
+        jobs.append(job)
+        policy.report(job)
+    return SearchResult(name or type(policy).__name__, jobs, list(range(num_engines)), 0.0, now)
+
+
+def _resumed_from(jobs, job):
+    done = [j.epochs for j in jobs if j.config_id == job.config_id]
+    return max(done, default=0)
 
 
 # ---------------------------------------------------------------- the searches
