@@ -1,0 +1,231 @@
+"""One training script, whatever launched it: the local cluster, torchrun, mpiexec or SLURM.
+
+Introduced in notebooks/12_scaling_out.ipynb. Notebooks 02-11 hide ``init_process_group``
+behind ``start_cluster``. A script meant for a real cluster finds its rank, the world size
+and the address of rank 0 in its environment, and each launcher writes them differently:
+
+===========  ==========================================  ===================================
+launcher     rank, world size                            where rank 0 listens
+===========  ==========================================  ===================================
+torchrun     ``RANK``, ``WORLD_SIZE``                    ``MASTER_ADDR``, ``MASTER_PORT``
+mpiexec      ``PMI_RANK``/``OMPI_COMM_WORLD_RANK``, MPI  rank 0 picks a port, MPI tells all
+SLURM srun   ``SLURM_PROCID``, ``SLURM_NTASKS``          first host of ``SLURM_JOB_NODELIST``
+the cluster  set up by ``start_cluster``                 (already connected)
+===========  ==========================================  ===================================
+
+Everything after the set-up is the same: data-parallel SGD on the digits (float64), each rank a
+slice of every global batch, the gradients summed by an allreduce. For the same world size and
+seed, every launcher gives the same losses, bit for bit::
+
+    torchrun --nproc-per-node 2 -m course_lib.train --steps 20 --out run.json
+    mpiexec -n 2 python -m course_lib.train --steps 20 --out run.json
+    srun -n 2 python -m course_lib.train --steps 20 --out run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import socket
+from datetime import timedelta
+
+LAUNCHERS = ("cluster", "torchrun", "mpiexec", "slurm", "single")
+
+
+def detect_launcher(environ=None):
+    """Which launcher started this process, from its environment (and the cluster's engine
+    state). Introduced in notebooks/12_scaling_out.ipynb."""
+    from course_lib.engine import ENGINE
+    env = os.environ if environ is None else environ
+    if environ is None and "rank" in ENGINE:
+        return "cluster"
+    if "RANK" in env and "MASTER_PORT" in env:
+        return "torchrun"
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return "slurm"
+    if any(k in env for k in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")):
+        return "mpiexec"
+    return "single"
+
+
+def first_host(nodelist):
+    """The first host of a SLURM node list: ``"node[03-05,09],gpu1"`` -> ``"node03"``.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
+    prefix, ranges = match.groups()
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+
+
+def slurm_rendezvous(env=None):
+    """(rank, world size, MASTER_ADDR, MASTER_PORT) of a task started by ``srun``: the port is
+    derived from the job id so every task of the job computes the same one.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    env = os.environ if env is None else env
+    rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+    addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+    port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return rank, world_size, addr, port
+
+
+def init_from_launcher(timeout=30.0):
+    """Create the default process group (Gloo) from what the launcher put in the environment;
+    returns ``(rank, world_size, launcher)``. Every wait has the deadline ``timeout`` s.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    import torch.distributed as dist
+
+    from course_lib.comm import init_torch_from_launcher
+    launcher = detect_launcher()
+    deadline = timedelta(seconds=timeout)
+    if launcher == "cluster" or dist.is_initialized():
+        pass
+    elif launcher in ("torchrun", "mpiexec"):
+        init_torch_from_launcher("gloo", timeout=timeout)
+    elif launcher == "slurm":
+        rank, world_size, addr, port = slurm_rendezvous()
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                                world_size=world_size, timeout=deadline)
+    else:  # one process, no launcher: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, timeout=deadline)
+    return dist.get_rank(), dist.get_world_size(), launcher
+
+
+def train(steps=20, seed=0, batch_size=64, lr=0.1, hidden=32, timeout=30.0):
+    """On every rank: data-parallel SGD on the digits for ``steps`` steps. The global batch of
+    step s is drawn by a generator seeded with (seed, s); each rank takes its slice, sums the
+    gradients with an allreduce and divides by the global batch. Returns the losses (the same
+    on every rank), a SHA-256 of the final parameters, and where it ran.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from course_lib import data, models
+    rank, world_size, launcher = init_from_launcher(timeout)
+    torch.set_num_threads(1)  # the same sums in the same order, whoever launched it
+    X, y, _, _ = data.load_digits()
+    X, y = torch.from_numpy(X), torch.from_numpy(y)
+    model = models.mlp(X.shape[1], hidden, 10, seed=seed).double()
+    losses = []
+    for step in range(steps):
+        rows = torch.randperm(len(X), generator=torch.Generator().manual_seed(
+            seed * 1_000_003 + step))[:batch_size]
+        mine = rows[rank * batch_size // world_size:(rank + 1) * batch_size // world_size]
+        loss_sum = F.cross_entropy(model(X[mine]), y[mine], reduction="sum")
+        model.zero_grad()
+        loss_sum.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad / batch_size
+        total = loss_sum.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / batch_size)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"losses": losses, "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+            "rank": rank, "world_size": world_size, "launcher": launcher,
+            "host": socket.gethostname()}
+
+
+WAYS = ("torchrun", "mpiexec", "srun", "two hosts")
+
+
+def command(way, world_size=2, args=()):
+    """The command line that launches the script ``world_size`` ways by ``way`` (one of
+    ``WAYS``; for "two hosts", the command of host 0 of ``world_size`` hosts, one rank each).
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    script = ["-m", "course_lib.train", *map(str, args)]
+    if way == "torchrun":
+        return ["torchrun", "--standalone", "--nproc-per-node", str(world_size), *script]
+    if way == "mpiexec":
+        return ["mpiexec", "-n", str(world_size), "python", *script]
+    if way == "srun":
+        return ["srun", "-n", str(world_size), "--time", "5", "python", *script]
+    if way == "two hosts":
+        from course_lib.hosts import SUBNET
+        return ["torchrun", "--nnodes", str(world_size), "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{SUBNET}.1:29400",
+                "--rdzv-id", "course", *script]
+    raise ValueError(f"way must be one of {WAYS}, not {way!r}")
+
+
+def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
+    """Run the script under ``way`` (``WAYS``) and return rank 0's result (the JSON it wrote to
+    ``out``, a temporary file by default). Raises RuntimeError with the launcher's last lines
+    when it fails or runs past ``timeout`` s. Introduced in notebooks/12_scaling_out.ipynb."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from course_lib.launch import finish_within, run_ranks
+    out = out or os.path.join(tempfile.mkdtemp(prefix="course-train-"), "result.json")
+    args = ["--steps", steps, "--out", out, "--timeout", min(timeout, 60)]
+    if way in ("torchrun", "mpiexec"):
+        run_ranks(way, world_size, ["-m", "course_lib.train", *map(str, args)], timeout=timeout)
+    elif way == "srun":
+        argv = command(way, world_size, args)
+        argv[argv.index("python")] = sys.executable
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        if done.returncode:
+            raise RuntimeError(f"srun exited with status {done.returncode}: "
+                               f"{done.stderr.strip()[-2000:]}")
+    elif way == "two hosts":
+        from course_lib import hosts
+        if world_size != 2:
+            raise ValueError(f"two hosts run one rank each: world_size must be 2, not "
+                             f"{world_size}")
+        argv = [sys.executable, "-m", "torch.distributed.run", *command(way, world_size,
+                                                                        args)[1:]]
+        with hosts.two_hosts() as machines:
+            procs = [h.popen(argv, env={**os.environ, "GLOO_SOCKET_IFNAME": h.interface,
+                                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                     for h in machines]
+            results = [finish_within(p, timeout) for p in procs]
+        if any(p.returncode for p in procs) or any(late for _, _, late in results):
+            tails = [output.strip().splitlines()[-5:] for output, _, _ in results]
+            raise RuntimeError(f"torchrun across two hosts failed (status "
+                               f"{[p.returncode for p in procs]}): {tails}")
+    else:
+        raise ValueError(f"way must be one of {WAYS}, not {way!r}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main(argv=None):
+    """``python -m course_lib.train``: train under any launcher; rank 0 writes the result to
+    ``--out`` (JSON: losses, the parameters' SHA-256, the launcher and every rank's host).
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    import torch.distributed as dist
+    parser = argparse.ArgumentParser(prog="python -m course_lib.train")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds for every wait")
+    parser.add_argument("--out", help="rank 0 writes its result here (JSON)")
+    args = parser.parse_args(argv)
+    result = train(args.steps, args.seed, args.batch_size, args.lr, timeout=args.timeout)
+    hosts = [None] * result["world_size"]
+    dist.all_gather_object(hosts, result["host"])
+    result["hosts"] = hosts
+    if result["rank"] == 0:
+        text = json.dumps(result)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        print(text)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""One training script under every launcher: the same losses and parameters, bit for bit, from
+the local cluster, torchrun, mpiexec, the environment srun gives its tasks, and two hosts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from course_lib import hosts, train
+from course_lib.launch import mpiexec_path
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    return cluster.run(train.train, STEPS)[0]
+
+
+def test_detect_launcher_and_slurm_rendezvous():
+    assert train.detect_launcher({"RANK": "1", "MASTER_PORT": "29500"}) == "torchrun"
+    assert train.detect_launcher({"PMI_RANK": "0"}) == "mpiexec"
+    assert train.detect_launcher({"SLURM_PROCID": "3", "SLURM_NTASKS": "8"}) == "slurm"
+    assert train.detect_launcher({}) == "single"
+    assert train.first_host("node[03-05,09],gpu1") == "node03"
+    assert train.first_host("login7") == "login7"
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[12-13]",
+           "SLURM_JOB_ID": "123456"}
+    assert train.slurm_rendezvous(env) == (3, 8, "gpu12", 20000 + 123456 % 20000)
+
+
+def test_the_cluster_trains(reference):
+    assert reference["launcher"] == "cluster" and reference["world_size"] == 2
+    assert reference["losses"][-1] < reference["losses"][0]
+
+
+@pytest.mark.parametrize("way", ["torchrun", "mpiexec"])
+def test_launchers_give_the_same_run(reference, way):
+    if way == "mpiexec" and mpiexec_path() is None:
+        pytest.skip("no mpiexec: pip install -c constraints.txt mpich mpi4py")
+    result = train.launch(way, 2, STEPS, timeout=120)
+    assert result["launcher"] == way and result["world_size"] == 2
+    assert (result["losses"], result["params_sha256"]) == (reference["losses"],
+                                                           reference["params_sha256"])
+
+
+def test_the_environment_srun_gives_its_tasks(reference, tmp_path):
+    out = tmp_path / "run.json"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "course_lib.train", "--steps", str(STEPS), "--out", str(out)],
+        env={**os.environ, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2",
+             "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": str(os.getpid())},
+        stdout=subprocess.DEVNULL) for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    result = json.loads(out.read_text())
+    assert result["launcher"] == "slurm" and result["params_sha256"] == \
+        reference["params_sha256"]
+
+
+def test_two_hosts_torchrun_across_namespaces(reference):
+    reason = hosts.unavailable_reason()
+    if reason:
+        pytest.skip(f"two hosts: {reason}")
+    with hosts.two_hosts() as (a, b):
+        assert (a.run(["hostname"]).stdout.strip(), b.address) == ("hostA", "10.23.0.2")
+    assert not os.path.exists("/var/run/netns/hostA")  # removed with its processes
+    result = train.launch("two hosts", 2, STEPS, timeout=120)
+    assert sorted(result["hosts"]) == ["hostA", "hostB"]
+    assert result["params_sha256"] == reference["params_sha256"]
+    with pytest.raises(ValueError, match="world_size must be 2"):
+        train.launch("two hosts", 3)
+
+
+def _slurm_reason():
+    import shutil
+    if shutil.which("srun") is None or shutil.which("sinfo") is None:
+        return "no SLURM here: run `sudo scripts/slurm-single-node.sh` (a one-node SLURM)"
+    state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                           timeout=20)
+    if state.returncode != 0 or not state.stdout.strip():
+        return f"SLURM does not answer ({state.stderr.strip()}): scripts/slurm-single-node.sh"
+    return None
+
+
+def test_srun_and_slurm_engines_give_the_same_run(reference):
+    reason = _slurm_reason()
+    if reason:
+        pytest.skip(reason)
+    result = train.launch("srun", 2, STEPS, timeout=120)
+    assert result["launcher"] == "slurm" and result["params_sha256"] == \
+        reference["params_sha256"]
+    from course_lib.cluster import start_cluster
+    with start_cluster(n=2, engines="slurm", partition="debug", time_limit="00:10:00") as c:
+        jobs = c.run(os.getenv, "SLURM_JOB_ID")
+        assert jobs[0] and len(set(jobs)) == 1  # both engines in one sbatch job
+        assert c.run(train.train, STEPS)[0]["params_sha256"] == reference["params_sha256"]
