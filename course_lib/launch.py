@@ -12,11 +12,15 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import wait
 from pathlib import Path
 
 PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches other clusters
+
+
+SLURM_FILES = os.path.join(tempfile.gettempdir(), "course_lib-slurm")  # batch scripts and logs
 
 
 def slurm_batch_script(n, partition="", time_limit="00:30:00", account="", gpus_per_task=0,
@@ -26,7 +30,8 @@ def slurm_batch_script(n, partition="", time_limit="00:30:00", account="", gpus_
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     lines = ["#!/bin/sh", "#SBATCH --job-name=course-engines-{cluster_id}",
              f"#SBATCH --ntasks={n}", f"#SBATCH --cpus-per-task={cpus_per_task}",
-             f"#SBATCH --time={time_limit}", "#SBATCH --output=engines-{cluster_id}.log"]
+             f"#SBATCH --time={time_limit}",
+             f"#SBATCH --output={SLURM_FILES}/engines-{{cluster_id}}.log"]
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
     if account:
@@ -50,6 +55,10 @@ def slurm_config(n, partition="", time_limit="00:30:00", account="", gpus_per_ta
     config = Config()
     config.SlurmEngineSetLauncher.batch_template = slurm_batch_script(
         n, partition, time_limit, account, gpus_per_task, cpus_per_task, extra)
+    os.makedirs(SLURM_FILES, exist_ok=True)  # the job's script and log: not in the notebook's
+    # folder
+    config.SlurmEngineSetLauncher.batch_file_name = os.path.join(
+        SLURM_FILES, f"engines-{os.getpid()}-{time.monotonic_ns()}.sbatch")
     return dict(engines="slurm", controller_ip=controller_ip,
                 controller_location=socket.gethostname(), config=config)
 

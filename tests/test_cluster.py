@@ -214,6 +214,9 @@ def test_slurm_script_and_config():
     cfg = slurm_config(4, partition="cpu")
     assert cfg["engines"] == "slurm" and cfg["controller_ip"] == "*"
     assert "#SBATCH --ntasks=4" in cfg["config"].SlurmEngineSetLauncher.batch_template
+    from course_lib.launch import SLURM_FILES  # the job's files stay out of the notebook folder
+    assert cfg["config"].SlurmEngineSetLauncher.batch_file_name.startswith(SLURM_FILES)
+    assert f"--output={SLURM_FILES}/" in cfg["config"].SlurmEngineSetLauncher.batch_template
 
 
 def test_choose_backend():
