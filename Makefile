@@ -9,6 +9,8 @@ NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --sanitize-wi
 # index is used only when it answers within 3 s, so an offline mirror keeps working. With GPUs:
 # make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128   (or TORCH_INDEX= for PyPI's)
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# the optional extras installed with the course (CI adds ft: torchft, for notebook 11)
+EXTRAS ?= mpi,dev
 TORCH_INDEX_ARG = $(shell python3 -c "import sys, urllib.request; \
 	urllib.request.urlopen(sys.argv[1], timeout=3); print('--extra-index-url', sys.argv[1])" \
 	$(TORCH_INDEX) 2>/dev/null)
@@ -19,7 +21,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt $(TORCH_INDEX_ARG) -e '.[mpi,dev]'
+	$(PY) -m pip install -q -c constraints.txt $(TORCH_INDEX_ARG) -e '.[$(EXTRAS)]'
 	@# ipyparallel's cluster panel starts clusters outside the course's profile, and its server
 	@# extension's old entry point makes JupyterLab print a warning at every start: both off
 	$(VENV)/bin/jupyter server extension disable --sys-prefix ipyparallel >/dev/null 2>&1

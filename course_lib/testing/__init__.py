@@ -2,4 +2,5 @@
 the real thing (the ``numpy.testing`` / ``torch.testing`` convention): :mod:`.comm` for messages,
 :mod:`.collectives` for the allreduces, :mod:`.ddp` for data-parallel training, :mod:`.pipeline`
 and :mod:`.tensor_parallel` for model parallelism, :mod:`.zero` for sharded data parallelism,
-:mod:`.netem` for timings on the emulated network."""
+:mod:`.netem` for timings on the emulated network, and :mod:`.torchft` (optional) for torchft's
+live recovery from a peer."""
