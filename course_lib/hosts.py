@@ -16,6 +16,7 @@ of each, and a veth pair between them, are two hosts as far as the software can 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUBNET = "10.23.0"
+_COUNT = itertools.count()
 
 
 class HostsUnavailable(RuntimeError):
@@ -49,15 +51,17 @@ def unavailable_reason():
 
 @dataclass
 class Host:
-    """One namespace: its name (also its hostname), address and interface.
+    """One host: its hostname, address and interface, and the network namespace it lives in
+    (named after the hostname and this process, so that two runs never share one).
     Introduced in notebooks/12_scaling_out.ipynb."""
     name: str
     address: str
     interface: str
+    netns: str
 
     def command(self, argv):
         """``argv`` as run inside this host: its network namespace, its own hostname."""
-        return ["ip", "netns", "exec", self.name, "unshare", "--uts", "sh", "-c",
+        return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
                 f'hostname {self.name} && exec "$@"', "sh", *argv]
 
     def popen(self, argv, **kwargs):
@@ -78,42 +82,42 @@ def _ip(*args):
 
 @contextlib.contextmanager
 def two_hosts(names=("hostA", "hostB"), subnet=SUBNET):
-    """Make two hosts joined by a veth pair (``subnet``.1 and .2), yield them, and remove
-    them (with every process still inside) at the end.
-    Introduced in notebooks/12_scaling_out.ipynb."""
+    """Make two hosts named ``names`` joined by a veth pair (``subnet``.1 and .2), each with an
+    ``/etc/hosts`` that knows both names; yield them; remove them (with every process still
+    inside) at the end. Introduced in notebooks/12_scaling_out.ipynb."""
     reason = unavailable_reason()
     if reason:
         raise HostsUnavailable(reason)
+    tag = f"{os.getpid()}-{next(_COUNT)}"
+    hosts = [Host(name, f"{subnet}.{i + 1}", f"ve{tag}-{i}"[-15:], f"{name}-{tag}")
+             for i, name in enumerate(names)]  # an interface name has at most 15 characters
+    table = "".join(f"{h.address} {h.name}\n" for h in hosts)
     made = []
     try:
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
-            _ip("netns", "add", name)
-            made.append(name)
-        _ip("link", "add", f"veth-{names[0]}", "type", "veth", "peer", "name",
-            f"veth-{names[1]}")
-        hosts, table = [], "".join(f"{subnet}.{i + 1} {n}\n" for i, n in enumerate(names))
-        for i, name in enumerate(names):
-            # `ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts: the hosts' DNS
-            etc = Path("/etc/netns") / name
+        for h in hosts:
+            _ip("netns", "add", h.netns)
+            made.append(h.netns)
+            # `ip netns exec NS` mounts /etc/netns/NS/hosts over /etc/hosts: the hosts' DNS
+            etc = Path("/etc/netns") / h.netns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{table}")
-            interface = f"veth-{name}"
-            _ip("link", "set", interface, "netns", name)
-            _ip("-n", name, "addr", "add", f"{subnet}.{i + 1}/24", "dev", interface)
-            _ip("-n", name, "link", "set", interface, "up")
-            _ip("-n", name, "link", "set", "lo", "up")
-            hosts.append(Host(name, f"{subnet}.{i + 1}", interface))
+        _ip("link", "add", hosts[0].interface, "type", "veth", "peer", "name",
+            hosts[1].interface)
+        for h in hosts:
+            _ip("link", "set", h.interface, "netns", h.netns)
+            _ip("-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.interface)
+            _ip("-n", h.netns, "link", "set", h.interface, "up")
+            _ip("-n", h.netns, "link", "set", "lo", "up")
         yield hosts
     finally:
-        for name in made:
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+        for netns in made:
+            pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True,
                                   text=True, timeout=10).stdout.split()
             for pid in pids:  # nothing outlives its host
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), 9)
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
-            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10)
+            shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
 
 
 def shape(host, delay="0ms", rate=None):
@@ -123,6 +127,6 @@ def shape(host, delay="0ms", rate=None):
     argv = ["tc", "qdisc", "replace", "dev", host.interface, "root", "netem", "delay", delay]
     if rate:
         argv += ["rate", rate]
-    done = subprocess.run(["ip", "netns", "exec", host.name, *argv], capture_output=True,
+    done = subprocess.run(["ip", "netns", "exec", host.netns, *argv], capture_output=True,
                           text=True, timeout=10)
     return done.stderr.strip()

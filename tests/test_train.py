@@ -65,7 +65,10 @@ def test_two_hosts_torchrun_across_namespaces(reference):
         pytest.skip(f"two hosts: {reason}")
     with hosts.two_hosts() as (a, b):
         assert (a.run(["hostname"]).stdout.strip(), b.address) == ("hostA", "10.23.0.2")
-    assert not os.path.exists("/var/run/netns/hostA")  # removed with its processes
+        assert "10.23.0.2 hostB" in a.run(["cat", "/etc/hosts"]).stdout
+        sleeper = b.popen(["sleep", "60"])
+    assert sleeper.wait(timeout=10) != 0  # killed with its host
+    assert not os.path.exists(f"/var/run/netns/{a.netns}")  # and the host removed
     result = train.launch("two hosts", 2, STEPS, timeout=120)
     assert sorted(result["hosts"]) == ["hostA", "hostB"]
     assert result["params_sha256"] == reference["params_sha256"]
