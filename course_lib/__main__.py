@@ -6,6 +6,11 @@
     bench hogwild ...    Hogwild! samples/s vs workers, lock-free vs locked, loss vs serial SGD
     bench ps ...         parameter-server throughput vs servers and workers, sync vs async
     bench ddp ...        data-parallel step time: each strategy vs torch DDP, bucket sweep
+    bench pipeline ...   pipeline bubble vs (N-1)/(M+N-1), GPipe vs 1F1B
+    bench zero ...       ZeRO memory per rank, bytes sent, step time vs DDP and FSDP2
+    bench checkpoint ... save time by size; time to finish with failures vs the interval
+    bench scaling ...    parameter server (1 and S servers) vs ring, emulated link; model to 4096
+    bench hpsearch ...   random, SH, ASHA, Hyperband, Optuna: accuracy, epochs, busy; speed-up
     cluster clean [--all] stop clusters left behind by a killed notebook kernel
     labs build | check   regenerate the student labs / list the stale ones
     images               regenerate the figures in images/

@@ -10,7 +10,8 @@ def save_figure(fig, out_dir, name, dpi=120):
     import matplotlib.pyplot as plt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a figure made with layout="constrained" keeps it
+        fig.tight_layout()
     fig.savefig(out / name, dpi=dpi)
     plt.close(fig)
     return out / name
