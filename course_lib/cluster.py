@@ -200,9 +200,12 @@ class Cluster:
         return self.client.load_balanced_view([self.engine_ids[r] for r in live])
 
     def dead_ranks(self):
-        """Ranks whose engine process has died; the next :meth:`run` restarts them.
+        """Ranks whose engine process has died (or that the controller has already dropped);
+        the next :meth:`run` restarts them.
         Introduced in notebooks/13_hyperparameter_search.ipynb."""
-        dead = self._dead_ranks()
+        registered = set(self.client.ids)
+        dead = sorted(set(self._dead_ranks())
+                      | {r for r, e in enumerate(self.engine_ids) if e not in registered})
         if dead:
             self._broken = "engines"
         return dead

@@ -120,6 +120,25 @@ def two_hosts(names=("hostA", "hostB"), subnet=SUBNET):
             shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
 
 
+def rsh(hosts, directory):
+    """Write an executable that does what ``rsh HOST COMMAND`` does, for these hosts: run the
+    command inside that host (its namespaces, its hostname). MPICH's launcher starts its proxy
+    on each remote host that way (``mpiexec -launcher rsh -launcher-exec PATH``), where a real
+    cluster uses ssh. Returns its path. Introduced in notebooks/12_scaling_out.ipynb."""
+    cases = "\n".join(f"  {h.name}) ns={h.netns} ;;" for h in hosts)
+    path = Path(directory) / "rsh"
+    path.write_text(f"""#!/bin/sh
+host=$1; shift
+case "$host" in
+{cases}
+  *) echo "rsh: unknown host $host" >&2; exit 1 ;;
+esac
+exec ip netns exec "$ns" unshare --uts sh -c "hostname $host && exec sh -c \\"\\$0\\"" "$*"
+""")
+    path.chmod(0o755)
+    return path
+
+
 def shape(host, delay="0ms", rate=None):
     """Give ``host``'s interface a latency and a rate with ``tc netem`` (the kernel's emulated
     link); returns the tc command's error text, empty when it worked.

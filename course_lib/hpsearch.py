@@ -395,9 +395,32 @@ def _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result, t
 
     def submit(job):
         path = directory / f"config-{job.config_id:04d}"
-        running[view.apply_async(trial, job.config, job.epochs, str(path), **trial_kwargs)] = job
+        for _ in range(len(ranks) + 1):
+            try:
+                running[view.apply_async(trial, job.config, job.epochs, str(path),
+                                         **trial_kwargs)] = job
+                return
+            except KeyError:  # an engine of the view was unregistered just now: it died
+                notice_dead()
+        raise SearchError(f"config {job.config_id}: no live engine left to run it on")
+
+    def notice_dead():
+        """Drop the engines that died; their running jobs go to the engines left."""
+        nonlocal view
+        dead = [r for r in cluster.dead_ranks() if r in ranks and r not in lost]
+        if not dead:
+            return
+        lost.extend(dead)
+        view = cluster.balanced_view([r for r in ranks if r not in lost])
+        pids = {cluster.pids[r] for r in dead}
+        for ar, job in list(running.items()):
+            if _engine_of(directory, job) in pids:
+                del running[ar]
+                job.retried += 1
+                submit(job)
 
     while True:
+        notice_dead()
         while len(running) < len(ranks) - len(lost) and (job := policy.next()) is not None:
             submit(job)
         if not running:
@@ -409,16 +432,6 @@ def _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result, t
                                   f" {len(running)} job(s) still running: "
                                   + ", ".join(f"config {j.config_id} to epoch {j.epochs}"
                                               for j in running.values()))
-            dead = [r for r in cluster.dead_ranks() if r in ranks and r not in lost]
-            if dead:  # their jobs go to the engines left
-                lost += dead
-                view = cluster.balanced_view([r for r in ranks if r not in lost])
-                pids = {cluster.pids[r] for r in dead}
-                for ar, job in list(running.items()):
-                    if _engine_of(directory, job) in pids:
-                        del running[ar]
-                        job.retried += 1
-                        submit(job)
             time.sleep(0.005)
             continue
         for ar in finished:

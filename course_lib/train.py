@@ -136,7 +136,7 @@ def train(steps=20, seed=0, batch_size=64, lr=0.1, hidden=32, timeout=30.0):
             "host": socket.gethostname()}
 
 
-WAYS = ("torchrun", "mpiexec", "srun", "two hosts")
+WAYS = ("torchrun", "mpiexec", "srun", "two hosts", "mpiexec, two hosts")
 
 
 def command(way, world_size=2, args=()):
@@ -155,6 +155,10 @@ def command(way, world_size=2, args=()):
         return ["torchrun", "--nnodes", str(world_size), "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{SUBNET}.1:29400",
                 "--rdzv-id", "course", *script]
+    if way == "mpiexec, two hosts":  # run on hostA; hostB's proxy is started through rsh
+        return ["mpiexec", "-launcher", "rsh", "-launcher-exec", "./rsh", "-hosts",
+                "hostA,hostB", "-n", str(world_size), "-ppn", "1", "-genv", "MASTER_ADDR",
+                "hostA", "python", *script]
     raise ValueError(f"way must be one of {WAYS}, not {way!r}")
 
 
@@ -178,6 +182,22 @@ def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
         if done.returncode:
             raise RuntimeError(f"srun exited with status {done.returncode}: "
                                f"{done.stderr.strip()[-2000:]}")
+    elif way == "mpiexec, two hosts":
+        from course_lib import hosts
+        from course_lib.launch import mpiexec_path
+        if world_size != 2:
+            raise ValueError(f"two hosts run one rank each: world_size must be 2, not "
+                             f"{world_size}")
+        with hosts.two_hosts() as machines:
+            argv = command(way, world_size, args)
+            argv[0] = mpiexec_path(required=True)
+            argv[argv.index("./rsh")] = str(hosts.rsh(machines, os.path.dirname(out)))
+            argv[argv.index("python")] = sys.executable
+            done = machines[0].run(argv, timeout=timeout,
+                                   env={**os.environ, "MPIEXEC_TIMEOUT": str(int(timeout))})
+        if done.returncode:
+            raise RuntimeError(f"mpiexec across two hosts exited with status "
+                               f"{done.returncode}: {done.stderr.strip()[-1500:]}")
     elif way == "two hosts":
         from course_lib import hosts
         if world_size != 2:

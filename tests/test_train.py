@@ -74,6 +74,10 @@ def test_two_hosts_torchrun_across_namespaces(reference):
     assert result["params_sha256"] == reference["params_sha256"]
     with pytest.raises(ValueError, match="world_size must be 2"):
         train.launch("two hosts", 3)
+    if mpiexec_path() is not None:  # MPICH's launcher reaches hostB through an rsh of hosts.py
+        result = train.launch("mpiexec, two hosts", 2, STEPS, timeout=120)
+        assert result["launcher"] == "mpiexec" and result["hosts"] == ["hostA", "hostB"]
+        assert result["params_sha256"] == reference["params_sha256"]
 
 
 def _slurm_reason():
