@@ -120,6 +120,25 @@ def two_hosts(names=("hostA", "hostB"), subnet=SUBNET):
             shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
 
 
+def run_each(machines, argvs, envs, timeout=180.0):
+    """Start ``argvs[i]`` on ``machines[i]`` with the environment ``envs[i]`` (Gloo told to use
+    that host's interface) and wait for all, each within ``timeout`` s. Returns their outputs
+    (stdout and stderr together); raises RuntimeError naming the first host that failed or ran
+    late, with its last lines. Introduced in notebooks/12_scaling_out.ipynb."""
+    from course_lib.launch import finish_within
+    procs = [h.popen(argv, env={**env, "GLOO_SOCKET_IFNAME": h.interface},
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for h, argv, env in zip(machines, argvs, envs, strict=True)]
+    outputs = []
+    for host, proc in zip(machines, procs, strict=True):
+        output, _, late = finish_within(proc, timeout)
+        outputs.append(output)
+        if late or proc.returncode:
+            raise RuntimeError(f"{host.name} failed (status {proc.returncode}"
+                               f"{', late' if late else ''}): {output.strip()[-1500:]}")
+    return outputs
+
+
 def rsh(hosts, directory):
     """Write an executable that does what ``rsh HOST COMMAND`` does, for these hosts: run the
     command inside that host (its namespaces, its hostname). MPICH's launcher starts its proxy

@@ -1151,29 +1151,21 @@ def run_locally(manifest, timeout=180.0):
     import sys
 
     from course_lib import hosts
-    from course_lib.launch import finish_within
     pods = pod_environments(manifest)
     if manifest["kind"] != "PyTorchJob" or len(pods) != 2:
         raise ValueError(f"run_locally runs a PyTorchJob of two pods, not a {manifest['kind']} "
                          f"of {len(pods)}")
-    outputs = {}
+    commands = []
+    for pod in pods:
+        replica = manifest["spec"]["pytorchReplicaSpecs"][pod.replica]
+        command = replica["template"]["spec"]["containers"][0]["command"]
+        if command[0] == "torchrun":  # this machine's torchrun: the one beside its Python
+            command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
+        commands.append(command)
     with hosts.two_hosts([pod.pod for pod in pods]) as machines:
-        procs = []
-        for pod, host in zip(pods, machines, strict=True):
-            replica = manifest["spec"]["pytorchReplicaSpecs"][pod.replica]
-            command = replica["template"]["spec"]["containers"][0]["command"]
-            if command[0] == "torchrun":  # this machine's torchrun: the one beside its Python
-                command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
-            env = {**os.environ, **pod.env, "GLOO_SOCKET_IFNAME": host.interface}
-            procs.append((pod, host.popen(command, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True)))
-        for pod, proc in procs:
-            output, _, late = finish_within(proc, timeout)
-            outputs[pod.pod] = output
-            if late or proc.returncode:
-                raise RuntimeError(f"pod {pod.pod} failed (status {proc.returncode}"
-                                   f"{', late' if late else ''}): {output.strip()[-1500:]}")
-    return outputs
+        outputs = hosts.run_each(machines, commands,
+                                 [{**os.environ, **pod.env} for pod in pods], timeout)
+    return dict(zip([pod.pod for pod in pods], outputs, strict=True))
 
 
 # --------------------------------------------------------------------------- kubectl

@@ -170,9 +170,11 @@ def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
     import sys
     import tempfile
 
-    from course_lib.launch import finish_within, run_ranks
+    from course_lib.launch import run_ranks
     out = out or os.path.join(tempfile.mkdtemp(prefix="course-train-"), "result.json")
     args = ["--steps", steps, "--out", out, "--timeout", min(timeout, 60)]
+    if "two hosts" in way and world_size != 2:
+        raise ValueError(f"two hosts run one rank each: world_size must be 2, not {world_size}")
     if way in ("torchrun", "mpiexec"):
         run_ranks(way, world_size, ["-m", "course_lib.train", *map(str, args)], timeout=timeout)
     elif way == "srun":
@@ -185,9 +187,6 @@ def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
     elif way == "mpiexec, two hosts":
         from course_lib import hosts
         from course_lib.launch import mpiexec_path
-        if world_size != 2:
-            raise ValueError(f"two hosts run one rank each: world_size must be 2, not "
-                             f"{world_size}")
         with hosts.two_hosts() as machines:
             argv = command(way, world_size, args)
             argv[0] = mpiexec_path(required=True)
@@ -200,21 +199,11 @@ def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
                                f"{done.returncode}: {done.stderr.strip()[-1500:]}")
     elif way == "two hosts":
         from course_lib import hosts
-        if world_size != 2:
-            raise ValueError(f"two hosts run one rank each: world_size must be 2, not "
-                             f"{world_size}")
         argv = [sys.executable, "-m", "torch.distributed.run", *command(way, world_size,
                                                                         args)[1:]]
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         with hosts.two_hosts() as machines:
-            procs = [h.popen(argv, env={**os.environ, "GLOO_SOCKET_IFNAME": h.interface,
-                                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                     for h in machines]
-            results = [finish_within(p, timeout) for p in procs]
-        if any(p.returncode for p in procs) or any(late for _, _, late in results):
-            tails = [output.strip().splitlines()[-5:] for output, _, _ in results]
-            raise RuntimeError(f"torchrun across two hosts failed (status "
-                               f"{[p.returncode for p in procs]}): {tails}")
+            hosts.run_each(machines, [argv, argv], [env, env], timeout)
     else:
         raise ValueError(f"way must be one of {WAYS}, not {way!r}")
     with open(out) as f:
