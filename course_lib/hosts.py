@@ -1,29 +1,33 @@
-"""Two real hosts on one machine: Linux network namespaces, each with its own hostname and
-network interface, joined by a virtual cable.
+"""Real hosts on one machine: Linux network namespaces, each with its own hostname and network
+interface, plugged into one virtual switch.
 
 Introduced in notebooks/12_scaling_out.ipynb. Multi-host code paths (``torchrun --nnodes 2``,
 rendezvous across machines, Gloo choosing an interface) never run on ``127.0.0.1``. A network
-namespace has its own interfaces, addresses and routes; a UTS namespace its own hostname. Two
-of each, and a veth pair between them, are two hosts as far as the software can tell::
+namespace has its own interfaces, addresses and routes; a UTS namespace its own hostname. One of
+each per host, an ``eth0`` per host and a bridge joining them are hosts as far as the software
+can tell; this machine itself sits on the bridge too (``.254``), like a login node::
 
-    with hosts.two_hosts() as (a, b):                  # needs root (CAP_NET_ADMIN)
+    with hosts.make_hosts() as (a, b):                 # needs root (CAP_NET_ADMIN)
         a.run(["hostname", "-I"])                      # hostA 10.23.0.1
-        hosts.shape(a, delay="5ms", rate="100mbit")    # tc netem: the kernel's emulated link
+        hosts.shape(a, rate="200Mbit/s")               # tc: the kernel's own slow link
 
-``tc netem`` on the veth is the real kernel's counterpart of :mod:`course_lib.netem`.
+``tc`` on those interfaces is the real kernel's counterpart of :mod:`course_lib.netem`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
+import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-SUBNET = "10.23.0"
+SUBNET = "10.23.0"  # the first free one of 10.23.0-255 is used: two sets of hosts never share
 _COUNT = itertools.count()
 
 
@@ -33,7 +37,7 @@ class HostsUnavailable(RuntimeError):
 
 
 def unavailable_reason():
-    """None if two hosts can be made here, else why not (and how to fix it).
+    """None if hosts can be made here, else why not (and how to fix it).
     Introduced in notebooks/12_scaling_out.ipynb."""
     if os.name != "posix" or not os.path.exists("/proc/self/ns/net"):
         return "network namespaces are a Linux feature"
@@ -51,13 +55,16 @@ def unavailable_reason():
 
 @dataclass
 class Host:
-    """One host: its hostname, address and interface, and the network namespace it lives in
-    (named after the hostname and this process, so that two runs never share one).
-    Introduced in notebooks/12_scaling_out.ipynb."""
+    """One host: its hostname, address and interface (``eth0``), the network namespace it lives
+    in (named after the hostname and this process, so that two runs never share one), the
+    switch port its cable plugs into (``port``, in this machine's namespace) and the address
+    this machine has on the switch (``gateway``). Introduced in notebooks/12_scaling_out.ipynb."""
     name: str
     address: str
     interface: str
     netns: str
+    port: str = ""
+    gateway: str = ""
 
     def command(self, argv):
         """``argv`` as run inside this host: its network namespace, its own hostname."""
@@ -80,20 +87,39 @@ def _ip(*args):
         raise HostsUnavailable(f"ip {' '.join(args)}: {done.stderr.strip()}")
 
 
+def _free_subnet():
+    """The first 10.23.k that no interface of this machine has an address in."""
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True,
+                          timeout=10).stdout
+    taken = set(re.findall(r"inet 10\.23\.(\d+)\.", used))
+    for k in range(256):
+        if str(k) not in taken:
+            return f"10.23.{k}"
+    raise HostsUnavailable("every subnet 10.23.0-255 is in use: remove stale bridges "
+                           "(ip link show type bridge)")
+
+
 @contextlib.contextmanager
-def two_hosts(names=("hostA", "hostB"), subnet=SUBNET):
-    """Make two hosts named ``names`` joined by a veth pair (``subnet``.1 and .2), each with an
-    ``/etc/hosts`` that knows both names; yield them; remove them (with every process still
-    inside) at the end. Introduced in notebooks/12_scaling_out.ipynb."""
+def make_hosts(names=("hostA", "hostB")):
+    """Make one host per name, ``SUBNET``.1, .2, ... on one bridge (this machine is .254),
+    each with an ``/etc/hosts`` that knows every name; yield them; remove them (with every
+    process still inside) at the end. Introduced in notebooks/12_scaling_out.ipynb."""
     reason = unavailable_reason()
     if reason:
         raise HostsUnavailable(reason)
-    tag = f"{os.getpid()}-{next(_COUNT)}"
-    hosts = [Host(name, f"{subnet}.{i + 1}", f"ve{tag}-{i}"[-15:], f"{name}-{tag}")
-             for i, name in enumerate(names)]  # an interface name has at most 15 characters
-    table = "".join(f"{h.address} {h.name}\n" for h in hosts)
-    made = []
+    tag = f"{os.getpid() % 100000}-{next(_COUNT)}"
+    bridge, made = f"cb{tag}"[:15], []  # an interface name has at most 15 characters
     try:
+        with open("/run/course-hosts.lock", "w") as lock:  # one subnet per set of hosts
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            subnet = _free_subnet()
+            hosts = [Host(name, f"{subnet}.{i + 1}", "eth0", f"{name}-{tag}",
+                          f"cp{tag}-{i}"[:15], f"{subnet}.254") for i, name in enumerate(names)]
+            _ip("link", "add", bridge, "type", "bridge")
+            made.append(bridge)
+            _ip("addr", "add", f"{subnet}.254/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        table = "".join(f"{h.address} {h.name}\n" for h in hosts)
         for h in hosts:
             _ip("netns", "add", h.netns)
             made.append(h.netns)
@@ -101,23 +127,27 @@ def two_hosts(names=("hostA", "hostB"), subnet=SUBNET):
             etc = Path("/etc/netns") / h.netns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{table}")
-        _ip("link", "add", hosts[0].interface, "type", "veth", "peer", "name",
-            hosts[1].interface)
-        for h in hosts:
-            _ip("link", "set", h.interface, "netns", h.netns)
-            _ip("-n", h.netns, "addr", "add", f"{h.address}/24", "dev", h.interface)
-            _ip("-n", h.netns, "link", "set", h.interface, "up")
+            inside = f"ch{tag}-{len(made)}"[:15]
+            _ip("link", "add", inside, "type", "veth", "peer", "name", h.port)
+            _ip("link", "set", h.port, "master", bridge)
+            _ip("link", "set", h.port, "up")
+            _ip("link", "set", inside, "netns", h.netns)
+            _ip("-n", h.netns, "link", "set", inside, "name", "eth0")
+            _ip("-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0")
+            _ip("-n", h.netns, "link", "set", "eth0", "up")
             _ip("-n", h.netns, "link", "set", "lo", "up")
         yield hosts
     finally:
-        for netns in made:
-            pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True,
+        for name in made[1:]:
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
                                   text=True, timeout=10).stdout.split()
             for pid in pids:  # nothing outlives its host
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), 9)
-            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10)
-            shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
+        if made:  # the bridge; the cables went with their namespaces
+            subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=10)
 
 
 def run_each(machines, argvs, envs, timeout=180.0):
@@ -158,13 +188,96 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $host && exec sh -c \\"\\
     return path
 
 
-def shape(host, delay="0ms", rate=None):
-    """Give ``host``'s interface a latency and a rate with ``tc netem`` (the kernel's emulated
-    link); returns the tc command's error text, empty when it worked.
+def shape(host, rate=None, delay=None):
+    """Slow ``host``'s cable in both directions with ``tc``: at most ``rate`` each way (e.g.
+    "200Mbit/s", as :mod:`course_lib.netem` writes it) and ``delay`` more latency each way (e.g.
+    "1ms"); neither: back to a bare cable. A rate alone uses the token-bucket filter (tbf), a
+    delay needs netem (the kernel module sch_netem; some kernels lack it: a RuntimeError then
+    says so). Introduced in notebooks/12_scaling_out.ipynb."""
+    from course_lib.netem import parse_rate, parse_time
+    bits = f"{parse_rate(rate) * 8:.0f}bit" if rate else None
+    if delay:
+        qdisc = ["netem", "delay", f"{parse_time(delay) * 1e6:.0f}us"]
+        qdisc += ["rate", bits] if bits else []
+    elif rate:  # the bucket holds at least two 64 KiB segments, and 5 ms at the rate
+        burst = max(128 * 1024, int(parse_rate(rate) / 200))
+        qdisc = ["tbf", "rate", bits, "burst", str(burst), "latency", "200ms"]
+    sides = [["ip", "netns", "exec", host.netns], []]  # its egress; its ingress (the port's)
+    for prefix, dev in zip(sides, [host.interface, host.port], strict=True):
+        argv = ["tc", "qdisc", "replace", "dev", dev, "root", *qdisc] if rate or delay else \
+            ["tc", "qdisc", "del", "dev", dev, "root"]
+        done = subprocess.run(prefix + argv, capture_output=True, text=True, timeout=10)
+        if done.returncode and (rate or delay):
+            hint = " (this kernel has no sch_netem: modprobe sch_netem)" if delay else ""
+            raise RuntimeError(f"{' '.join(argv)} on {host.name}: {done.stderr.strip()}{hint}")
+
+
+def start_cluster(machines, per_host=1, timeout=60, pg_timeout=30):
+    """The course's cluster with its engines on ``machines`` (``per_host`` each; ranks host by
+    host). Its controller listens on this machine's address on the switch (``gateway``), as on
+    a cluster's login node; each engine starts on its host and connects to it; the process
+    group meets over TCP at rank 0's host (one machine uses a file). Stop it before the hosts
+    go. Introduced in notebooks/12_scaling_out.ipynb."""
+    import tempfile
+    import uuid
+
+    import ipyparallel as ipp
+
+    from course_lib.cluster import CONTROLLER_ARGS, PROFILE, Cluster, ClusterError
+    from course_lib.launch import stop_and_reap
+    cluster_id = f"{os.getpid()}-hosts-{uuid.uuid4().hex[:6]}"
+    ipp_cluster = ipp.Cluster(n=0, profile=PROFILE, cluster_id=cluster_id, log_level=40,
+                              controller_ip=machines[0].gateway, controller_args=CONTROLLER_ARGS)
+    logs = Path(tempfile.mkdtemp(prefix="course-hosts-"))
+    argv = [sys.executable, "-m", "ipyparallel.engine", f"--profile-dir={ipp_cluster.profile_dir}",
+            f"--cluster-id={cluster_id}", "--log-level=40"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    try:
+        ipp_cluster.start_controller_sync()
+        client = ipp_cluster.connect_client_sync()
+        for i, host in enumerate(machines):  # one host after the other: ranks in host order
+            for k in range(per_host):
+                with open(logs / f"{host.name}-{k}.log", "w") as log:
+                    host.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                client.wait_for_engines((i + 1) * per_host, timeout=timeout, interactive=False)
+            except TimeoutError:
+                last = (logs / f"{host.name}-0.log").read_text()[-1500:]
+                raise ClusterError(f"{host.name}'s engines did not connect to the controller at "
+                                   f"{host.gateway} within {timeout}s: {last}") from None
+        return Cluster(ipp_cluster, client, len(machines) * per_host, "gloo", timeout,
+                       pg_timeout, 1)
+    except BaseException:
+        stop_and_reap(ipp_cluster)  # the engines go with their hosts
+        raise
+
+
+def tc_versus_emulated(machines, cluster, local, rate="200Mbit/s", size=2 << 20,
+                       world_sizes=(2, 4), algorithms=("naive", "ring"), iters=2):
+    """The same allreduces of ``size`` bytes timed three ways: on ``cluster``, whose ranks live
+    on ``machines`` (one each) with their cables slowed by tc to ``rate`` (the real kernel: TCP,
+    queues, Gloo); on ``local``, one machine's cluster, on the emulated link of that rate
+    (:mod:`course_lib.netem`); and by the alpha-beta model of that link. Returns one dict per
+    world size and algorithm: seconds "tc", "emulated" and "model".
     Introduced in notebooks/12_scaling_out.ipynb."""
-    argv = ["tc", "qdisc", "replace", "dev", host.interface, "root", "netem", "delay", delay]
-    if rate:
-        argv += ["rate", rate]
-    done = subprocess.run(["ip", "netns", "exec", host.netns, *argv], capture_output=True,
-                          text=True, timeout=10)
-    return done.stderr.strip()
+    from course_lib import netem
+    from course_lib.bench.allreduce import allreduce_rank_bench
+    link, before = netem.make_link(rate, "50us"), local.link
+    times = {}
+    try:
+        for h in machines:
+            shape(h, rate=rate)
+        local.set_link(link)
+        for way, on in (("tc", cluster), ("emulated", local)):
+            for n in world_sizes:
+                rows = on.run(allreduce_rank_bench, "torch", list(algorithms), [size],
+                              iters=iters, warmup=1, check=False, world_size=n)[0]
+                times.update({(way, n, r["algorithm"]): r["time_us"] / 1e6 for r in rows})
+    finally:
+        for h in machines:
+            shape(h)
+        local.set_link(before)
+    return [{"world_size": n, "algorithm": a, "bytes": size, "rate": rate,
+             "model": netem.predict_allreduce(a, size, n, link, check=False),
+             "tc": float(times["tc", n, a]), "emulated": float(times["emulated", n, a])}
+            for n in world_sizes for a in algorithms]

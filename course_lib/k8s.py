@@ -1144,7 +1144,7 @@ def pod_environments(manifest):
 
 def run_locally(manifest, timeout=180.0):
     """Run a two-pod PyTorchJob here as the cluster would: each pod a host of its own named like
-    the pod (:func:`course_lib.hosts.two_hosts`, so ``MASTER_ADDR=<job>-master-0`` resolves),
+    the pod (:func:`course_lib.hosts.make_hosts`, so ``MASTER_ADDR=<job>-master-0`` resolves),
     its container's command, and exactly the environment :func:`pod_environments` gives it.
     Returns each pod's output (rank 0's last line is the script's JSON result). Needs root.
     Introduced in notebooks/12_scaling_out.ipynb."""
@@ -1162,7 +1162,7 @@ def run_locally(manifest, timeout=180.0):
         if command[0] == "torchrun":  # this machine's torchrun: the one beside its Python
             command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
         commands.append(command)
-    with hosts.two_hosts([pod.pod for pod in pods]) as machines:
+    with hosts.make_hosts([pod.pod for pod in pods]) as machines:
         outputs = hosts.run_each(machines, commands,
                                  [{**os.environ, **pod.env} for pod in pods], timeout)
     return dict(zip([pod.pod for pod in pods], outputs, strict=True))

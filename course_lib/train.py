@@ -151,9 +151,8 @@ def command(way, world_size=2, args=()):
     if way == "srun":
         return ["srun", "-n", str(world_size), "--time", "5", "python", *script]
     if way == "two hosts":
-        from course_lib.hosts import SUBNET
         return ["torchrun", "--nnodes", str(world_size), "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{SUBNET}.1:29400",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", "hostA:29400",
                 "--rdzv-id", "course", *script]
     if way == "mpiexec, two hosts":  # run on hostA; hostB's proxy is started through rsh
         return ["mpiexec", "-launcher", "rsh", "-launcher-exec", "./rsh", "-hosts",
@@ -187,7 +186,7 @@ def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
     elif way == "mpiexec, two hosts":
         from course_lib import hosts
         from course_lib.launch import mpiexec_path
-        with hosts.two_hosts() as machines:
+        with hosts.make_hosts() as machines:
             argv = command(way, world_size, args)
             argv[0] = mpiexec_path(required=True)
             argv[argv.index("./rsh")] = str(hosts.rsh(machines, os.path.dirname(out)))
@@ -202,7 +201,7 @@ def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
         argv = [sys.executable, "-m", "torch.distributed.run", *command(way, world_size,
                                                                         args)[1:]]
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        with hosts.two_hosts() as machines:
+        with hosts.make_hosts() as machines:
             hosts.run_each(machines, [argv, argv], [env, env], timeout)
     else:
         raise ValueError(f"way must be one of {WAYS}, not {way!r}")

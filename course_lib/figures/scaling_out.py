@@ -98,6 +98,30 @@ def efficiency_vs_workers(workload=scaling.RESNET50, links=tuple(costmodel.LINKS
     return axes
 
 
+def tc_versus_emulated(rows, ax=None):
+    """Seconds per allreduce for each world size and algorithm (rows of
+    :func:`course_lib.hosts.tc_versus_emulated`): the alpha-beta model, the emulated link and the
+    kernel's tc-shaped cables side by side. Introduced in notebooks/12_scaling_out.ipynb."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        ax = plt.subplots(figsize=(7, 3.5))[1]
+    ways = [("model", "alpha-beta model", "0.75"), ("emulated", "emulated link (netem.py)", "C0"),
+            ("tc", "real cables, tc tbf", "C3")]
+    x = np.arange(len(rows))
+    for k, (key, label, color) in enumerate(ways):
+        bars = ax.bar(x + (k - 1) * 0.27, [r[key] * 1e3 for r in rows], 0.27, color=color,
+                      label=label)
+        if key == "tc":
+            ax.bar_label(bars, [f"{r['tc'] / r['model']:.2f}x" for r in rows], fontsize=7)
+    ax.set_xticks(x, [f"{r['algorithm']}\nN = {r['world_size']}" for r in rows])
+    r0 = rows[0]
+    ax.set(ylabel="ms per allreduce",
+           title=f"{r0['bytes'] / 2**20:g} MiB allreduce, {r0['rate']} per host each way "
+                 "(labels: tc / model)")
+    ax.legend(fontsize="small")
+    return ax
+
+
 def save_all(out_dir):
     """Write the model figure (no cluster needed) into ``out_dir``; returns the paths.
     Introduced in notebooks/12_scaling_out.ipynb."""
