@@ -11,6 +11,8 @@
     bench checkpoint ... save time by size; time to finish with failures vs the interval
     bench scaling ...    parameter server (1 and S servers) vs ring, emulated link; model to 4096
     bench hpsearch ...   random, SH, ASHA, Hyperband, Optuna: accuracy, epochs, busy; speed-up
+    faults [--repeat K] [--only A,B] [--list]
+                         every promise tried: faults injected, deadlines, leftovers, exposure
     cluster clean [--all] stop clusters left behind by a killed notebook kernel
     labs build | check   regenerate the student labs / list the stale ones
     images               regenerate the figures in images/
@@ -85,6 +87,8 @@ def main(argv=None):
     demo.add_argument("--out", default="demo_output", help="folder for the figures")
     sub.add_parser("doctor", help="check this machine")
     _bench_parsers(sub)
+    from course_lib.testing import fault_suite
+    fault_suite.arguments(sub.add_parser("faults", help="the fault suite: every promise tried"))
     cluster = sub.add_parser("cluster", help="cluster housekeeping")
     cluster.add_argument("action", choices=["clean"])
     cluster.add_argument("--all", action="store_true", help="also clusters of live kernels")
@@ -101,6 +105,8 @@ def main(argv=None):
         return doctor.main()
     if args.command == "bench":
         return _bench(args)
+    if args.command == "faults":
+        return fault_suite.main(args)
     if args.command == "cluster":
         return _clean(args.all)
     if args.command == "labs":

@@ -42,10 +42,12 @@ from course_lib.engine import (  # noqa: F401 - re-exported: the rank demos sit 
     sleep_on,
 )
 from course_lib.launch import (
+    MPI_LOOPBACK,
     PROFILE,
     clean_clusters,
     mpiexec_path,
     slurm_config,
+    start_watchdog,
     stop_and_reap,
 )
 
@@ -95,6 +97,7 @@ class Cluster:
         self.pg_timeout, self.threads = pg_timeout, threads
         self._store_dir = tempfile.mkdtemp(prefix="course_lib-pg-")
         self._broken = None  # None, "pg" (re-create the process group) or "engines" (restart)
+        self.watchdog = None  # pid of the process that stops it if its owner dies
         self._setup()
 
     # -- set-up and repair
@@ -238,8 +241,9 @@ class Cluster:
             if time.monotonic() > deadline and not ar.ready():
                 late = [r for r in self._pending(ar) if r not in dead]
                 killed = self._interrupt(ar, late)
-                then = (f"rank(s) {killed} ignored the interrupt (blocked in a native wait) "
-                        "and were killed; the next call restarts the engines") if killed else \
+                then = (f"rank(s) {killed} ignored the interrupt (blocked in a native wait, or "
+                        "stopped) and were killed; the next call restarts the engines") \
+                    if killed else \
                     "they were interrupted; the next call re-creates the process group"
                 raise ClusterTimeout(f"{name} did not finish within {timeout:g}s on rank(s) "
                                      f"{late} of {self.n}; {then}")
@@ -294,8 +298,9 @@ class Cluster:
         if ranks:
             self.client.send_signal(signal.SIGINT, targets=[self.engine_ids[r] for r in ranks],
                                     block=False)
+        frozen = self._stopped_ranks(ranks)  # SIGSTOPped: alive, but no signal handler runs
         deadline = time.monotonic() + grace
-        while self._pending(ar) and time.monotonic() < deadline:
+        while set(self._pending(ar)) - set(frozen) and time.monotonic() < deadline:
             ar.wait(0.05)
         stuck = self._pending(ar)
         for r in stuck:  # deaf to SIGINT (blocked in a native wait): restarted by the next call
@@ -303,6 +308,20 @@ class Cluster:
                 self.client.send_signal(signal.SIGKILL, targets=[self.engine_ids[r]], block=False)
         self._broken = "engines" if (stuck or engines_dead) else "pg"
         return stuck
+
+    def _stopped_ranks(self, ranks):
+        """Those of ``ranks`` whose engine on this host is stopped (SIGSTOP, a debugger)."""
+        import psutil
+        frozen = []
+        for r in ranks:
+            try:
+                if self.probes[r]["host"] == socket.gethostname() and psutil.Process(
+                        self.pids[r]).status() in (psutil.STATUS_STOPPED,
+                                                   psutil.STATUS_TRACING_STOP):
+                    frozen.append(r)
+            except psutil.Error:
+                pass
+        return frozen
 
     # -- the end
     @property
@@ -437,7 +456,7 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
         mpiexec = mpiexec_path(required=True, error=ClusterError)
         kwargs.update(engines="mpi", controller_ip="127.0.0.1")
         config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
-        config.MPIEngineSetLauncher.environment = env
+        config.MPIEngineSetLauncher.environment = {**MPI_LOOPBACK, **env}
     elif engines == "slurm":
         kwargs.update(slurm_config(n, **slurm))
         kwargs["config"].SlurmEngineSetLauncher.environment = env
@@ -452,6 +471,9 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
     except BaseException:
         stop_and_reap(ipp_cluster)
         raise
+    # if this kernel dies without stopping the cluster, a watchdog stops it
+    cluster.watchdog = start_watchdog(int(owner) if shared else os.getpid(),
+                                      ipp_cluster.cluster_file).pid
     return cluster
 
 

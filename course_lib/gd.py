@@ -84,11 +84,13 @@ class History:
 # ---------------------------------------------------------------- learning-rate schedules
 def _check_lr(lr):
     if not (isinstance(lr, (int, float, np.number)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"learning rate must be a finite number > 0, got {lr!r}")
+        raise ValueError(f"lr (the learning rate) must be a finite number > 0, got {lr!r}")
     return float(lr)
 
 
-def _check_count(name, value, least=1):
+def check_count(name, value, least=1):
+    """``value`` as an int, or a ValueError naming ``name`` unless it is an integer >= ``least``.
+    Introduced in notebooks/01_gradient_descent.ipynb."""
     if not isinstance(value, (int, np.integer)) or value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     return int(value)
@@ -139,7 +141,7 @@ def updates_per_epoch(n_samples, batch_size, drop_last=False):
 
     Introduced in notebooks/07_large_minibatch.ipynb.
     """
-    _check_count("batch_size", batch_size)
+    check_count("batch_size", batch_size)
     if drop_last:
         return max(int(n_samples) // int(batch_size), 1)
     return -(-int(n_samples) // int(batch_size))
@@ -161,7 +163,7 @@ def linear_scaling_warmup(base_lr, batch_size, base_batch_size, warmup_epochs,
     base_lr = _check_lr(base_lr)
     for name, value in (("batch_size", batch_size), ("base_batch_size", base_batch_size),
                         ("updates_per_epoch", updates_per_epoch)):
-        _check_count(name, value)
+        check_count(name, value)
     if not (isinstance(warmup_epochs, (int, float, np.number)) and math.isfinite(warmup_epochs)
             and warmup_epochs >= 0):
         raise ValueError(f"warmup_epochs must be a finite number >= 0, got {warmup_epochs!r}")
@@ -169,7 +171,7 @@ def linear_scaling_warmup(base_lr, batch_size, base_batch_size, warmup_epochs,
     warmup_updates = float(warmup_epochs) * int(updates_per_epoch)
 
     def schedule(update):
-        _check_count("the update index", update, least=0)
+        check_count("the update index", update, least=0)
         if update >= warmup_updates:
             return target
         return base_lr + (target - base_lr) * (update / warmup_updates)
@@ -237,7 +239,7 @@ class Adagrad:
 def _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas):
     """Validate arguments, reset the optimizer, record the initial loss."""
     _check_lr(lr)
-    _check_count("num_epochs", num_epochs, least=0)
+    check_count("num_epochs", num_epochs, least=0)
     if X is not None and len(X) != len(y):
         raise ValueError(f"X and y disagree on the number of samples: {len(X)} vs {len(y)}")
     theta = np.array(theta0, dtype=np.float64)  # a copy: the caller's theta0 is never changed
@@ -319,7 +321,7 @@ def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=Non
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
     lr = _check_lr(lr)
-    _check_count("batch_size", batch_size)
+    check_count("batch_size", batch_size)
     if len(X) != len(y):
         raise ValueError(f"X and y disagree on the number of samples: {len(X)} vs {len(y)}")
     theta = np.array(theta, dtype=np.float64)
@@ -346,7 +348,7 @@ def minibatch_sgd(problem, X, y, theta0, lr, num_epochs, batch_size=32, seed=0, 
 
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
-    _check_count("batch_size", batch_size)
+    check_count("batch_size", batch_size)
     if schedule is not None and update_schedule is not None:
         raise ValueError("give schedule (per epoch) or update_schedule (per update), not both")
     theta, hist = _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas)

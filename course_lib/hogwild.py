@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from course_lib.gd import check_count
 from course_lib.launch import supervise
 from course_lib.race import RaceError
 from course_lib.sparse_problem import sparse_loss
@@ -229,6 +230,8 @@ def run_sparse(data, num_workers=2, lock=False, lr=0.5, num_epochs=3, seed=0, ti
     repeats :func:`sparse_problem.serial_sgd` exactly. Returns a :class:`HogwildResult`.
     Notebook 03. Introduced in notebooks/03_hogwild.ipynb.
     """
+    check_count("num_workers", num_workers)
+    check_count("num_epochs", num_epochs)
     arrays = {"indptr": data.indptr, "indices": data.indices, "values": data.values, "y": data.y}
     stats, snaps, w = _run("sparse", {"lr": lr, "seed": seed}, arrays, np.zeros(data.n_features),
                            data.n_features, num_workers, lock, num_epochs, timeout, fail_worker)
@@ -242,6 +245,8 @@ def run_dense(num_workers=2, lock=False, hidden=32, lr=0.02, batch_size=1, num_e
     """Hogwild on an MLP (``models.mlp``) classifying digits: every update writes every weight,
     so concurrent updates always collide. Loss = mean cross-entropy on the training set.
     Introduced in notebooks/03_hogwild.ipynb."""
+    check_count("num_workers", num_workers)
+    check_count("num_epochs", num_epochs)
     import torch
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from course_lib import faults
+from course_lib.gd import check_count
 
 SPACE = {"lr": ("log", 0.003, 3.0), "batch_size": ("choice", (16, 32, 64, 128)),
          "width": ("choice", (8, 16, 32, 64)), "warmup": ("choice", (0, 1, 2))}
@@ -497,6 +498,7 @@ def _resumed_from(jobs, job):
 
 # ---------------------------------------------------------------- the searches
 def _configs(space, num_configs, seed):
+    check_count("num_configs", num_configs)
     rng = np.random.default_rng(seed)
     return [sample(space, rng) for _ in range(num_configs)]
 

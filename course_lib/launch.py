@@ -100,6 +100,36 @@ def clean_clusters(all=False, shared_by=None):
             c.remove_cluster_file()
             stopped.append(c.cluster_id)
     return stopped
+def start_watchdog(owner, cluster_file, poll=0.5):
+    """Start a small process that stops the cluster of ``cluster_file`` once ``owner`` (the
+    pid that started it: a notebook kernel, a test session) is gone without stopping it:
+    killed, or timed out by nbval. It ends by itself when the cluster stops normally.
+    Returns its Popen. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    code = ("from course_lib.launch import watch_owner; "
+            f"watch_owner({int(owner)}, {str(cluster_file)!r}, {float(poll)})")
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # Kernel > Interrupt does not reach it
+
+
+def watch_owner(owner, cluster_file, poll=0.5):
+    """The watchdog's loop (see :func:`start_watchdog`).
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    import psutil
+
+    def alive():
+        try:
+            return psutil.Process(owner).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    while os.path.exists(cluster_file):
+        if not alive():
+            clean_clusters()  # the clusters of every owner that is gone, this one among them
+            return
+        time.sleep(poll)
+
+
 def _launcher_pids(ipp_cluster):
     """Pids of the controller and engine launchers recorded by ipyparallel."""
     launchers = [ipp_cluster.controller] if ipp_cluster.controller else []
@@ -152,6 +182,10 @@ def launched_rank():
     return None
 
 
+# MPI ranks on one machine talk over shared memory and loopback: without these, MPICH's UCX and
+# libfabric transports listen on every network interface
+MPI_LOOPBACK = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
+
 MPIEXEC_MISSING = "mpiexec not found: pip install -c constraints.txt -e '.[mpi]'"
 
 
@@ -195,6 +229,8 @@ def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
                "--nproc-per-node", str(world_size), *args]
     env = dict(os.environ if env is None else env)
     env.setdefault("MPIEXEC_TIMEOUT", str(int(timeout)))
+    for name, value in MPI_LOOPBACK.items():
+        env.setdefault(name, value)
     # torchrun shares its rendezvous store with the ranks; after a restart (--max-restarts) a
     # rank can then read its peer's address of the failed attempt and never connect
     # (pytorch/pytorch#135712): one store per attempt

@@ -27,6 +27,7 @@ from torch import nn
 
 from course_lib.comm import CommError, wait_all
 from course_lib.data import shard_bounds
+from course_lib.gd import check_count
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 TAG_SHAPE, TAG_ACTIVATION, TAG_GRADIENT = 90, 91, 92
@@ -43,6 +44,9 @@ def bubble_fraction(num_stages, num_microbatches, virtual_stages=1):
     """The idle share of every stage, (N-1)/(v*M+N-1), with equal stages and free messages.
 
     Introduced in notebooks/09_model_parallelism.ipynb."""
+    for name, value in [("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                        ("virtual_stages", virtual_stages)]:
+        check_count(name, value)
     return (num_stages - 1) / (virtual_stages * num_microbatches + num_stages - 1)
 
 

@@ -44,8 +44,9 @@ def make_spec(num_servers=1, num_workers=3, world_size=None):
     Introduced in notebooks/04_parameter_server.ipynb."""
     world_size = num_servers + num_workers if world_size is None else world_size
     if num_servers < 1 or num_workers < 1 or num_servers + num_workers > world_size:
-        raise ValueError(f"need >= 1 server and >= 1 worker within {world_size} ranks, got "
-                         f"{num_servers} server(s) and {num_workers} worker(s)")
+        raise ValueError(f"num_servers and num_workers must be >= 1 and fit in world_size="
+                         f"{world_size} ranks, got num_servers={num_servers}, "
+                         f"num_workers={num_workers}")
     ranks = list(range(world_size))
     return {"ps": ranks[:num_servers], "worker": ranks[num_servers:num_servers + num_workers],
             "idle": ranks[num_servers + num_workers:]}

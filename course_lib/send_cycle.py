@@ -174,7 +174,8 @@ def run_cycle(sizes, mode="send", world_size=2, deadline=2.0, timeout=None, repe
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     limit = 30.0 + deadline + 0.05 * len(sizes) * repeats if timeout is None else timeout
-    env = dict(os.environ, MPIEXEC_TIMEOUT=str(int(limit) + 2), OMP_NUM_THREADS="1",
+    env = dict(os.environ, **launch.MPI_LOOPBACK, MPIEXEC_TIMEOUT=str(int(limit) + 2),
+               OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                         os.environ.get("PYTHONPATH")])))
     mpiexec = launch.mpiexec_path(required=True, error=SendCycleError)

@@ -32,6 +32,7 @@ from torch import nn
 
 from course_lib.collectives import allreduce, ring_allgather, ring_reduce_scatter
 from course_lib.data import shard_bounds
+from course_lib.gd import check_count
 
 STAGES = (0, 1, 2, 3)  # 0: plain data parallelism (an allreduce), for comparison
 
@@ -360,6 +361,9 @@ def zero_memory(num_params, world_size, stage, optimizer_numbers=2, bytes_per_nu
     parameters, gradients and K = ``optimizer_numbers`` optimizer numbers per parameter; stage 1
     shards the optimizer state, stage 2 the gradients too, stage 3 the parameters too.
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    check_count("world_size", world_size)
     psi, N, K = num_params * bytes_per_number, world_size, optimizer_numbers
     params = psi / N if stage >= 3 else psi
     grads = psi / N if stage >= 2 else psi

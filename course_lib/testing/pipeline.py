@@ -4,6 +4,7 @@ against ``torch.distributed.pipelining``. Introduced in notebooks/09_model_paral
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
@@ -176,12 +177,15 @@ def tp_and_pp_on_link(link=None, batch=32, d_model=256, num_microbatches=4, step
     return {k: sorted(v[1:])[len(v[1:]) // 2] for k, v in times.items()}
 
 
-def silent_stage(silent=1, timeout=2.0):
-    """Every stage runs a 1F1B step but stage ``silent``, which never sends: each other rank
-    returns ``(the error's text, seconds until it came)``, the silent one ``("silent", 0)``.
+def silent_stage(silent=1, timeout=2.0, die=False):
+    """Every stage runs a 1F1B step but stage ``silent``, which never sends (or whose process
+    exits at once, with ``die``): each other rank returns ``(the error's text, seconds until
+    it came)``, the silent one ``("silent", 0)``.
     Introduced in notebooks/09_model_parallelism.ipynb."""
     comm = get_comm("torch", timeout=timeout)
     if comm.rank == silent:
+        if die:
+            os._exit(1)
         return "silent", 0.0
     N, rank = comm.world_size, comm.rank
     model = make_mlp(N, 8)

@@ -1,0 +1,321 @@
+"""The course's promises, tried one fault at a time: ``python -m course_lib faults``.
+
+Every distributed wait has a deadline; an error names the rank (and the operation and sizes);
+no process is left behind; nothing saved is lost; the cluster works for the next call; nothing
+listens beyond loopback. Each scenario of :mod:`course_lib.testing.fault_scenarios` makes one
+thing go wrong, and this runner checks those promises from outside:
+
+* the time from the fault to the error, against the scenario's deadline + ``GRACE`` seconds;
+* processes left behind: every process started during the scenario carries a mark in its
+  environment (``MARK``), so those still alive afterwards are found wherever they were
+  re-parented (the cluster's own engines excepted), reported and killed;
+* exposure: while the scenario runs, a thread samples the sockets that marked processes (and
+  this one) listen on; any address other than loopback fails it.
+
+Scenarios needing a cluster share one of ``CLUSTER_SIZE`` engines (the fresh context of each is
+its own temporary folder and mark), and each ends by checking that the cluster still answers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MARK = "COURSE_LIB_FAULT_SCENARIO"
+GRACE = 3.0  # seconds an error may arrive after its deadline
+CLUSTER_SIZE = 3  # a server and two workers for the parameter server's scenarios
+
+
+class Broken(AssertionError):
+    """A promise a scenario found broken; the message says which."""
+
+
+@dataclass
+class Scenario:
+    """One fault: its ``name``, the ``promise`` it tries, the ``deadline`` (s) the error must
+    arrive within, the function that makes it happen (``run(context)`` returns ``(seconds to
+    the error or None, what was seen)`` and raises :class:`Broken`), and what it ``needs``
+    ("mpi", "root") to run at all."""
+    name: str
+    promise: str
+    deadline: float
+    run: object
+    needs: str = ""
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(name, promise, deadline, needs=""):
+    """Register the decorated function as the scenario ``name``."""
+    def register(fn):
+        SCENARIOS[name] = Scenario(name, promise, deadline, fn, needs)
+        return fn
+    return register
+
+
+def expect_error(fn, *args, error=Exception, names=(), **kwargs):
+    """Call ``fn``; it must raise ``error`` whose text contains every string of ``names``.
+    Returns ``(seconds until it raised, its text)``; raises :class:`Broken` otherwise."""
+    start = time.monotonic()
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        seconds, text = time.monotonic() - start, f"{type(e).__name__}: {e}"
+    else:
+        raise Broken(f"{getattr(fn, '__name__', fn)} raised nothing")
+    missing = [n for n in names if n not in text]
+    if missing:
+        raise Broken(f"the error does not name {missing}: {text[:300]}")
+    return seconds, text
+
+
+def check(condition, message):
+    """Raise :class:`Broken` with ``message`` unless ``condition``."""
+    if not condition:
+        raise Broken(message)
+
+
+class Context:
+    """What scenarios share: the cluster (started on first use, with short deadlines), and a
+    fresh temporary folder per scenario (``tmp``)."""
+
+    def __init__(self):
+        self._cluster, self.tmp, self.used_cluster = None, None, False
+
+    @property
+    def cluster(self):
+        from course_lib.cluster import start_cluster
+        self.used_cluster = True
+        if self._cluster is None or self._cluster.stopped:
+            self._cluster = start_cluster(n=CLUSTER_SIZE, timeout=20, pg_timeout=10)
+        return self._cluster
+
+    def cluster_pids(self):
+        """The cluster's own processes: controller, engines and their children."""
+        import psutil
+        if self._cluster is None or self._cluster.stopped:
+            return set()
+        roots = [*self._cluster.pids, self._cluster._ipp.controller.pid,
+                 *([self._cluster.watchdog] if self._cluster.watchdog else [])]
+        pids = set()
+        for pid in roots:
+            try:
+                p = psutil.Process(pid)
+                pids |= {p.pid, *(c.pid for c in p.children(recursive=True))}
+            except psutil.Error:
+                pass
+        return pids
+
+    def stop(self):
+        if self._cluster is not None:
+            self._cluster.stop()
+
+
+@dataclass
+class Row:
+    """One scenario's outcome, as the table prints it."""
+    name: str
+    promise: str
+    deadline: float
+    seconds: float | None = None
+    error: str = ""
+    left: list = field(default_factory=list)
+    exposed: list = field(default_factory=list)
+    known: list = field(default_factory=list)
+    usable: bool | None = None
+    broken: str = ""
+
+    @property
+    def passed(self):
+        return not (self.broken or self.left or self.exposed or self.usable is False)
+
+
+def _marked(token, environs=None):
+    """The live processes marked with ``token``; their environments go into ``environs``."""
+    import psutil
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            env = p.environ()
+            if env.get(MARK) == token and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+                if environs is not None:
+                    environs[p.pid] = env
+        except psutil.Error:
+            pass
+    return found
+
+
+class _Watch(threading.Thread):
+    """Samples, every 0.1 s, the listening sockets of this process and of marked ones. MPICH
+    (5.0) listens on 0.0.0.0 in every rank but 0 whatever its transports are told
+    (``launch.MPI_LOOPBACK`` moves everything else to loopback): reported apart, not failed."""
+
+    def __init__(self, token):
+        super().__init__(daemon=True)
+        self.token, self.exposed, self.known = token, set(), set()
+        self.done = threading.Event()
+
+    def run(self):
+        import psutil
+        while not self.done.wait(0.1):
+            environs = {}
+            pids = {os.getpid(), *(p.pid for p in _marked(self.token, environs))}
+            try:
+                conns = psutil.net_connections("inet")
+            except psutil.Error:
+                continue
+            for c in conns:
+                if c.pid in pids and c.status == psutil.CONN_LISTEN and \
+                        c.laddr.ip not in ("127.0.0.1", "::1"):
+                    where = f"pid {c.pid} on {c.laddr.ip}:{c.laddr.port}"
+                    mpich = c.laddr.ip == "0.0.0.0" and \
+                        environs.get(c.pid, {}).get("PMI_RANK") not in (None, "0")
+                    (self.known if mpich else self.exposed).add(where)
+
+
+def run_one(sc, ctx):
+    """Run scenario ``sc`` in ``ctx`` and check the promises around it; returns a :class:`Row`."""
+    row = Row(sc.name, sc.promise, sc.deadline)
+    token = f"{sc.name}-{uuid.uuid4().hex[:8]}"
+    os.environ[MARK] = token
+    ctx.tmp, ctx.used_cluster = Path(tempfile.mkdtemp(prefix=f"course-fault-{sc.name}-")), False
+    watch = _Watch(token)
+    watch.start()
+    try:
+        row.seconds, seen = sc.run(ctx)
+        row.error = str(seen).strip().splitlines()[0] if str(seen).strip() else ""
+        if row.seconds is not None and row.seconds > sc.deadline + GRACE:
+            row.broken = f"the error came after {row.seconds:.1f} s, past {sc.deadline:g} + " \
+                         f"{GRACE:g} s"
+    except Broken as e:
+        row.broken = str(e)
+    except Exception as e:  # noqa: BLE001 - a scenario that crashes is a broken promise
+        row.broken = f"unexpected {type(e).__name__}: {e}"
+        traceback.print_exc()
+    finally:
+        if ctx.used_cluster:  # the next call works
+            row.usable = _usable(ctx)
+        watch.done.set()
+        watch.join()
+        os.environ.pop(MARK, None)
+    row.exposed, row.known = sorted(watch.exposed), sorted(watch.known)
+    row.left = _left_behind(token, ctx)
+    shutil.rmtree(ctx.tmp, ignore_errors=True)
+    return row
+
+
+def _usable(ctx):
+    from course_lib.engine import allreduce_ranks
+    try:
+        expected = float(sum(range(CLUSTER_SIZE)))
+        return ctx.cluster.run(allreduce_ranks, timeout=30) == [expected] * CLUSTER_SIZE
+    except Exception:  # noqa: BLE001 - reported as "not usable"
+        traceback.print_exc()
+        return False
+
+
+def _left_behind(token, ctx, settle=GRACE):
+    """Marked processes still alive ``settle`` s after the scenario (not the cluster's own):
+    described, then killed."""
+    import psutil
+    deadline = time.monotonic() + settle
+    while True:
+        keep = ctx.cluster_pids()
+        # multiprocessing's resource tracker serves this process until it exits: not a leak
+        left = [p for p in _marked(token) if p.pid not in keep
+                and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    said = []
+    for p in left:
+        try:
+            said.append(f"{p.pid} {' '.join(p.cmdline())[:80]}")
+            p.kill()
+        except psutil.Error:
+            pass
+    return said
+
+
+def available(sc):
+    """None when scenario ``sc`` can run here, else why not."""
+    if sc.needs == "mpi":
+        from course_lib.launch import MPIEXEC_MISSING, mpiexec_path
+        return None if mpiexec_path() else MPIEXEC_MISSING
+    if sc.needs == "root" and os.geteuid() != 0:
+        return "needs root"
+    return None
+
+
+def run_all(names=None, repeat=1, report=print):
+    """Run the scenarios ``names`` (all by default) ``repeat`` times each; returns the rows
+    (skipped ones have ``broken`` empty and ``error`` starting with "skipped")."""
+    from course_lib.testing import fault_scenarios  # noqa: F401 - registers the scenarios
+    unknown = sorted(set(names or ()) - set(SCENARIOS))
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {unknown}; the scenarios are: "
+                         f"{', '.join(SCENARIOS)}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    ctx, rows = Context(), []
+    try:
+        for sc in [SCENARIOS[n] for n in (names or SCENARIOS)]:
+            reason = available(sc)
+            for _ in range(repeat):
+                row = Row(sc.name, sc.promise, sc.deadline, error=f"skipped: {reason}") \
+                    if reason else run_one(sc, ctx)
+                rows.append(row)
+                report(format_row(row))
+    finally:
+        ctx.stop()
+    return rows
+
+
+COLUMNS = f"{'scenario':30} {'deadline':>8} {'error in':>8}  {'left':>4} {'exposed':>7}  " \
+          f"{'result':6}  error (first line) / promise broken"
+
+
+def format_row(row):
+    """One line of the table."""
+    took = "-" if row.seconds is None else f"{row.seconds:.1f}s"
+    result = "skip" if row.error.startswith("skipped") else ("pass" if row.passed else "FAIL")
+    said = row.broken or row.error
+    if row.left:
+        said = f"left behind: {row.left[0]} ... " + said
+    if row.usable is False:
+        said = "the cluster did not answer the next call; " + said
+    if row.known and row.passed:
+        said += f" (MPICH's own listener on 0.0.0.0 in ranks >= 1: {len(row.known)})"
+    return f"{row.name:30} {row.deadline:>7g}s {took:>8}  {len(row.left):>4} " \
+           f"{len(row.exposed):>7}  {result:6}  {said[:110]}"
+
+
+def arguments(parser):
+    parser.add_argument("--repeat", type=int, default=1, help="run each scenario K times")
+    parser.add_argument("--only", default="", help="comma-separated scenario names")
+    parser.add_argument("--list", action="store_true", help="list the scenarios and promises")
+
+
+def main(args):
+    from course_lib.testing import fault_scenarios  # noqa: F401 - registers the scenarios
+    if args.list:
+        for sc in SCENARIOS.values():
+            print(f"{sc.name:30} {sc.deadline:>5g}s  {sc.promise}")
+        return 0
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or None
+    print(COLUMNS)
+    rows = run_all(names, args.repeat)
+    failed = [r for r in rows if not r.passed]
+    ran = [r for r in rows if not r.error.startswith("skipped")]
+    print(f"\n{len(ran) - len(failed)} of {len(ran)} runs kept every promise"
+          + (f"; broken: {', '.join(sorted({r.name for r in failed}))}" if failed else ""))
+    return 1 if failed else 0
