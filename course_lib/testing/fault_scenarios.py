@@ -318,8 +318,9 @@ def ps_async_worker_killed(ctx):
                  f"{time.monotonic() - start:.1f} s"
 
 
-@scenario("ps-server-killed", "a killed server is named by the workers within their "
-          "deadline", SHORT)
+@scenario("ps-server-killed", "a killed server is named by the workers within their reply "
+          "deadline (2 x timeout + 5 s: longer than the server's own step deadline, so that in "
+          "sync mode the server names a missing worker first)", 2 * 1 + 5)
 def ps_server_killed(ctx):
     from course_lib.cluster import RemoteError
     _, said = expect_error(_ps_train, ctx, mode="async", checkpoint_dir=ctx.tmp,
@@ -470,6 +471,6 @@ def bad_arguments(ctx):
 def exposure(ctx):
     from course_lib.bench.allreduce import allreduce_rank_bench
     start = time.monotonic()
-    _ps_train(ctx, mode="async", num_epochs=1, timeout=5)
+    _ps_train(ctx, mode="async", num_epochs=3, timeout=5)
     ctx.cluster.run(allreduce_rank_bench, "torch", ["ring", "native"], [1 << 16], iters=2)
     return None, f"a parameter server and a benchmark ran for {time.monotonic() - start:.1f} s"
