@@ -1,9 +1,6 @@
 """Hogwild (course_lib/hogwild.py): correctness only, never timings."""
 
-import time
-
 import numpy as np
-import psutil
 import pytest
 
 from course_lib import hogwild, sparse_problem
@@ -13,11 +10,6 @@ from course_lib import hogwild, sparse_problem
 def data():
     return sparse_problem.make_sparse_classification(n_samples=4000, n_features=4000, nnz=16,
                                                      seed=1)
-
-
-def _children():
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running()
-            and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_sparse_data_is_rcv1_like(data):
@@ -61,11 +53,3 @@ def test_dense_problem_conflicts():
     two = hogwild.run_dense(num_workers=2, num_epochs=2, hidden=16)
     assert two.conflicts > 0 and two.conflicted_updates > 0
     assert two.losses[-1] < 0.5 * two.losses[0]
-
-
-def test_crashing_worker_is_named_quickly_and_reaped(data):
-    t = time.monotonic()
-    with pytest.raises(hogwild.HogwildError, match=r"worker 1 .*exited with code 3"):
-        hogwild.run_sparse(data, num_workers=2, num_epochs=50, fail_worker=1)
-    assert time.monotonic() - t < 10
-    assert not [p for p in _children() if "spawn_main" in " ".join(p.cmdline())]

@@ -178,18 +178,6 @@ def test_async_server_killed_comes_back_from_its_checkpoint(cluster, linear, tmp
     assert axes[0].patches and axes[1].patches  # the outage, shaded on both
 
 
-def test_a_killed_server_without_restarts_is_named_by_the_workers(cluster, linear, tmp_path):
-    problem, X, y, theta0 = linear
-    spec = ps.make_spec(1, 3, world_size=4)
-    with pytest.raises(RemoteError, match=r"(?s)rank\(s\) \[0\] died.*no reply to push sent by "
-                                          r"worker rank \d to server 0"):
-        ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=2, batch_size=30,
-                 mode="async", checkpoint_dir=tmp_path, faults=["ps-server-update:kill@10"],
-                 timeout=1)
-    again = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=1, batch_size=30)
-    assert np.isfinite(again.theta).all()  # the next call restarted the dead engine
-
-
 def test_server_restarts_bad_arguments(cluster, linear, tmp_path):
     problem, X, y, theta0 = linear
     spec = ps.make_spec(1, 3, world_size=4)

@@ -6,6 +6,8 @@ adds the checks every scenario shares (deadline, processes left, exposure, the n
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -16,7 +18,7 @@ import time
 
 import numpy as np
 
-from course_lib.testing.fault_suite import check, expect_error, scenario
+from course_lib.testing.fault_suite import Broken, check, expect_error, scenario
 
 SHORT = 2.0  # the deadline of the scenarios' distributed waits, in seconds
 
@@ -179,16 +181,20 @@ def _interrupt(ctx, fn, *args):
     cluster.run(allreduce_ranks)  # started and healthy before the clock starts
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    start = time.monotonic()
+    start, said = time.monotonic(), io.StringIO()
     try:
         timer.start()
-        cluster.run(fn, *args, timeout=60)
-        raise AssertionError("the call finished: the interrupt did not stop it")
+        with contextlib.redirect_stderr(said):
+            cluster.run(fn, *args, timeout=60)
+        raise Broken("the call finished: the interrupt did not stop it")
     except KeyboardInterrupt:
         stopped = time.monotonic() - start - 1.0
     finally:
         timer.cancel()
         signal.signal(signal.SIGINT, handler)
+    lines = said.getvalue().strip().splitlines()
+    check(len(lines) == 1 and lines[0].startswith(f"Interrupted: {fn.__name__} was stopped on "
+                                                  "rank(s)"), f"the notebook was told {lines}")
     start = time.monotonic()
     cluster.run(allreduce_ranks, timeout=30)
     again = time.monotonic() - start
