@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 
+from jupyter_client.manager import KernelManager
+
 ROOT = Path(__file__).resolve().parents[1]
 MATHJAX = ROOT / "slides" / "vendor" / "mathjax"
 
@@ -31,6 +33,8 @@ nb_execution_cache_path = str(ROOT / "build" / "jupyter_cache")
 nb_execution_timeout = 600
 nb_execution_raise_on_error = True
 nb_execution_excludepatterns = ["labs/*"]
+# kernels get CurveZMQ keys, as with `make lab` and `make slides` (myst-nb has no option for it)
+KernelManager.class_traits()["transport_encryption"].default_value = "auto"
 
 autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True}
