@@ -38,6 +38,7 @@ KernelManager.class_traits()["transport_encryption"].default_value = "auto"
 
 autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True}
+autodoc_inherit_docstrings = False  # torch's own docstrings (forward, ...) are not the course's
 
 html_theme = "sphinx_book_theme"
 html_title = "Distributed deep learning"
@@ -84,12 +85,23 @@ def _generated(app, docname, source):
         source[0] += TOC
     elif docname == "site/api":
         modules = sorted(p.stem for p in (ROOT / "course_lib").glob("*.py") if p.stem[0] != "_")
-        source[0] += "".join(f"\n## `course_lib.{m}`\n\n```{{automodule}} course_lib.{m}\n```\n"
-                             for m in modules)
+        source[0] += "".join(f"\n## `course_lib.{m}`\n\n```{{eval-rst}}\n.. automodule:: "
+                             f"course_lib.{m}\n```\n" for m in modules)  # docstrings are RST
     elif docname == "site/figures":
         source[0] += "".join(f"\n```{{figure}} ../images/{p.name}\n:alt: {p.stem}\n\n"
                              f"`images/{p.name}`\n```\n"
                              for p in sorted((ROOT / "images").glob("*.png")))
+
+
+def _literal_blocks(app, what, name, obj, options, lines):
+    """The docstrings are plain text for help(): an indented block after a paragraph (a table,
+    an example) is shown as written, as if the paragraph ended with ``::``."""
+    for i in range(len(lines) - 1, 1, -1):
+        block = lines[i].startswith("    ") and not lines[i - 1].strip()
+        before = next((line for line in reversed(lines[:i - 1]) if line.strip()), "")
+        if block and before and not before.startswith((" ", "-", "*")) \
+                and not before.rstrip().endswith("::"):
+            lines[i - 1:i - 1] = ["", "::"]
 
 
 def _finish(app, exception):
@@ -105,4 +117,5 @@ def setup(app):
     if not (MATHJAX / "MathJax.js").exists():
         raise RuntimeError(f"no MathJax in {MATHJAX}: run `python slides/vendor.py` first")
     app.connect("source-read", _generated)
+    app.connect("autodoc-process-docstring", _literal_blocks)
     app.connect("build-finished", _finish)

@@ -240,6 +240,23 @@ SLIDE_JS = """() => {
 }"""
 
 
+def _wait_fitted(page, deadline_s=15):
+    """Wait until the template's script has fitted the current slide (data-fit: its images
+    decoded, MathJax done) and the slide's size and scale are the same twice, 0.3 s apart."""
+    probe = """() => { const s = Reveal.getCurrentSlide(), r = s.getBoundingClientRect();
+        return s.dataset.fit === undefined ? null : [s.dataset.fit, s.scrollHeight, r.bottom]; }"""
+    deadline, last = time.monotonic() + deadline_s, None
+    while True:
+        now = page.evaluate(probe)
+        if now is not None and now == last:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"slide {page.evaluate('Reveal.getIndices()')} not fitted within "
+                        f"{deadline_s} s: {now}")
+        last = now
+        time.sleep(0.3)
+
+
 def test_deck_reuses_the_cache_and_steps_through_ten_slides_that_fit(built, open_page,
                                                                       artifacts):
     assert "executing" not in built["deck_log"], "the deck executed the notebook again"
@@ -249,9 +266,7 @@ def test_deck_reuses_the_cache_and_steps_through_ten_slides_that_fit(built, open
     assert bar and bar["height"] <= 10 and bar["width"] > 1000, f"progress bar: {bar}"
     seen = []
     for step in range(10):
-        # fitted: the template's script has measured the slide after MathJax typeset it
-        page.wait_for_function("() => Reveal.getCurrentSlide().dataset.fit !== undefined",
-                               timeout=15_000)
+        _wait_fitted(page)
         state = page.evaluate(SLIDE_JS)
         shot = artifacts / f"deck01_{step:02d}.png"
         page.screenshot(path=shot)
