@@ -7,6 +7,7 @@ from slides/vendor/ (`python slides/vendor.py`); the look is in slides/template/
 
     jupyter nbconvert --config slides/config.py --to slides --output-dir slides notebooks/*.ipynb
 """
+import re
 from pathlib import Path
 
 from jupyter_cache import get_cache
@@ -26,7 +27,7 @@ class CachedExecute(ExecutePreprocessor):
     def preprocess(self, nb, resources=None, km=None):
         cache = get_cache(self.cache_path)
         try:
-            return cache.merge_match_into_notebook(nb)[1], resources
+            return _deck_links(cache.merge_match_into_notebook(nb)[1]), resources
         except KeyError:
             pass
         folder = Path((resources or {}).get("metadata", {}).get("path") or ".").resolve()
@@ -36,7 +37,15 @@ class CachedExecute(ExecutePreprocessor):
         record = cache.add_nb_to_project(str(folder / f"{name}.ipynb"))
         cache.cache_notebook_bundle(CacheBundleIn(nb, record.uri), check_validity=False,
                                     overwrite=True)
-        return nb, resources
+        return _deck_links(nb), resources
+
+
+def _deck_links(nb):
+    """A link to another notebook of notebooks/ opens its deck."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = re.sub(r"\]\((\d\d_\w+)\.ipynb([#)])", r"](\1.slides.html\2", cell.source)
+    return nb
 
 
 c = get_config()  # noqa: F821  (traitlets defines it for configuration files)

@@ -218,19 +218,25 @@ def test_figures_page_shows_every_image(open_page):
     assert len(widths) == len(list((ROOT / "images").glob("*.png"))) and all(widths), widths
 
 
-# The current slide against the deck's viewport: nothing outside it, no code line cut off,
-# every image of the slide loaded.
+# The current slide against the deck's viewport: nothing outside it (what a box that scrolls
+# clips is inside it), no code line cut off, every image of the slide loaded.
 SLIDE_JS = """() => {
   const slide = Reveal.getCurrentSlide();
   const box = document.querySelector('.reveal .slides').getBoundingClientRect();
   const problems = [], r = slide.getBoundingClientRect();
+  const clipped = e => {
+    for (let a = e.parentElement; a && a !== slide; a = a.parentElement)
+      if (getComputedStyle(a).overflowY !== 'visible') return true;
+    return false;
+  };
   if (r.top < box.top - 1 || r.bottom > box.bottom + 1 || r.right > box.right + 1)
     problems.push(`slide ${Math.round(r.top)}..${Math.round(r.bottom)} outside ` +
                   `${Math.round(box.top)}..${Math.round(box.bottom)}`);
   if (slide.scrollHeight > slide.clientHeight + 1) problems.push('slide scrolls');
   for (const e of slide.querySelectorAll('pre, img, table, .jp-OutputArea-output')) {
     const q = e.getBoundingClientRect(), name = e.tagName + '.' + e.className;
-    if (q.bottom > box.bottom + 1 || q.right > box.right + 1) problems.push(`${name} outside`);
+    if (!clipped(e) && (q.bottom > box.bottom + 1 || q.right > box.right + 1))
+      problems.push(`${name} outside`);
     if (getComputedStyle(e).overflowX === 'visible' && e.scrollWidth > e.clientWidth + 1)
       problems.push(`${name} cut: ${e.scrollWidth} > ${e.clientWidth} px`);
     if (e.tagName === 'IMG' && !(e.complete && e.naturalWidth > 0))
