@@ -15,7 +15,7 @@ TORCH_INDEX_ARG = $(shell python3 -c "import sys, urllib.request; \
 	urllib.request.urlopen(sys.argv[1], timeout=3); print('--extra-index-url', sys.argv[1])" \
 	$(TORCH_INDEX) 2>/dev/null)
 
-.PHONY: setup demo test test-lib test-notebooks lint lab labs slides images clean-cluster clean
+.PHONY: setup demo test test-lib test-notebooks lint lab labs site slides images clean-cluster clean
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
@@ -63,8 +63,23 @@ lab: $(STAMP)             ## JupyterLab on the whole course (notebooks and labs)
 labs: $(STAMP)            ## regenerate the student labs from labs/solutions/
 	$(PY) -m course_lib labs build
 
-slides: $(STAMP)          ## a reveal.js deck per notebook, in slides/
-	$(VENV)/bin/jupyter nbconvert --to slides --execute --ExecutePreprocessor.timeout=600 $(KERNEL_ARGS) \
+# The site and the decks share the notebooks' executed outputs (a jupyter-cache in build/): each
+# notebook is executed once, and again only when its code changes. Both work offline: MathJax,
+# reveal.js and require.js are fetched once (pinned, checked) into slides/vendor/.
+SITE_STAMP := $(VENV)/.installed-site
+$(SITE_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[site]'
+	touch $(SITE_STAMP)
+
+# SITE_NOTEBOOKS="notebooks/01_*.ipynb" builds a subset (globs); the default is the whole course
+site: $(SITE_STAMP)       ## the course as a static website, in build/site/ (open index.html)
+	$(PY) slides/vendor.py slides/vendor
+	$(if $(SITE_NOTEBOOKS),SITE_NOTEBOOKS="$(SITE_NOTEBOOKS)") $(VENV)/bin/sphinx-build -q -c site -b html . build/site
+	@echo "the site: $(CURDIR)/build/site/index.html"
+
+slides: $(SITE_STAMP)     ## a reveal.js deck per notebook, in slides/ (outputs shared with make site)
+	$(PY) slides/vendor.py slides/vendor
+	$(VENV)/bin/jupyter nbconvert --config slides/config.py --to slides $(KERNEL_ARGS) \
 		--output-dir slides notebooks/*.ipynb
 
 images: $(STAMP)          ## regenerate the figures in images/
@@ -74,4 +89,4 @@ clean-cluster: $(STAMP)   ## stop clusters left behind by a killed notebook kern
 	$(PY) -m course_lib cluster clean
 
 clean:
-	rm -rf slides/*.html demo_output .pytest_cache
+	rm -rf slides/*.html slides/vendor build/site build/jupyter_cache demo_output .pytest_cache

@@ -1,0 +1,285 @@
+"""`make site` and `make slides`, checked in a real browser with no network.
+
+The site is built from a subset (notebook 01, executed into a fresh jupyter-cache; lab 05; the
+landing page, the API reference and the figures), then the deck of notebook 01 from the same
+cache, which must not execute it again. Every page and the deck are served on 127.0.0.1 and
+opened in headless Chromium (Debian's, driven by Playwright, as in test_browser.py): any request
+to another host, console error or failed load fails the test. Screenshots go to
+$BROWSER_ARTIFACTS (a temporary directory otherwise; its path is printed).
+"""
+
+import functools
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+NOTEBOOK = "notebooks/01_gradient_descent.ipynb"
+LAB = "labs/05_allreduce.ipynb"
+PAGES = ["README.html", "notebooks/01_gradient_descent.html", "labs/05_allreduce.html",
+         "site/api.html", "site/figures.html"]
+DECK = "01_gradient_descent.slides.html"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium: apt-get install -y chromium"),
+]
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="needs Playwright: pip install -c constraints.txt -e '.[dev]'")
+for _module in ("sphinx", "myst_nb", "sphinx_book_theme", "jupyter_cache"):
+    pytest.importorskip(_module, reason="needs the site extra: "
+                        "pip install -c constraints.txt -e '.[site]'")
+
+
+def _run(args, timeout, **kwargs):
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                         **kwargs)
+    assert out.returncode == 0, f"{args}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def artifacts(request, tmp_path_factory):
+    path = Path(os.environ.get("BROWSER_ARTIFACTS") or tmp_path_factory.mktemp("site"))
+    path.mkdir(parents=True, exist_ok=True)
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():  # printed even when output is captured
+            reporter.write_line(f"\nsite tests: screenshots in {path}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def vendor():
+    """reveal.js, require.js and MathJax in slides/vendor (fetched once, then offline)."""
+    out = subprocess.run([sys.executable, "slides/vendor.py", "slides/vendor"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        pytest.skip("could not fetch reveal.js, require.js and MathJax from the npm registry "
+                    f"(python slides/vendor.py): {out.stderr.strip()[-300:]}")
+    return ROOT / "slides" / "vendor"
+
+
+@pytest.fixture(scope="module")
+def built(vendor, tmp_path_factory):
+    """The site's subset and the deck, from one fresh cache."""
+    tmp = tmp_path_factory.mktemp("build")
+    cache, site, slides = tmp / "jupyter_cache", tmp / "site", tmp / "slides"
+    env = dict(os.environ, SITE_NOTEBOOKS=f"{NOTEBOOK} {LAB}",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    _run([sys.executable, "-m", "sphinx", "-q", "-c", "site", "-b", "html",
+          "-D", f"nb_execution_cache_path={cache}", ".", str(site)], timeout=240, env=env)
+    deck = _run([sys.executable, "-m", "jupyter", "nbconvert", "--config", "slides/config.py",
+                 "--to", "slides", f"--CachedExecute.cache_path={cache}", "--output-dir",
+                 str(slides), NOTEBOOK], timeout=120, env=env)
+    (slides / "vendor").symlink_to(vendor, target_is_directory=True)
+    return {"site": site, "slides": slides, "deck_log": deck.stderr}
+
+
+@pytest.fixture(scope="module")
+def server(built, tmp_path_factory):
+    """One HTTP server on 127.0.0.1 for the site (/site/...) and the decks (/slides/...)."""
+    root = tmp_path_factory.mktemp("served")
+    (root / "site").symlink_to(built["site"], target_is_directory=True)
+    (root / "slides").symlink_to(built["slides"], target_is_directory=True)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                            functools.partial(Quiet, directory=str(root)))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser(server):
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def open_page(browser, server):
+    """Open a URL under the server and record what goes wrong: console errors, uncaught
+    exceptions, failed loads and every request to a host other than the server's."""
+    opened = []
+
+    def open_(path, viewport=(1400, 1000)):
+        page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+        page.set_default_timeout(30_000)
+        problems = []
+        local = urlsplit(server).netloc
+        page.on("console", lambda m: m.type == "error" and problems.append(f"console: {m.text}"))
+        page.on("pageerror", lambda e: problems.append(f"exception: {e}"))
+        page.on("response", lambda r: r.status >= 400 and problems.append(f"{r.status} {r.url}"))
+        page.on("requestfailed", lambda r: problems.append(f"failed: {r.url}"))
+        page.on("request", lambda r: urlsplit(r.url).scheme != "data"
+                and urlsplit(r.url).netloc != local and problems.append(f"left: {r.url}"))
+        page.goto(f"{server}/{path}", wait_until="load")
+        page.problems = problems
+        opened.append(page)
+        return page
+
+    yield open_
+    for page in opened:
+        page.close()
+
+
+def _wait_math(page, deadline_s=30):
+    """Wait until MathJax has typeset every formula of the page; returns how many there are."""
+    page.wait_for_function("() => window.MathJax && MathJax.Hub && MathJax.isReady",
+                           timeout=deadline_s * 1000)
+    page.evaluate("() => new Promise(done => MathJax.Hub.Queue(done))")
+    return page.evaluate("""() => [...document.querySelectorAll('span.math, div.math')]
+        .filter(m => m.querySelector('.MathJax_CHTML')).length""")
+
+
+def test_built_html_names_no_external_script_style_or_image(built):
+    pattern = re.compile(r"<(?:script|link|img)\b[^>]*\b(?:src|href)=[\"'](?:https?:)?//", re.I)
+    files = [*built["site"].rglob("*.html"), *built["slides"].glob("*.html")]
+    assert len(files) > len(PAGES)
+    offenders = [str(f.relative_to(f.parents[1])) for f in files if pattern.search(f.read_text())]
+    assert not offenders, f"pages loading scripts, styles or images from another host: {offenders}"
+
+
+@pytest.mark.parametrize("path", ["index.html", *PAGES])
+def test_site_page_loads_offline_without_errors(open_page, artifacts, path):
+    page = open_page(f"site/{path}")
+    page.wait_for_load_state("networkidle", timeout=30_000)
+    page.screenshot(path=artifacts / f"site_{path.replace('/', '_')}.png")
+    assert page.title(), path
+    assert not page.problems, f"{path}: {page.problems}"
+
+
+def test_landing_page_is_the_course_map_and_links_the_notebook(open_page):
+    page = open_page("site/index.html")
+    page.wait_for_url("**/README.html", timeout=10_000)
+    assert page.locator("h2", has_text="Course map").count() == 1
+    link = page.locator("article a[href$='notebooks/01_gradient_descent.html']").first
+    link.click()
+    page.wait_for_url("**/notebooks/01_gradient_descent.html", timeout=10_000)
+    assert not page.problems, page.problems
+
+
+def test_notebook_page_has_its_outputs_math_and_figures(open_page, artifacts):
+    page = open_page("site/notebooks/01_gradient_descent.html")
+    formulas = page.locator("span.math, div.math").count()
+    assert formulas > 10
+    assert _wait_math(page) == formulas, "formulas left untypeset"
+    images = page.evaluate("""() => [...document.querySelectorAll('.cell_output img')]
+        .map(i => i.complete && i.naturalWidth)""")
+    assert len(images) >= 5 and all(images), images  # the notebook's plots, each loaded
+    assert page.locator(".cell_output").count() > 10  # executed: text outputs too
+    figure = page.locator(".cell_output img").first
+    figure.scroll_into_view_if_needed()
+    page.screenshot(path=artifacts / "site_notebook01_figure.png")
+    assert not page.problems, page.problems
+
+
+def test_lab_page_is_the_student_version_unexecuted(open_page):
+    page = open_page("site/labs/05_allreduce.html")
+    assert page.locator(".cell_input").count() > 3
+    assert page.locator(".cell_output").count() == 0
+    assert "raise NotImplementedError" in page.locator("article").inner_text()
+
+
+def test_api_page_documents_every_top_level_module(open_page):
+    page = open_page("site/site/api.html")
+    modules = sorted(p.stem for p in (ROOT / "course_lib").glob("*.py") if p.stem[0] != "_")
+    documented = page.evaluate("""() => [...document.querySelectorAll('dt[id^="course_lib."]')]
+        .map(d => d.id)""")
+    missing = [m for m in modules if not any(d.startswith(f"course_lib.{m}.") for d in documented)]
+    assert not missing, f"modules with no documented function or class: {missing}"
+    assert "course_lib.collectives.ring_allreduce" in documented
+
+
+def test_figures_page_shows_every_image(open_page):
+    page = open_page("site/site/figures.html")
+    page.wait_for_load_state("networkidle", timeout=30_000)
+    widths = page.evaluate("() => [...document.querySelectorAll('article img')]"
+                           ".map(i => i.complete && i.naturalWidth)")
+    assert len(widths) == len(list((ROOT / "images").glob("*.png"))) and all(widths), widths
+
+
+# The current slide against the deck's viewport: nothing outside it (what a box that scrolls
+# clips is inside it), no code line cut off, every image of the slide loaded.
+SLIDE_JS = """() => {
+  const slide = Reveal.getCurrentSlide();
+  const box = document.querySelector('.reveal .slides').getBoundingClientRect();
+  const problems = [], r = slide.getBoundingClientRect();
+  const clipped = e => {
+    for (let a = e.parentElement; a && a !== slide; a = a.parentElement)
+      if (getComputedStyle(a).overflowY !== 'visible') return true;
+    return false;
+  };
+  if (r.top < box.top - 1 || r.bottom > box.bottom + 1 || r.right > box.right + 1)
+    problems.push(`slide ${Math.round(r.top)}..${Math.round(r.bottom)} outside ` +
+                  `${Math.round(box.top)}..${Math.round(box.bottom)}`);
+  if (slide.scrollHeight > slide.clientHeight + 1) problems.push('slide scrolls');
+  for (const e of slide.querySelectorAll('pre, img, table, .jp-OutputArea-output')) {
+    const q = e.getBoundingClientRect(), name = e.tagName + '.' + e.className;
+    if (!clipped(e) && (q.bottom > box.bottom + 1 || q.right > box.right + 1))
+      problems.push(`${name} outside`);
+    if (getComputedStyle(e).overflowX === 'visible' && e.scrollWidth > e.clientWidth + 1)
+      problems.push(`${name} cut: ${e.scrollWidth} > ${e.clientWidth} px`);
+    if (e.tagName === 'IMG' && !(e.complete && e.naturalWidth > 0))
+      problems.push('image not loaded');
+  }
+  return {index: Reveal.getIndices(), problems};
+}"""
+
+
+def _wait_fitted(page, deadline_s=15):
+    """Wait until the template's script has fitted the current slide (data-fit: its images
+    decoded, MathJax done) and the slide's size and scale are the same twice, 0.3 s apart."""
+    probe = """() => { const s = Reveal.getCurrentSlide(), r = s.getBoundingClientRect();
+        return s.dataset.fit === undefined ? null : [s.dataset.fit, s.scrollHeight, r.bottom]; }"""
+    deadline, last = time.monotonic() + deadline_s, None
+    while True:
+        now = page.evaluate(probe)
+        if now is not None and now == last:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"slide {page.evaluate('Reveal.getIndices()')} not fitted within "
+                        f"{deadline_s} s: {now}")
+        last = now
+        time.sleep(0.3)
+
+
+def test_deck_reuses_the_cache_and_steps_through_ten_slides_that_fit(built, open_page,
+                                                                      artifacts):
+    assert "executing" not in built["deck_log"], "the deck executed the notebook again"
+    page = open_page(f"slides/{DECK}", viewport=(1280, 800))
+    page.wait_for_function("() => window.Reveal && Reveal.isReady()", timeout=30_000)
+    bar = page.locator(".reveal .progress").bounding_box()
+    assert bar and bar["height"] <= 10 and bar["width"] > 1000, f"progress bar: {bar}"
+    seen = []
+    for step in range(10):
+        _wait_fitted(page)
+        state = page.evaluate(SLIDE_JS)
+        shot = artifacts / f"deck01_{step:02d}.png"
+        page.screenshot(path=shot)
+        assert not state["problems"], f"step {step} {state['index']} ({shot}): {state['problems']}"
+        seen.append((state["index"]["h"], state["index"]["v"], state["index"].get("f")))
+        page.evaluate("() => Reveal.next()")
+        time.sleep(0.05)
+    assert len(set(seen)) == 10, f"Reveal.next() did not move on every step: {seen}"
+    assert page.locator(".reveal .slides section .MathJax_CHTML").count() > 0
+    assert not page.problems, page.problems
