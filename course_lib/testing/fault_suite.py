@@ -176,7 +176,11 @@ class _Watch(threading.Thread):
             for c in conns:
                 if c.pid in pids and c.status == psutil.CONN_LISTEN and \
                         c.laddr.ip not in ("127.0.0.1", "::1"):
-                    where = f"pid {c.pid} on {c.laddr.ip}:{c.laddr.port}"
+                    try:
+                        name = " ".join(psutil.Process(c.pid).cmdline()[:3])[-60:]
+                    except psutil.Error:
+                        name = "gone"
+                    where = f"pid {c.pid} ({name}) on {c.laddr.ip}:{c.laddr.port}"
                     mpich = c.laddr.ip == "0.0.0.0" and \
                         environs.get(c.pid, {}).get("PMI_RANK") not in (None, "0")
                     (self.known if mpich else self.exposed).add(where)
@@ -291,6 +295,8 @@ def format_row(row):
     said = row.broken or row.error
     if row.left:
         said = f"left behind: {row.left[0]} ... " + said
+    if row.exposed:
+        said = f"listening: {row.exposed[0]} ... " + said
     if row.usable is False:
         said = "the cluster did not answer the next call; " + said
     if row.known and row.passed:
