@@ -307,11 +307,17 @@ class TorchComm(Comm):
                 start, req.end = netem.send_stamp(self.link, nbytes(t))
                 stamp = round(start * 1e9)
             size = torch.tensor([nbytes(t), stamp], dtype=torch.int64)
-            req.header = (self.dist.isend(size, dst, group=self.group, tag=tag + HEADER_TAG),
-                          size)
-        req.handle = None if t.numel() == 0 else self.dist.isend(t, dst, group=self.group,
-                                                                 tag=tag)
+            req.header = (self._start(req, self.dist.isend, size, tag + HEADER_TAG), size)
+        req.handle = None if t.numel() == 0 else self._start(req, self.dist.isend, t, tag)
         return req
+
+    def _start(self, req, post, t, tag):
+        """Post one isend/irecv of ``req``: Gloo raises at once when the peer's connection is
+        already gone (a crashed process), which becomes a CommError naming both ranks."""
+        try:
+            return post(t, req.peer, group=self.group, tag=tag)
+        except RuntimeError as e:
+            raise CommError(f"{req._what()} failed: {str(e).splitlines()[0]}") from e
 
     def irecv(self, buf, src, tag=0, check_size=None, _op="irecv"):
         src = self._peer(src, _op)
@@ -320,12 +326,11 @@ class TorchComm(Comm):
         if req.checked or self.link is not None:
             import torch
             size = torch.zeros(2, dtype=torch.int64)
-            req.header = (self.dist.irecv(size, src, group=self.group, tag=tag + HEADER_TAG),
-                          size)
+            req.header = (self._start(req, self.dist.irecv, size, tag + HEADER_TAG), size)
         # checked: the data is received once its size is known to fit (``_post``); else it
         # is received at once (on an emulated link, side by side with its stamp)
         if not req.checked and t.numel():
-            req.handle = self.dist.irecv(t, src, group=self.group, tag=tag)
+            req.handle = self._start(req, self.dist.irecv, t, tag)
         return self._queue(req)
 
     def _post(self, req, deadline):

@@ -299,6 +299,13 @@ def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=
             raise PipelineError(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} "
                                 f"from stage {peer} failed: {e}") from e
 
+    def send(buf, peer, tag, what, m):
+        try:  # posting fails at once when the peer's process is already gone
+            return comm.isend(buf, peer, tag=tag, check_size=False)
+        except CommError as e:
+            raise PipelineError(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} "
+                                f"to stage {peer} failed: {e}") from e
+
     for op, m in order:
         if op == "F":
             if first:
@@ -329,8 +336,8 @@ def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=
                 header = torch.zeros(8, dtype=torch.int64)
                 header[0], header[7] = act.dim(), DTYPES.index(act.dtype)
                 header[1:1 + act.dim()] = torch.tensor(act.shape)
-                sends += [comm.isend(header, stage + 1, tag=TAG_SHAPE, check_size=False),
-                          comm.isend(act, stage + 1, tag=TAG_ACTIVATION, check_size=False)]
+                sends += [send(header, stage + 1, TAG_SHAPE, "shape", m),
+                          send(act, stage + 1, TAG_ACTIVATION, "activation", m)]
         else:
             out = outputs.pop(m)
             if last:
@@ -343,8 +350,7 @@ def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=
             inp = inputs.pop(m)
             live, live_bytes = live - 1, live_bytes - saved.pop(m)
             if not first:
-                sends.append(comm.isend(inp.grad.contiguous(), stage - 1, tag=TAG_GRADIENT,
-                                        check_size=False))
+                sends.append(send(inp.grad.contiguous(), stage - 1, TAG_GRADIENT, "gradient", m))
     try:
         wait_all(sends, timeout)
     except CommError as e:
