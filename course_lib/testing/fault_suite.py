@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MARK = "COURSE_LIB_FAULT_SCENARIO"
+MPICH_LAUNCHERS = ("mpiexec", "mpiexec.hydra", "hydra_pmi_proxy")
 GRACE = 3.0  # seconds an error may arrive after its deadline
 CLUSTER_SIZE = 3  # a server and two workers for the parameter server's scenarios
 
@@ -156,8 +157,9 @@ def _marked(token, environs=None):
 
 class _Watch(threading.Thread):
     """Samples, every 0.1 s, the listening sockets of this process and of marked ones. MPICH
-    (5.0) listens on 0.0.0.0 in every rank but 0 whatever its transports are told
-    (``launch.MPI_LOOPBACK`` moves everything else to loopback): reported apart, not failed."""
+    (5.0) listens on 0.0.0.0 in every rank but 0, and its launcher for a moment at start (the
+    port its proxies call back on), whatever its transports are told (``launch.MPI_LOOPBACK``
+    moves everything else to loopback): reported apart, not failed."""
 
     def __init__(self, token):
         super().__init__(daemon=True)
@@ -177,12 +179,13 @@ class _Watch(threading.Thread):
                 if c.pid in pids and c.status == psutil.CONN_LISTEN and \
                         c.laddr.ip not in ("127.0.0.1", "::1"):
                     try:
-                        name = " ".join(psutil.Process(c.pid).cmdline()[:3])[-60:]
+                        name = psutil.Process(c.pid).name()
                     except psutil.Error:
                         name = "gone"
                     where = f"pid {c.pid} ({name}) on {c.laddr.ip}:{c.laddr.port}"
-                    mpich = c.laddr.ip == "0.0.0.0" and \
+                    mpich = c.laddr.ip == "0.0.0.0" and (
                         environs.get(c.pid, {}).get("PMI_RANK") not in (None, "0")
+                        or name in MPICH_LAUNCHERS)
                     (self.known if mpich else self.exposed).add(where)
 
 
