@@ -110,7 +110,8 @@ def _finish(app, exception):
         out = Path(app.outdir)
         shutil.copytree(MATHJAX, out / "_static" / "mathjax", dirs_exist_ok=True)
         (out / "index.html").write_text('<!DOCTYPE html><meta http-equiv="refresh" '
-                                        'content="0; url=README.html">\n')
+                                        'content="0; url=README.html">'
+                                        '<link rel="icon" href="_static/favicon.svg">\n')
 
 
 def setup(app):

@@ -7,6 +7,9 @@ and rebuilt only when a test has stopped it; a broken process group or a killed 
 repaired by the cluster itself on its next ``run``.
 """
 
+import os
+from pathlib import Path
+
 import pytest
 
 from course_lib.cluster import start_cluster
@@ -44,3 +47,35 @@ def _stop_clusters():
     yield
     for cluster in _CLUSTERS.values():
         cluster.stop()
+
+
+
+@pytest.fixture(scope="module")
+def artifacts(request, tmp_path_factory):
+    """Where a browser test module saves its screenshots: $BROWSER_ARTIFACTS, else a temporary
+    folder; its path is printed even when pytest captures output. A module says what it saves
+    with ``ARTIFACTS = (folder name, what)``."""
+    name, what = getattr(request.module, "ARTIFACTS", ("browser", "screenshots"))
+    path = Path(os.environ.get("BROWSER_ARTIFACTS") or tmp_path_factory.mktemp(name))
+    path.mkdir(parents=True, exist_ok=True)
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(f"\n{what} in {path}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """Debian's Chromium driven by Playwright, for the module (browser test modules skip first
+    where either is missing)."""
+    import shutil
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=shutil.which("chromium") or shutil.which("chromium-browser"))
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -26,6 +26,9 @@ TOKEN = "course-browser-test"
 WELCOME = "notebooks/00_welcome_and_cluster.ipynb"
 LAB05 = "labs/05_allreduce.ipynb"
 
+# where the artifacts fixture (tests/conftest.py) saves, and what
+ARTIFACTS = ("browser", "browser tests: screenshots and JupyterLab log")
+
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium: apt-get install -y chromium"),
@@ -84,18 +87,6 @@ def _stop(proc, timeout=30):
 
 
 @pytest.fixture(scope="module")
-def artifacts(request, tmp_path_factory):
-    path = Path(os.environ.get("BROWSER_ARTIFACTS") or tmp_path_factory.mktemp("browser"))
-    path.mkdir(parents=True, exist_ok=True)
-    plugins = request.config.pluginmanager
-    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():  # printed even when output is captured
-            reporter.write_line(f"\nbrowser tests: screenshots and JupyterLab log in {path}")
-    return path
-
-
-@pytest.fixture(scope="module")
 def lab(artifacts, tmp_path_factory):
     """`make lab` as the README starts it, on a free port with a known token and no browser."""
     home = tmp_path_factory.mktemp("jupyterlab")
@@ -131,13 +122,8 @@ def lab(artifacts, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser(lab):
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM)
-        try:
-            yield browser
-        finally:
-            browser.close()
+def browser(lab, chromium):  # once lab is up
+    return chromium
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,9 @@ PAGES = ["README.html", "notebooks/01_gradient_descent.html", "labs/05_allreduce
          "site/api.html", "site/figures.html"]
 DECK = "01_gradient_descent.slides.html"
 
+# where the artifacts fixture (tests/conftest.py) saves, and what
+ARTIFACTS = ("site", "site tests: screenshots")
+
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium: apt-get install -y chromium"),
@@ -46,18 +49,6 @@ def _run(args, timeout, **kwargs):
                          **kwargs)
     assert out.returncode == 0, f"{args}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
-
-
-@pytest.fixture(scope="module")
-def artifacts(request, tmp_path_factory):
-    path = Path(os.environ.get("BROWSER_ARTIFACTS") or tmp_path_factory.mktemp("site"))
-    path.mkdir(parents=True, exist_ok=True)
-    plugins = request.config.pluginmanager
-    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():  # printed even when output is captured
-            reporter.write_line(f"\nsite tests: screenshots in {path}")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +97,8 @@ def server(built, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser(server):
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM)
-        try:
-            yield browser
-        finally:
-            browser.close()
+def browser(server, chromium):  # once server is up
+    return chromium
 
 
 @pytest.fixture
@@ -129,7 +115,10 @@ def open_page(browser, server):
         page.on("console", lambda m: m.type == "error" and problems.append(f"console: {m.text}"))
         page.on("pageerror", lambda e: problems.append(f"exception: {e}"))
         page.on("response", lambda r: r.status >= 400 and problems.append(f"{r.status} {r.url}"))
-        page.on("requestfailed", lambda r: problems.append(f"failed: {r.url}"))
+        # (a load aborted because the page moved on, as index.html's redirect does, is not a
+        # missing file: that one answers 404, caught above)
+        page.on("requestfailed", lambda r: r.failure != "net::ERR_ABORTED"
+                and problems.append(f"failed: {r.url} ({r.failure})"))
         page.on("request", lambda r: urlsplit(r.url).scheme != "data"
                 and urlsplit(r.url).netloc != local and problems.append(f"left: {r.url}"))
         page.goto(f"{server}/{path}", wait_until="load")
@@ -172,9 +161,12 @@ def test_landing_page_is_the_course_map_and_links_the_notebook(open_page):
     page = open_page("site/index.html")
     page.wait_for_url("**/README.html", timeout=10_000)
     assert page.locator("h2", has_text="Course map").count() == 1
+    _wait_math(page)  # the course map's formulas: their fonts load before we leave the page
+    page.wait_for_load_state("networkidle", timeout=30_000)
     link = page.locator("article a[href$='notebooks/01_gradient_descent.html']").first
     link.click()
     page.wait_for_url("**/notebooks/01_gradient_descent.html", timeout=10_000)
+    page.wait_for_load_state("networkidle", timeout=30_000)
     assert not page.problems, page.problems
 
 
