@@ -151,6 +151,9 @@ def save(state, directory, step, keep=3):
     """``state`` as ``directory/step-{step:08d}.pt`` (atomic, checksummed), then the ``latest``
     pointer (atomic too), then all but the ``keep`` newest checkpoints removed. Returns the path.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
+    if not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an integer >= 1 (the newest checkpoints kept), got "
+                         f"{keep!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     remove_orphans(directory)

@@ -158,6 +158,10 @@ def supervise(cluster, directory, steps=40, checkpoint_every=5, faults=(), max_r
     and resume from the last checkpoint, at most ``max_restarts`` times.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     from course_lib.cluster import ClusterTimeout, EngineDied
+    from course_lib.gd import check_count
+    check_count("steps", steps)
+    check_count("checkpoint_every", checkpoint_every)
+    check_count("max_restarts", max_restarts, least=0)
     failures = []
     for attempt in range(max_restarts + 1):
         try:

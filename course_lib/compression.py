@@ -230,7 +230,7 @@ def make_compressor(name, ratio=0.01, error_feedback=True, exchange=None,
 
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     if name not in SCHEMES:
-        raise ValueError(f"unknown compression {name!r}; choose one of {tuple(SCHEMES)}")
+        raise ValueError(f"name (the compression) must be one of {tuple(SCHEMES)}, not {name!r}")
     if name == "topk":
         return TopK(ratio, error_feedback, exchange, timeout)
     return SCHEMES[name](timeout)

@@ -192,6 +192,10 @@ class DistributedDataParallel(torch.nn.Module):
                  find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT,
                  first_bucket_mb=FIRST_BUCKET_MB, broadcast_buffers=True):
         super().__init__()
+        for value, allowed, name in [(strategy, STRATEGIES, "strategy"),
+                                     (algorithm, ALGORITHMS, "algorithm")]:
+            if value not in allowed:  # before any process group is needed
+                raise ValueError(f"{name} must be one of {allowed}, not {value!r}")
         self.module, self.timeline, self.timeout = module, timeline, timeout
         broadcast_parameters(module, timeout=timeout)  # the ranks agree on every size here
         self.broadcast_buffers, self._sync_buffers_next = broadcast_buffers, True

@@ -80,7 +80,7 @@ def test_bytes_formulas():
     assert compression.FP16().step_bytes(1000, 4, 2) == 2000
     with pytest.raises(ValueError, match="ratio"):
         compression.TopK(0.0)
-    with pytest.raises(ValueError, match="unknown compression"):
+    with pytest.raises(ValueError, match="name \\(the compression\\) must be one of"):
         compression.make_compressor("int8")
 
 

@@ -433,7 +433,27 @@ def disk_full_during_save(ctx):
 # ---------------------------------------------------------------- 11-12: input, exposure
 def _bad_calls():
     """(what a student calls, the argument the error must name), none of them valid."""
-    from course_lib import collectives, data, gd, hogwild, hpsearch, netem, pipeline, ps, zero
+    import tempfile
+
+    import torch
+
+    from course_lib import (
+        checkpoint,
+        chief,
+        collectives,
+        compression,
+        data,
+        ddp,
+        gd,
+        hogwild,
+        hpsearch,
+        large_batch,
+        local_sgd,
+        netem,
+        pipeline,
+        ps,
+        zero,
+    )
     from course_lib.cluster import start_cluster
     return [
         (lambda: start_cluster(n=0), "n"),
@@ -450,6 +470,15 @@ def _bad_calls():
         (lambda: pipeline.bubble_fraction(0, 4), "num_stages"),
         (lambda: zero.zero_memory(1000, 4, stage=5), "stage"),
         (lambda: hpsearch.random_search(None, num_configs=0), "num_configs"),
+        (lambda: compression.make_compressor("zip"), "name"),
+        (lambda: compression.make_compressor("topk", ratio=0), "ratio"),
+        (lambda: large_batch.train_and_test(0, "constant"), "batch_size"),
+        (lambda: checkpoint.save({}, tempfile.mkdtemp(), 1, keep=0), "keep"),
+        (lambda: chief.supervise(None, tempfile.mkdtemp(), steps=0), "steps"),
+        (lambda: local_sgd.run_local_sgd(None, sync_every=0), "sync_every"),
+        (lambda: ddp.DistributedDataParallel(torch.nn.Linear(2, 2), "fastest"), "strategy"),
+        (lambda: gd.minibatch_sgd(*_linear(), lr=0.1, num_epochs=1, batch_size=0),
+         "batch_size"),
     ]
 
 
