@@ -217,7 +217,8 @@ def start_cluster(machines, per_host=1, timeout=60, pg_timeout=30):
     host). Its controller listens on this machine's address on the switch (``gateway``), as on
     a cluster's login node; each engine starts on its host and connects to it; the process
     group meets over TCP at rank 0's host (one machine uses a file). Stop it before the hosts
-    go. Introduced in notebooks/12_scaling_out.ipynb."""
+    go. Its engines are not ipyparallel's to restart: after one dies, start a new cluster.
+    Introduced in notebooks/12_scaling_out.ipynb."""
     import tempfile
     import uuid
 
