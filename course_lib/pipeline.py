@@ -27,7 +27,6 @@ from torch import nn
 
 from course_lib.comm import CommError, wait_all
 from course_lib.data import shard_bounds
-from course_lib.gd import check_count
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 TAG_SHAPE, TAG_ACTIVATION, TAG_GRADIENT = 90, 91, 92
@@ -45,8 +44,9 @@ def bubble_fraction(num_stages, num_microbatches, virtual_stages=1):
 
     Introduced in notebooks/09_model_parallelism.ipynb."""
     for name, value in [("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                        ("virtual_stages", virtual_stages)]:
-        check_count(name, value)
+                        ("virtual_stages", virtual_stages)]:  # M may be real: a curve's x
+        if not value >= 1:
+            raise ValueError(f"{name} must be >= 1, got {value!r}")
     return (num_stages - 1) / (virtual_stages * num_microbatches + num_stages - 1)
 
 
