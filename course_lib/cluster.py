@@ -46,6 +46,7 @@ from course_lib.launch import (
     PROFILE,
     clean_clusters,
     mpiexec_path,
+    process_status,
     slurm_config,
     start_watchdog,
     stop_and_reap,
@@ -214,11 +215,14 @@ class Cluster:
         return dead
 
     def _dead_ranks(self):
-        import psutil
-        return [r for r, pid in enumerate(self.pids)
-                if self.probes[r]["host"] == socket.gethostname()
-                and (not psutil.pid_exists(pid)
-                     or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)]
+        return self._ranks_in_state(range(self.n), (None, "zombie"))
+
+    def _ranks_in_state(self, ranks, states):
+        """Those of ``ranks`` whose engine runs on this host with a process status in ``states``
+        (psutil's names; None: gone). Engines on other hosts are watched by the controller."""
+        here = socket.gethostname()
+        return [r for r in ranks
+                if self.probes[r]["host"] == here and process_status(self.pids[r]) in states]
 
     def _pending(self, ar):
         return [r for r, m in enumerate(ar.msg_ids) if m in self.client.outstanding]
@@ -298,7 +302,7 @@ class Cluster:
         if ranks:
             self.client.send_signal(signal.SIGINT, targets=[self.engine_ids[r] for r in ranks],
                                     block=False)
-        frozen = self._stopped_ranks(ranks)  # SIGSTOPped: alive, but no signal handler runs
+        frozen = self._ranks_in_state(ranks, ("stopped", "tracing-stop"))  # alive, no handler runs
         deadline = time.monotonic() + grace
         while set(self._pending(ar)) - set(frozen) and time.monotonic() < deadline:
             ar.wait(0.05)
@@ -308,20 +312,6 @@ class Cluster:
                 self.client.send_signal(signal.SIGKILL, targets=[self.engine_ids[r]], block=False)
         self._broken = "engines" if (stuck or engines_dead) else "pg"
         return stuck
-
-    def _stopped_ranks(self, ranks):
-        """Those of ``ranks`` whose engine on this host is stopped (SIGSTOP, a debugger)."""
-        import psutil
-        frozen = []
-        for r in ranks:
-            try:
-                if self.probes[r]["host"] == socket.gethostname() and psutil.Process(
-                        self.pids[r]).status() in (psutil.STATUS_STOPPED,
-                                                   psutil.STATUS_TRACING_STOP):
-                    frozen.append(r)
-            except psutil.Error:
-                pass
-        return frozen
 
     # -- the end
     @property

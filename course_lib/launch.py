@@ -69,10 +69,24 @@ def _owner(cluster_id):
 
 def _owner_alive(cluster_id):
     owner = _owner(cluster_id)
-    if not owner.isdigit():
-        return False
+    return owner.isdigit() and alive(int(owner))
+
+
+def process_status(pid):
+    """psutil's status of ``pid`` on this machine ("running", "sleeping", "stopped",
+    "zombie", ...), or None once it is gone.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     import psutil
-    return psutil.pid_exists(int(owner))
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return None
+
+
+def alive(pid):
+    """True while ``pid`` runs here (a zombie has ended: it only waits for its parent).
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    return process_status(pid) not in (None, "zombie")
 
 
 def clean_clusters(all=False, shared_by=None):
@@ -115,16 +129,8 @@ def start_watchdog(owner, cluster_file, poll=0.5):
 def watch_owner(owner, cluster_file, poll=0.5):
     """The watchdog's loop (see :func:`start_watchdog`).
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    import psutil
-
-    def alive():
-        try:
-            return psutil.Process(owner).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
     while os.path.exists(cluster_file):
-        if not alive():
+        if not alive(owner):
             clean_clusters()  # the clusters of every owner that is gone, this one among them
             return
         time.sleep(poll)

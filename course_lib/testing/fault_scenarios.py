@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from course_lib import launch
 from course_lib.testing.fault_suite import Broken, check, expect_error, scenario
 
 SHORT = 2.0  # the deadline of the scenarios' distributed waits, in seconds
@@ -124,12 +125,11 @@ def p2p_size_mismatch_gloo(ctx):
 
 @scenario("p2p-size-mismatch-mpi", "the same under mpiexec, over MPI", SHORT, needs="mpi")
 def p2p_size_mismatch_mpi(ctx):
-    from course_lib.launch import run_ranks
     script = ("import json; from course_lib.testing.comm import p2p_size_mismatch\n"
               "r = p2p_size_mismatch('mpi', timeout=2.0)\n"
               "print('REPORT', json.dumps(r)) if isinstance(r, list) else None\n")
     start = time.monotonic()
-    out = run_ranks("mpiexec", 2, ["-c", script], timeout=60)
+    out = launch.run_ranks("mpiexec", 2, ["-c", script], timeout=60)
     line = next(x for x in out.splitlines() if x.startswith("REPORT"))
     return time.monotonic() - start, _mismatch_seen(json.loads(line[7:]))
 
@@ -232,9 +232,7 @@ def _killed_kernel(kill_watchdog):
 
 
 def _alive(pids):
-    import psutil
-    return [p for p in pids if psutil.pid_exists(p)
-            and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    return [p for p in pids if launch.alive(p)]
 
 
 @scenario("kernel-killed", "a notebook kernel killed with a cluster running: its watchdog "

@@ -18,6 +18,7 @@ its own temporary folder and mark), and each ends by checking that the cluster s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -168,9 +169,16 @@ class _Watch(threading.Thread):
 
     def run(self):
         import psutil
+        # pid -> (name, environment), read while it lives: it may be gone when its socket is seen
+        seen = {os.getpid(): (psutil.Process().name(), dict(os.environ))}
         while not self.done.wait(0.1):
             environs = {}
-            pids = {os.getpid(), *(p.pid for p in _marked(self.token, environs))}
+            marked = _marked(self.token, environs)
+            for p in marked:
+                if p.pid not in seen:
+                    with contextlib.suppress(psutil.Error):
+                        seen[p.pid] = (p.name(), environs[p.pid])
+            pids = {os.getpid(), *(p.pid for p in marked)}
             try:
                 conns = psutil.net_connections("inet")
             except psutil.Error:
@@ -178,14 +186,10 @@ class _Watch(threading.Thread):
             for c in conns:
                 if c.pid in pids and c.status == psutil.CONN_LISTEN and \
                         c.laddr.ip not in ("127.0.0.1", "::1"):
-                    try:
-                        name = psutil.Process(c.pid).name()
-                    except psutil.Error:
-                        name = "gone"
+                    name, env = seen.get(c.pid, ("gone", {}))
                     where = f"pid {c.pid} ({name}) on {c.laddr.ip}:{c.laddr.port}"
                     mpich = c.laddr.ip == "0.0.0.0" and (
-                        environs.get(c.pid, {}).get("PMI_RANK") not in (None, "0")
-                        or name in MPICH_LAUNCHERS)
+                        env.get("PMI_RANK") not in (None, "0") or name in MPICH_LAUNCHERS)
                     (self.known if mpich else self.exposed).add(where)
 
 
