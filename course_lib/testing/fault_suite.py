@@ -164,33 +164,37 @@ class _Watch(threading.Thread):
 
     def __init__(self, token):
         super().__init__(daemon=True)
-        self.token, self.exposed, self.known = token, set(), set()
+        self.token, self.listeners = token, set()  # (pid, ip, port)
+        self.seen = {}  # pid -> (name, environment) at its latest sample
         self.done = threading.Event()
 
     def run(self):
         import psutil
-        # pid -> (name, environment), read while it lives: it may be gone when its socket is seen
-        seen = {os.getpid(): (psutil.Process().name(), dict(os.environ))}
+        self.seen[os.getpid()] = (psutil.Process().name(), dict(os.environ))
         while not self.done.wait(0.1):
             environs = {}
             marked = _marked(self.token, environs)
-            for p in marked:
-                if p.pid not in seen:
-                    with contextlib.suppress(psutil.Error):
-                        seen[p.pid] = (p.name(), environs[p.pid])
+            for p in marked:  # latest wins: a process sampled between fork and exec is updated
+                with contextlib.suppress(psutil.Error):
+                    self.seen[p.pid] = (p.name(), environs[p.pid])
             pids = {os.getpid(), *(p.pid for p in marked)}
             try:
                 conns = psutil.net_connections("inet")
             except psutil.Error:
                 continue
-            for c in conns:
-                if c.pid in pids and c.status == psutil.CONN_LISTEN and \
-                        c.laddr.ip not in ("127.0.0.1", "::1"):
-                    name, env = seen.get(c.pid, ("gone", {}))
-                    where = f"pid {c.pid} ({name}) on {c.laddr.ip}:{c.laddr.port}"
-                    mpich = c.laddr.ip == "0.0.0.0" and (
-                        env.get("PMI_RANK") not in (None, "0") or name in MPICH_LAUNCHERS)
-                    (self.known if mpich else self.exposed).add(where)
+            self.listeners |= {(c.pid, c.laddr.ip, c.laddr.port) for c in conns
+                               if c.pid in pids and c.status == psutil.CONN_LISTEN
+                               and c.laddr.ip not in ("127.0.0.1", "::1")}
+
+    def judged(self):
+        """(exposed, known): each listener named, judged by what its process last showed."""
+        exposed, known = [], []
+        for pid, ip, port in sorted(self.listeners):
+            name, env = self.seen.get(pid, ("gone", {}))
+            mpich = ip == "0.0.0.0" and (env.get("PMI_RANK") not in (None, "0")
+                                         or name in MPICH_LAUNCHERS)
+            (known if mpich else exposed).append(f"pid {pid} ({name}) on {ip}:{port}")
+        return exposed, known
 
 
 def run_one(sc, ctx):
@@ -218,7 +222,7 @@ def run_one(sc, ctx):
         watch.done.set()
         watch.join()
         os.environ.pop(MARK, None)
-    row.exposed, row.known = sorted(watch.exposed), sorted(watch.known)
+    row.exposed, row.known = watch.judged()
     row.left = _left_behind(token, ctx)
     shutil.rmtree(ctx.tmp, ignore_errors=True)
     return row
