@@ -9,6 +9,22 @@ import pytest
 
 from course_lib.cluster import SHARED_ENV
 
+# The longest units of a whole run (a notebook or a test file; measured with --junitxml), started
+# first so that no pytest worker is left alone with one at the end
+LONGEST_FIRST = ("tests/test_faults.py", "notebooks/12_scaling_out.ipynb", "tests/test_browser.py",
+                 "notebooks/11_fault_tolerance.ipynb", "tests/test_cli.py", "tests/test_train.py",
+                 "notebooks/05_allreduce.ipynb", "tests/test_bench_allreduce.py",
+                 "tests/test_chief.py", "tests/test_site.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+
+    def rank(item):
+        where = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        return LONGEST_FIRST.index(where) if where in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: every file keeps its order inside
+
 
 def _is_notebook(item):
     return item.path.suffix == ".ipynb"

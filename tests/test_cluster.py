@@ -119,17 +119,22 @@ def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
               "print(json.dumps([c.shared, c.run(allreduce_ranks),"
               " [i['pid'] for i in c.run(engine_info)]]))\n"
               "c.stop()\n")
-    env = dict(os.environ, **{C.SHARED_ENV: str(os.getpid())})
-    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                           text=True, timeout=120) for _ in range(2)]
-    from course_lib.launch import clean_clusters
-    stopped = clean_clusters(shared_by=os.getpid())
+    # the owner: a process of its own, not this pytest worker, whose notebooks share theirs
+    owner = subprocess.Popen(["sleep", "300"])
+    env = dict(os.environ, **{C.SHARED_ENV: str(owner.pid)})
+    try:
+        runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                               text=True, timeout=120) for _ in range(2)]
+        from course_lib.launch import clean_clusters
+        stopped = clean_clusters(shared_by=owner.pid)
+    finally:
+        owner.kill()
+        owner.wait()
     first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert first == second and first[:2] == [True, [1.0, 1.0]], (first, second)
-    assert stopped == [f"{os.getpid()}-shared-local-2-1"]
-    alive = [p for p in first[2] if psutil.pid_exists(p)
-             and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert alive == []
+    assert stopped == [f"{owner.pid}-shared-local-2-1"]
+    from course_lib.launch import alive
+    assert [p for p in first[2] if alive(p)] == []
     assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
 
 
