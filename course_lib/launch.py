@@ -104,16 +104,45 @@ def clean_clusters(all=False, shared_by=None):
         clusters = manager.load_clusters(profile=PROFILE)
     except Exception:  # noqa: BLE001 - no profile yet: nothing to clean
         return stopped
+    def doomed(cluster_id):
+        return (all or not _owner_alive(cluster_id)
+                or cluster_id.startswith(f"{shared_by}-shared-"))
+
     for c in clusters.values():
-        shared = c.cluster_id.startswith(f"{shared_by}-shared-")
-        if all or not _owner_alive(c.cluster_id) or shared:
+        if doomed(c.cluster_id):
             try:
                 stop_and_reap(c)
             except Exception:  # noqa: BLE001 - already half gone: remove what is left
                 pass
             c.remove_cluster_file()
             stopped.append(c.cluster_id)
+    # processes whose cluster file is gone (removed while they ran) are found by their
+    # environment; the files above went first so that a cluster is stopped the usual way
+    for cluster_id, pids in cluster_processes(doomed).items():
+        kill_tree(pids)
+        stopped += [] if cluster_id in stopped else [cluster_id]
     return stopped
+
+
+def cluster_processes(select=lambda cluster_id: True):
+    """{cluster id: pids} of this machine's processes of the course's clusters whose id
+    ``select`` accepts, found by the ``IPP_CLUSTER_ID`` and ``IPP_PROFILE_DIR`` that
+    ipyparallel puts in the environment of every controller and engine it starts (and that
+    their children inherit). Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    import psutil
+    found = {}
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():  # code on an engine may clean up too: never itself
+            continue
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):  # another user's, or gone meanwhile
+            continue
+        cluster_id = env.get("IPP_CLUSTER_ID", "")
+        profile = os.path.basename(env.get("IPP_PROFILE_DIR", "").rstrip("/"))
+        if cluster_id and profile == f"profile_{PROFILE}" and select(cluster_id):
+            found.setdefault(cluster_id, []).append(proc.pid)
+    return found
 def start_watchdog(owner, cluster_file, poll=0.5):
     """Start a small process that stops the cluster of ``cluster_file`` once ``owner`` (the
     pid that started it: a notebook kernel, a test session) is gone without stopping it:

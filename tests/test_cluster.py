@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import ipyparallel as ipp
 import psutil
 import pytest
 
@@ -111,8 +112,8 @@ def test_stop_leaves_no_process_behind(capfd):
 
 def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
     """With SHARED_ENV (set by an nbval session) a second kernel's start_cluster gets the same
-    engines, with a fresh process group; the session's clean stops them, nothing is left, and
-    the session's other clusters (ids "{pid}-{hex}") live on."""
+    engines, with a fresh process group; the session's clean stops them, nothing is left (even
+    once their cluster file is gone), and the session's other clusters ("{pid}-{hex}") live on."""
     script = ("import json\n"
               "from course_lib.cluster import start_cluster, engine_info, allreduce_ranks\n"
               "c = start_cluster(n=2)\n"
@@ -125,16 +126,21 @@ def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
     try:
         runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                                text=True, timeout=120) for _ in range(2)]
-        from course_lib.launch import clean_clusters
+        from course_lib.launch import clean_clusters, cluster_processes
+        kept = f"{owner.pid}-shared-local-2-1"
+        # a kept cluster whose file went away while it ran is still found, by its processes
+        assert len(cluster_processes(lambda found: found == kept).get(kept, [])) >= 3
+        os.remove(ipp.Cluster(profile=C.PROFILE, cluster_id=kept).cluster_file)
         stopped = clean_clusters(shared_by=owner.pid)
     finally:
         owner.kill()
         owner.wait()
     first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert first == second and first[:2] == [True, [1.0, 1.0]], (first, second)
-    assert stopped == [f"{owner.pid}-shared-local-2-1"]
+    assert stopped == [kept]
     from course_lib.launch import alive
-    assert [p for p in first[2] if alive(p)] == []
+    assert [p for p in first[2] if alive(p)] == [] and cluster_processes(
+        lambda found: found == kept) == {}
     assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
 
 
