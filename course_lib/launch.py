@@ -121,6 +121,11 @@ def clean_clusters(all=False, shared_by=None):
     for cluster_id, pids in cluster_processes(doomed).items():
         kill_tree(pids)
         stopped += [] if cluster_id in stopped else [cluster_id]
+    security = _security_dir()  # connection files of clusters stopped before, by a kill
+    for file in security.glob("ipcontroller-*-client.json") if security else ():
+        cluster_id = file.name[len("ipcontroller-"):-len("-client.json")]
+        if doomed(cluster_id):
+            _remove_connection_files(cluster_id)
     return stopped
 
 
@@ -201,6 +206,23 @@ def stop_and_reap(ipp_cluster, extra_pids=()):
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     kill_tree({*_launcher_pids(ipp_cluster), *extra_pids}, timeout=10)
     ipp_cluster.stop_cluster_sync()
+    _remove_connection_files(ipp_cluster.cluster_id)
+
+
+def _security_dir():
+    from IPython.paths import locate_profile
+    try:
+        return Path(locate_profile(PROFILE), "security")
+    except OSError:  # no profile yet
+        return None
+
+
+def _remove_connection_files(cluster_id):
+    """The controller's connection files: a killed controller cannot remove them itself."""
+    security = _security_dir()
+    for side in ("client", "engine"):
+        if security is not None:
+            security.joinpath(f"ipcontroller-{cluster_id}-{side}.json").unlink(missing_ok=True)
 
 
 def launched_rank():

@@ -68,7 +68,9 @@ def slurm_rendezvous(env=None):
     env = os.environ if env is None else env
     rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
     addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-    port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    # 10000-19999: below the ports Linux hands out to outgoing connections (32768-60999),
+    # which could already hold a port in that range on a busy node
+    port = int(env.get("MASTER_PORT") or 10000 + int(env.get("SLURM_JOB_ID", "0")) % 10000)
     return rank, world_size, addr, port
 
 

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import ipyparallel as ipp
 import psutil
@@ -141,6 +142,8 @@ def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
     from course_lib.launch import alive
     assert [p for p in first[2] if alive(p)] == [] and cluster_processes(
         lambda found: found == kept) == {}
+    from IPython.paths import locate_profile  # the killed controller's connection files too
+    assert not list(Path(locate_profile(C.PROFILE), "security").glob(f"ipcontroller-{kept}-*"))
     assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
 
 

@@ -28,7 +28,7 @@ def test_detect_launcher_and_slurm_rendezvous():
     assert train.first_host("login7") == "login7"
     env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "gpu[12-13]",
            "SLURM_JOB_ID": "123456"}
-    assert train.slurm_rendezvous(env) == (3, 8, "gpu12", 20000 + 123456 % 20000)
+    assert train.slurm_rendezvous(env) == (3, 8, "gpu12", 10000 + 123456 % 10000)
 
 
 def test_the_cluster_trains(reference):
