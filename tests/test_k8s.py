@@ -11,7 +11,7 @@ from importlib import resources
 import pytest
 import yaml
 
-from course_lib import k8s
+from course_lib import k8s, k8s_pods, k8s_rules, k8s_validate
 
 TORCH = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
 DDP = k8s.JobSpec("ddp", image=TORCH, command=["-m", "course_lib.train", "--steps", "20"],
@@ -34,14 +34,15 @@ def job(kind):
 def test_every_generator_passes_every_layer(kind):
     manifest = job(kind)
     text = k8s.to_yaml(manifest)
-    assert k8s.yaml_problems(text) == []
-    assert k8s.pod_problems(manifest) == []
-    assert k8s.crd_problems(manifest) == []
-    assert k8s.rule_problems(manifest) == []
-    assert k8s.validate(manifest) == [] and k8s.validate(text) == []
-    assert k8s.check(text) == manifest                       # the YAML text reads back the same
-    assert "&id" not in text                                 # no YAML anchors for kubectl to see
-    assert manifest["apiVersion"] == k8s.crd(kind)["group"] + "/" + k8s.crd(kind)["version"]
+    assert k8s_validate.yaml_problems(text) == []
+    assert k8s_validate.pod_problems(manifest) == []
+    assert k8s_validate.crd_problems(manifest) == []
+    assert k8s_rules.rule_problems(manifest) == []
+    assert k8s_validate.validate(manifest) == [] and k8s_validate.validate(text) == []
+    assert k8s_validate.check(text) == manifest         # the YAML text reads back the same
+    assert "&id" not in text                            # no YAML anchors for kubectl to see
+    crd = k8s_validate.crd(kind)
+    assert manifest["apiVersion"] == crd["group"] + "/" + crd["version"]
 
 
 def test_the_generated_fields_are_the_operators():
@@ -71,7 +72,7 @@ def test_the_generated_fields_are_the_operators():
 def test_elastic_pytorch_job_and_one_task_per_tf_pod():
     elastic = k8s.pytorch_job(k8s.JobSpec("el", image=TORCH, command=["train.py"], nodes=2,
                                           elastic=(1, 4)))
-    assert k8s.validate(elastic) == []
+    assert k8s_validate.validate(elastic) == []
     assert list(elastic["spec"]["pytorchReplicaSpecs"]) == ["Worker"]
     assert elastic["spec"]["elasticPolicy"]["minReplicas"] == 1
     with pytest.raises(ValueError, match="one TensorFlow task per pod"):
@@ -172,11 +173,11 @@ def test_each_broken_manifest_is_caught_and_named(case):
     kind, mutate, layer, path, words = BROKEN[case]
     manifest = job(kind)
     mutate(manifest)
-    problems = k8s.validate(manifest)
+    problems = k8s_validate.validate(manifest)
     hits = [p for p in problems if p.layer == layer and path in p.path and words in p.message]
     assert hits, f"{case}: expected [{layer}] {path}: {words}; got {[str(p) for p in problems]}"
     with pytest.raises(k8s.ManifestError) as raised:
-        k8s.check(manifest)
+        k8s_validate.check(manifest)
     text = str(raised.value)
     assert f"{manifest['kind']}/{manifest['metadata']['name']}: {hits[0].path}" in text
     assert words in text
@@ -188,7 +189,7 @@ def test_check_lists_every_problem_once():
     _set([*CONTAINER, "resources", "limits", "cpu"], "lots")(manifest)
     _set(["spec", "extra"], True)(manifest)
     with pytest.raises(k8s.ManifestError) as raised:
-        k8s.check(manifest)
+        k8s_validate.check(manifest)
     layers = sorted(p.layer for p in raised.value.problems)
     assert layers == ["crd", "pod", "rules"]      # the quantity: found by pod and crd, listed once
     assert str(raised.value).startswith("3 problem(s)")
@@ -202,20 +203,21 @@ def test_check_lists_every_problem_once():
     ("kind: TFJob\nmetadata: {name: x}\nspec: {start: 2025-01-31}\n", "spec.start", "a date"),
 ])
 def test_malformed_yaml_is_caught_with_its_place(text, where, words):
-    problems = k8s.validate(text)
+    problems = k8s_validate.validate(text)
     assert len(problems) == 1 and problems[0].layer == "yaml"
     assert where in problems[0].path and words in problems[0].message
     with pytest.raises(k8s.ManifestError, match="not valid YAML|document|mapping|date"):
-        k8s.load(text)
+        k8s_validate.load(text)
 
 
 def test_unquoted_number_in_yaml_text_meets_the_crd():
     text = k8s.to_yaml(job("PyTorchJob")).replace("nprocPerNode: '2'", "nprocPerNode: 2")
-    assert [(p.layer, p.path) for p in k8s.validate(text)] == [("crd", "spec.nprocPerNode")]
+    problems = k8s_validate.validate(text)
+    assert [(p.layer, p.path) for p in problems] == [("crd", "spec.nprocPerNode")]
 
 
 def test_pod_environments_of_a_2_by_2_pytorchjob():
-    pods = k8s.pod_environments(job("PyTorchJob"))
+    pods = k8s_pods.pod_environments(job("PyTorchJob"))
     assert [p.pod for p in pods] == ["ddp-master-0", "ddp-worker-0"]
     for node_rank, pod in enumerate(pods):
         env = pod.env
@@ -232,13 +234,13 @@ def test_pod_environments_of_a_2_by_2_pytorchjob():
 def test_pod_environments_of_an_elastic_pytorchjob():
     manifest = k8s.pytorch_job(k8s.JobSpec("el", image=TORCH, command=["t.py"], nodes=2,
                                            elastic=(1, 3)))
-    env = k8s.pod_environments(manifest)[1].env
+    env = k8s_pods.pod_environments(manifest)[1].env
     assert env["PET_RDZV_ENDPOINT"] == "el-worker-0:23456" and env["PET_NNODES"] == "1:3"
     assert "RANK" not in env and "WORLD_SIZE" not in env    # torchrun's rendezvous decides
 
 
 def test_tf_config_of_a_parameter_server_job():
-    pods = k8s.pod_environments(job("TFJob"))
+    pods = k8s_pods.pod_environments(job("TFJob"))
     assert [p.pod for p in pods] == ["tf-ps-chief-0", "tf-ps-ps-0", "tf-ps-ps-1",
                                      "tf-ps-worker-0", "tf-ps-worker-1"]
     config = json.loads(pods[2].env["TF_CONFIG"])
@@ -258,7 +260,7 @@ def test_tf_config_of_a_parameter_server_job():
 def test_mpi_hostfile_and_environment(flavour, line, env):
     spec = copy.deepcopy(SPECS["MPIJob"])
     spec.mpi_implementation, spec.image = flavour, "mpi-pi:latest"
-    launcher, *workers = k8s.pod_environments(k8s.mpi_job(spec))
+    launcher, *workers = k8s_pods.pod_environments(k8s.mpi_job(spec))
     hostfile = launcher.files["/etc/mpi/hostfile"]
     assert hostfile.splitlines()[1] == line and len(hostfile.splitlines()) == 2
     assert env.items() <= launcher.env.items()
@@ -268,7 +270,7 @@ def test_mpi_hostfile_and_environment(flavour, line, env):
 
 
 def test_trainjob_environment_from_the_torch_runtime():
-    pods = k8s.pod_environments(job("TrainJob"))
+    pods = k8s_pods.pod_environments(job("TrainJob"))
     assert [p.pod for p in pods] == ["ddp-node-0-0", "ddp-node-0-1"]
     assert pods[1].env == {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
                            "PET_MASTER_ADDR": "ddp-node-0-0.ddp", "PET_MASTER_PORT": "29500"}
@@ -277,14 +279,14 @@ def test_trainjob_environment_from_the_torch_runtime():
     manifest["spec"]["trainer"]["numProcPerNode"] = "auto"
     manifest["spec"]["trainer"]["resourcesPerNode"]["limits"]["cpu"] = "2500m"
     manifest["metadata"]["annotations"].clear()
-    assert k8s.pod_environments(manifest)[0].env["PET_NPROC_PER_NODE"] == "3"
+    assert k8s_pods.pod_environments(manifest)[0].env["PET_NPROC_PER_NODE"] == "3"
 
 
 def test_pod_environments_refuses_a_broken_manifest():
     manifest = job("PyTorchJob")
     _set([*WORKER, "restartPolicy"], "Sometimes")(manifest)
     with pytest.raises(k8s.ManifestError, match="restart policy"):
-        k8s.pod_environments(manifest)
+        k8s_pods.pod_environments(manifest)
 
 
 def test_world_size():
@@ -295,21 +297,21 @@ def test_stored_crd_schemas_name_their_source():
     readme = (resources.files("course_lib") / "k8s_schemas" / "README.md").read_text()
     assert "Apache" in readme
     for kind in k8s.KINDS:
-        source = k8s.crd(kind)["source"]
+        source = k8s_validate.crd(kind)["source"]
         assert re.fullmatch(r"[0-9a-f]{40}", source["commit"])
         assert source["commit"] in readme and source["path"] in readme
-    schema = k8s.crd("MPIJob")["openAPIV3Schema"]
+    schema = k8s_validate.crd("MPIJob")["openAPIV3Schema"]
     assert schema["properties"]["spec"]["properties"]["mpiImplementation"]["enum"] == \
         ["OpenMPI", "Intel", "MPICH"]
 
 
 def test_kubectl_step_is_skipped_without_kubectl(monkeypatch, tmp_path):
-    assert isinstance(k8s.kubectl_available(), bool)
-    monkeypatch.setattr(k8s.shutil, "which", lambda name: None)
-    assert k8s.kubectl_available() is False
+    assert isinstance(k8s_pods.kubectl_available(), bool)
+    monkeypatch.setattr(k8s_pods.shutil, "which", lambda name: None)
+    assert k8s_pods.kubectl_available() is False
     path = tmp_path / "job.yaml"
     path.write_text(k8s.to_yaml(job("PyTorchJob")))
-    message = k8s.kubectl_dry_run(path)
+    message = k8s_pods.kubectl_dry_run(path)
     assert message.startswith("skipped `kubectl apply --dry-run=client -f ")
     assert yaml.safe_load(path.read_text()) == job("PyTorchJob")
 
@@ -321,7 +323,7 @@ def test_a_pytorchjob_s_pods_train_here_with_the_operator_s_environment():
         pytest.skip(f"two hosts: {reason}")
     spec = k8s.JobSpec("digits", image="pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime",
                        command=["-m", "course_lib.train", "--steps", "4"], nodes=2)
-    outputs = k8s.run_locally(k8s.pytorch_job(spec), timeout=120)
+    outputs = k8s_pods.run_locally(k8s.pytorch_job(spec), timeout=120)
     result = json.loads(outputs["digits-master-0"].strip().splitlines()[-1])
     assert result["hosts"] == ["digits-master-0", "digits-worker-0"]
     assert result["launcher"] == "torchrun" and result["world_size"] == 2
