@@ -199,10 +199,10 @@ def hyperparameter_search(cluster, out_dir):
     for their training time: how busy the engines were, and a Gantt chart of both.
 
     Demonstrates notebooks/13_hyperparameter_search.ipynb."""
-    from course_lib import hpsearch
+    from course_lib import hpsearch, hpsearch_loop
     from course_lib.figures import hyperparameter_search as figures
     from course_lib.figures import save_figure
-    kw = dict(min_epochs=1, max_epochs=9, eta=3, trial=hpsearch.sleep_trial, epoch_s=0.03)
+    kw = dict(min_epochs=1, max_epochs=9, eta=3, trial=hpsearch_loop.sleep_trial, epoch_s=0.03)
     sh = hpsearch.successive_halving(cluster, num_configs=27, **kw)
     asha = hpsearch.asha(cluster, budget=sh.epochs_spent, **kw)
     save_figure(figures.gantt([sh, asha])[0].figure, out_dir, "demo_hpsearch_gantt.png")
@@ -214,7 +214,7 @@ def hyperparameter_search(cluster, out_dir):
           and not first_promotion_before_rung0_ends(sh))
     rng = np.random.default_rng(0)
     configs = [hpsearch.sample(hpsearch.SPACE, rng) for _ in range(81)]
-    sim = [hpsearch.simulate(policy, 64) for policy in (
+    sim = [hpsearch_loop.simulate(policy, 64) for policy in (
         hpsearch.SuccessiveHalving(configs, 1, 27, 3),
         hpsearch.ASHA(iter(configs * 4), 1, 27, 3, hpsearch.halving_budget(81, 1, 27, 3)))]
     return [(f"ASHA vs synchronous successive halving, {sh.epochs_spent} epochs",

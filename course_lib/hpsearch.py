@@ -9,10 +9,12 @@ sit idle::
     result = hpsearch.asha(cluster, num_configs=27, min_epochs=1, max_epochs=9, eta=3)
     result.best, result.busy_fraction(), result.epochs_spent
 
-Every algorithm is a *policy* driven by one loop (:func:`run`): whenever an engine is free, the
-loop asks the policy for a job (a configuration and the epoch to train it to), submits it to the
-cluster's load-balanced view, and reports each result to the policy as it arrives, in any order.
-A promoted configuration resumes from its checkpoint instead of training again from scratch.
+Every algorithm is a *policy* driven by one loop (``hpsearch_loop.run``): whenever an engine is
+free, the loop asks the policy for a job (a configuration and the epoch to train it to), submits
+it to the cluster's load-balanced view, and reports each result to the policy as it arrives, in
+any order. A promoted configuration resumes from its checkpoint instead of training again from
+scratch. The trials, the jobs and the loop are in :mod:`course_lib.hpsearch_loop`; the
+policies and the searches built on them are here.
 
 - random search: every configuration trained to ``max_epochs``;
 - successive halving (synchronous): n configurations for r epochs, the best 1/eta of them eta
@@ -27,27 +29,15 @@ A promoted configuration resumes from its checkpoint instead of training again f
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
-import tempfile
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from course_lib import faults
 from course_lib.gd import check_count
+from course_lib.hpsearch_loop import Job, run
 
 SPACE = {"lr": ("log", 0.003, 3.0), "batch_size": ("choice", (16, 32, 64, 128)),
          "width": ("choice", (8, 16, 32, 64)), "warmup": ("choice", (0, 1, 2))}
-ENGINE_FILE = ".engine"  # a trial's directory: the pid of the engine running it
-
-
-class SearchError(RuntimeError):
-    """A search that cannot go on: a trial raised, or the deadline passed.
-    Introduced in notebooks/13_hyperparameter_search.ipynb."""
 
 
 # ---------------------------------------------------------------- configurations
@@ -76,154 +66,6 @@ def grid(space, num=3):
                   np.linspace(*args, num) if kind == "uniform" else args[0])
         axes.append([(name, v.item() if hasattr(v, "item") else v) for v in values])
     return [dict(combination) for combination in itertools.product(*axes)]
-
-
-# ---------------------------------------------------------------- trials (run on an engine)
-_DIGITS = {}
-
-
-def train_trial(config, epochs, directory, seed=0):
-    """On an engine: train the digits MLP of ``config`` (lr, batch_size, width, warmup epochs of
-    linear learning-rate warm-up) with SGD and momentum up to epoch ``epochs``, resuming from the
-    checkpoint in ``directory`` if there is one, and checkpoint it there. Returns the validation
-    accuracy after every epoch so far and when it ran.
-    Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    import torch
-    import torch.nn.functional as F
-
-    from course_lib import checkpoint, data, models
-    start, directory = time.time(), Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / ENGINE_FILE).write_text(str(os.getpid()))
-    if not _DIGITS:
-        X, y, Xv, yv = data.load_digits()
-        _DIGITS.update(X=torch.from_numpy(X).float(), y=torch.from_numpy(y),
-                       Xv=torch.from_numpy(Xv).float(), yv=torch.from_numpy(yv))
-    X, y = _DIGITS["X"], _DIGITS["y"]
-    model = models.mlp(X.shape[1], config["width"], 10, seed=seed)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
-    state, _ = checkpoint.load_latest(directory, report=lambda line: None)
-    first, accs = 0, []
-    if state is not None:  # a promotion: go on from where the last rung stopped
-        first, accs = checkpoint.restore(state, model, optimizer)[1], list(state["extra"]["accs"])
-    batch_size = config["batch_size"]
-    per_epoch = math.ceil(len(X) / batch_size)
-    warmup_steps = config.get("warmup", 0) * per_epoch
-    for epoch in range(first, epochs):
-        faults.point("trial-epoch")
-        order = torch.randperm(len(X), generator=torch.Generator().manual_seed(seed + epoch))
-        for i in range(per_epoch):
-            step = epoch * per_epoch + i
-            scale = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
-            for group in optimizer.param_groups:
-                group["lr"] = config["lr"] * scale
-            rows = order[i * batch_size:(i + 1) * batch_size]
-            loss = F.cross_entropy(model(X[rows]), y[rows])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-        with torch.no_grad():
-            accs.append((model(_DIGITS["Xv"]).argmax(1) == _DIGITS["yv"]).double().mean().item())
-    checkpoint.save(checkpoint.training_state(model, optimizer, step=0, epoch=epochs, accs=accs),
-                    directory, epochs, keep=1)
-    return dict(accs=accs, first_epoch=first, start=start, end=time.time(), pid=os.getpid())
-
-
-def surrogate(config, epoch, epoch_s=0.05):
-    """(validation accuracy after ``epoch`` epochs, seconds per epoch) of a stand-in trial: a
-    smooth function of ``config``, best near lr = 0.1, better when wider, slower to rise with
-    warm-up; an epoch takes ``epoch_s`` at batch size 32, longer for smaller batches (more
-    steps). Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    quality = math.exp(-math.log10(config["lr"] / 0.1) ** 2) * (
-        0.7 + 0.05 * math.log2(config.get("width", 64)))
-    rate = 1.0 / (1 + config.get("warmup", 0))
-    accuracy = 0.1 + 0.85 * quality * (1 - math.exp(-rate * epoch))
-    return accuracy, epoch_s * (0.5 + 16 / config.get("batch_size", 32))
-
-
-def sleep_trial(config, epochs, directory, seed=0, epoch_s=0.05):
-    """A stand-in for :func:`train_trial` that sleeps for its training time (so 8 engines fit
-    on 2 cores) and reports the accuracy of :func:`surrogate`. Resumes like a real trial.
-    Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    from course_lib.checkpoint import atomic_write
-    start, directory = time.time(), Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / ENGINE_FILE).write_text(str(os.getpid()))
-    path = directory / "accs.json"
-    accs = json.loads(path.read_text()) if path.exists() else []
-    first = len(accs)
-    for epoch in range(first, epochs):
-        faults.point("trial-epoch")
-        accuracy, seconds = surrogate(config, epoch + 1, epoch_s)
-        time.sleep(seconds)
-        accs.append(accuracy)
-    atomic_write(path, json.dumps(accs).encode())
-    return dict(accs=accs, first_epoch=first, start=start, end=time.time(), pid=os.getpid())
-
-
-# ---------------------------------------------------------------- what a search records
-@dataclass
-class Job:
-    """One submission: configuration ``config_id`` trained to ``epochs`` (rung ``rung``), and,
-    once back, on which rank, when, and its accuracy after each epoch.
-    Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    config_id: int
-    config: dict
-    rung: int
-    epochs: int
-    rank: int | None = None
-    start: float | None = None
-    end: float | None = None
-    accs: list = field(default_factory=list)
-    first_epoch: int = 0
-    retried: int = 0
-
-    @property
-    def acc(self):
-        return self.accs[-1]
-
-    @property
-    def epochs_trained(self):
-        return self.epochs - self.first_epoch
-
-
-@dataclass
-class SearchResult:
-    """Every finished job of a search, in the order they finished.
-    Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    name: str
-    jobs: list
-    ranks: list
-    started: float
-    elapsed: float
-    lost_ranks: list = field(default_factory=list)
-
-    @property
-    def best(self):
-        """(accuracy, configuration) of the best finished job."""
-        job = max(self.jobs, key=lambda j: j.acc)
-        return job.acc, job.config
-
-    @property
-    def epochs_spent(self):
-        return sum(j.epochs_trained for j in self.jobs)
-
-    @property
-    def retried(self):
-        """Jobs started again because their engine died."""
-        return [j for j in self.jobs if j.retried]
-
-    def busy_fraction(self):
-        """Time the engines spent in trials over the time they were there for."""
-        return sum(j.end - j.start for j in self.jobs) / (len(self.ranks) * self.elapsed)
-
-    def best_so_far(self):
-        """(seconds since the start, epochs spent, best accuracy) after each finished job."""
-        out, best, spent = [], 0.0, 0
-        for j in sorted(self.jobs, key=lambda j: j.end):
-            best, spent = max(best, j.acc), spent + j.epochs_trained
-            out.append((j.end - self.started, spent, best))
-        return np.array(out)
 
 
 # ---------------------------------------------------------------- the policies
@@ -354,146 +196,6 @@ class Hyperband:
 
     def report(self, job):  # brackets run one after another: a result is the current one's
         self.brackets[self.current].report(job)
-
-
-# ---------------------------------------------------------------- the loop
-def _arm(specs, directory):
-    from course_lib.engine import ENGINE
-    faults.arm_once(specs, directory, ENGINE["rank"])
-
-
-def run(cluster, policy, trial=train_trial, directory=None, ranks=None, name=None,
-        timeout=300.0, on_result=None, faults=(), **trial_kwargs):
-    """Drive ``policy`` on ``cluster``: keep every engine of ``ranks`` busy with the policy's
-    jobs (``trial(config, epochs, directory, **trial_kwargs)`` on whichever engine is free) and
-    report each result as it arrives (then call ``on_result(jobs so far)``). A job whose engine
-    dies is started again on another (from its checkpoint). Every wait has the deadline
-    ``timeout`` s. ``faults``: fault points armed on the engines for this search, e.g.
-    ``["trial-epoch:kill@5:rank=2"]`` (rank 2 dies in the 5th epoch it trains).
-    Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    import ipyparallel as ipp
-    directory = Path(directory or tempfile.mkdtemp(prefix="course-hpsearch-"))
-    ranks = list(range(cluster.n) if ranks is None else ranks)
-    if faults:
-        cluster.run(_arm, list(faults), str(directory))
-    try:
-        return _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result,
-                      trial_kwargs, ipp)
-    finally:
-        if faults:  # on the engines still alive: nothing stays armed for the next search
-            live = [cluster.engine_ids[r] for r in ranks if r not in cluster.dead_ranks()]
-            cluster.client[live].apply_sync(_disarm)
-
-
-def _disarm():
-    faults.disarm()
-
-
-def _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result, trial_kwargs,
-           ipp):
-    view, lost, jobs, running = cluster.balanced_view(ranks), [], [], {}
-    started, deadline = time.time(), time.monotonic() + timeout
-
-    def submit(job):
-        path = directory / f"config-{job.config_id:04d}"
-        for _ in range(len(ranks) + 1):
-            try:
-                running[view.apply_async(trial, job.config, job.epochs, str(path),
-                                         **trial_kwargs)] = job
-                return
-            except KeyError:  # an engine of the view was unregistered just now: it died
-                notice_dead()
-        raise SearchError(f"config {job.config_id}: no live engine left to run it on")
-
-    def notice_dead():
-        """Drop the engines that died; their running jobs go to the engines left."""
-        nonlocal view
-        dead = [r for r in cluster.dead_ranks() if r in ranks and r not in lost]
-        if not dead:
-            return
-        lost.extend(dead)
-        view = cluster.balanced_view([r for r in ranks if r not in lost])
-        pids = {cluster.pids[r] for r in dead}
-        for ar, job in list(running.items()):
-            if _engine_of(directory, job) in pids:
-                del running[ar]
-                job.retried += 1
-                submit(job)
-
-    while True:
-        notice_dead()
-        while len(running) < len(ranks) - len(lost) and (job := policy.next()) is not None:
-            submit(job)
-        if not running:
-            break  # nothing to start, nothing running: the search is over
-        finished = [ar for ar in running if ar.ready()]
-        if not finished:
-            if time.monotonic() > deadline:
-                raise SearchError(f"{name or type(policy).__name__}: no end within {timeout:g}s;"
-                                  f" {len(running)} job(s) still running: "
-                                  + ", ".join(f"config {j.config_id} to epoch {j.epochs}"
-                                              for j in running.values()))
-            time.sleep(0.005)
-            continue
-        for ar in finished:
-            job = running.pop(ar)
-            try:
-                out = ar.get()
-            except ipp.error.EngineError:  # its engine died before we noticed: run it again
-                job.retried += 1
-                submit(job)
-                continue
-            except ipp.error.RemoteError as e:
-                raise SearchError(f"config {job.config_id} {job.config} (to epoch {job.epochs})"
-                                  f" raised on its engine: {e.ename}: {e.evalue}") from None
-            job.accs, job.first_epoch = out["accs"], out["first_epoch"]
-            job.start, job.end = out["start"], out["end"]
-            job.rank = cluster.pids.index(out["pid"]) if out["pid"] in cluster.pids else None
-            jobs.append(job)
-            policy.report(job)
-            if on_result is not None:
-                on_result(jobs)
-    return SearchResult(name or type(policy).__name__, jobs, ranks, started,
-                        time.time() - started, lost)
-
-
-def _engine_of(directory, job):
-    path = directory / f"config-{job.config_id:04d}" / ENGINE_FILE
-    try:
-        return int(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def simulate(policy, num_engines, epoch_s=1.0, overhead_s=0.0, name=None):
-    """Run ``policy`` on ``num_engines`` imaginary engines with :func:`surrogate` trials, on a
-    simulated clock (no cluster, no waiting): the same decisions :func:`run` makes, at any
-    scale. Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    import heapq
-    free, events, jobs, now = list(range(num_engines))[::-1], [], [], 0.0
-    while True:
-        while free and (job := policy.next()) is not None:
-            rank = free.pop()
-            job.rank, job.start, job.first_epoch = rank, now, _resumed_from(jobs, job)
-            job.accs, seconds = [], overhead_s
-            for epoch in range(1, job.epochs + 1):
-                accuracy, epoch_seconds = surrogate(job.config, epoch, epoch_s)
-                job.accs.append(accuracy)
-                seconds += epoch_seconds if epoch > job.first_epoch else 0.0
-            job.end = now + seconds
-            heapq.heappush(events, (job.end, len(jobs) + len(events), job))
-        if not events:
-            break
-        now, _, job = heapq.heappop(events)
-        free.append(job.rank)
-        jobs.append(job)
-        policy.report(job)
-    return SearchResult(name or type(policy).__name__, jobs, list(range(num_engines)), 0.0, now)
-
-
-def _resumed_from(jobs, job):
-    done = [j.epochs for j in jobs if j.config_id == job.config_id]
-    return max(done, default=0)
 
 
 # ---------------------------------------------------------------- the searches

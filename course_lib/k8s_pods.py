@@ -32,7 +32,6 @@ from course_lib.k8s import (
 )
 from course_lib.k8s_validate import check
 
-
 # --------------------------------------------------------------------------- pod environments
 
 

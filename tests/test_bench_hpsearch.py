@@ -5,7 +5,7 @@ import csv
 
 import pytest
 
-from course_lib import hpsearch
+from course_lib import hpsearch_loop
 from course_lib.__main__ import main
 from course_lib.bench import hpsearch as bench
 
@@ -15,7 +15,7 @@ SMALL = dict(configs=9, max_epochs=3, eta=3)  # budget 9 x 1 + 3 x 2 = 15 epochs
 
 def test_every_search_on_the_same_budget(cluster):
     names = list(bench.NAMES)
-    rows = bench.compare(cluster, names, seeds=[0], engines=2, trial=hpsearch.sleep_trial,
+    rows = bench.compare(cluster, names, seeds=[0], engines=2, trial=hpsearch_loop.sleep_trial,
                          epoch_s=0.005, **SMALL)
     assert [r["search"] for r in rows] == names and all(r["engines"] == 2 for r in rows)
     epochs = {r["search"]: r["epochs"] for r in rows}

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from course_lib import hpsearch
+from course_lib import hpsearch, hpsearch_loop
 from course_lib.hpsearch import ASHA, Hyperband, SuccessiveHalving
 
 CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
@@ -58,8 +58,8 @@ def test_simulated_asha_outpaces_synchronous_halving_on_many_engines():
     rng = np.random.default_rng(0)
     configs = [hpsearch.sample(hpsearch.SPACE, rng) for _ in range(81)]
     budget = hpsearch.halving_budget(81, 1, 27, 3)
-    sh = hpsearch.simulate(SuccessiveHalving(configs, 1, 27, 3), 64)
-    asha = hpsearch.simulate(ASHA(iter(configs * 4), 1, 27, 3, budget), 64)
+    sh = hpsearch_loop.simulate(SuccessiveHalving(configs, 1, 27, 3), 64)
+    asha = hpsearch_loop.simulate(ASHA(iter(configs * 4), 1, 27, 3, budget), 64)
     assert sh.epochs_spent == asha.epochs_spent == budget
     assert [sum(j.rung == k for j in sh.jobs) for k in range(4)] == [81, 27, 9, 3]
     assert asha.elapsed < sh.elapsed / 2 and asha.busy_fraction() > 2 * sh.busy_fraction()
@@ -74,16 +74,16 @@ def test_hyperband_brackets():
 
 def test_a_promoted_trial_resumes_exactly(tmp_path):
     config = {"lr": 0.1, "batch_size": 64, "width": 16, "warmup": 1}
-    straight = hpsearch.train_trial(config, 3, tmp_path / "straight")
-    hpsearch.train_trial(config, 1, tmp_path / "resumed")
-    resumed = hpsearch.train_trial(config, 3, tmp_path / "resumed")
+    straight = hpsearch_loop.train_trial(config, 3, tmp_path / "straight")
+    hpsearch_loop.train_trial(config, 1, tmp_path / "resumed")
+    resumed = hpsearch_loop.train_trial(config, 3, tmp_path / "resumed")
     assert resumed["first_epoch"] == 1 and resumed["accs"] == straight["accs"]
     assert straight["accs"][-1] > 0.9
 
 
 def test_searches_on_the_cluster(cluster, tmp_path):
-    sh = hpsearch.successive_halving(cluster, trial=hpsearch.sleep_trial, epoch_s=0.02)
-    asha = hpsearch.asha(cluster, trial=hpsearch.sleep_trial, epoch_s=0.02,
+    sh = hpsearch.successive_halving(cluster, trial=hpsearch_loop.sleep_trial, epoch_s=0.02)
+    asha = hpsearch.asha(cluster, trial=hpsearch_loop.sleep_trial, epoch_s=0.02,
                          budget=hpsearch.halving_budget())
     assert [len([j for j in sh.jobs if j.rung == k]) for k in range(3)] == [27, 9, 3]
     assert sh.epochs_spent == asha.epochs_spent == 63  # the same budget
@@ -101,7 +101,7 @@ def test_searches_on_the_cluster(cluster, tmp_path):
 
 def test_a_killed_engine_s_trial_runs_again_elsewhere(cluster, tmp_path):
     victim = cluster.pids[2]
-    result = hpsearch.successive_halving(cluster, trial=hpsearch.sleep_trial, epoch_s=0.05,
+    result = hpsearch.successive_halving(cluster, trial=hpsearch_loop.sleep_trial, epoch_s=0.05,
                                          faults=["trial-epoch:kill@4:rank=2"],
                                          directory=tmp_path)
     assert result.lost_ranks == [2] and len(result.retried) == 1

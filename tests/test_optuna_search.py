@@ -5,7 +5,7 @@ setting, and an engine killed mid-search that does not stop the others."""
 import optuna
 import pytest
 
-from course_lib import hpsearch
+from course_lib import hpsearch, hpsearch_loop
 from course_lib.testing import hpsearch as optuna_hpsearch
 
 CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
@@ -20,7 +20,7 @@ def _in_space(config):
 @pytest.mark.parametrize("pruner", ["asha", "hyperband"])
 def test_one_study_shared_by_every_engine(cluster, tmp_path, pruner):
     result = optuna_hpsearch.optuna_search(cluster, budget_epochs=63, pruner=pruner,
-                                           trial=hpsearch.sleep_trial, epoch_s=0.01,
+                                           trial=hpsearch_loop.sleep_trial, epoch_s=0.01,
                                            directory=tmp_path)
     assert (tmp_path / optuna_hpsearch.JOURNAL).stat().st_size > 0
     study = optuna.load_study(study_name=optuna_hpsearch.STUDY,
@@ -42,7 +42,7 @@ def test_one_study_shared_by_every_engine(cluster, tmp_path, pruner):
     assert rows[-1, 1] == 63 and rows[-1, 2] == result.best[0] > 0.5
     assert 0 < result.busy_fraction() <= 1 and not result.lost_ranks
     more = optuna_hpsearch.optuna_search(cluster, budget_epochs=63 + 9, pruner=pruner,
-                                         trial=hpsearch.sleep_trial, epoch_s=0.01,
+                                         trial=hpsearch_loop.sleep_trial, epoch_s=0.01,
                                          directory=tmp_path)  # the same study goes on
     assert more.epochs_spent == 9 and min(more.states) == max(result.states) + 1
 
@@ -63,7 +63,7 @@ def test_bad_names_fail_before_any_engine_starts(cluster):
 
 def test_a_killed_engine_ends_only_its_own_part(cluster, tmp_path):
     result = optuna_hpsearch.optuna_search(cluster, budget_epochs=63, directory=tmp_path,
-                                           trial=hpsearch.sleep_trial, epoch_s=0.01,
+                                           trial=hpsearch_loop.sleep_trial, epoch_s=0.01,
                                            faults=["trial-epoch:kill@3:rank=1"])
     assert result.lost_ranks == [1]
     assert result.epochs_spent == 62  # the epoch it died in was claimed, never trained

@@ -10,8 +10,8 @@ local cluster:
    epochs spent, seconds, engines busy; mean and spread over ``--seeds`` seeds; each search's
    best accuracy and time over ASHA's; then ASHA and Optuna seed by seed.
 2. The speed-up of SH and ASHA with 1, 2, 4, 8 engines, trials that *sleep* their training
-   time (``hpsearch.sleep_trial``, so 8 engines fit on 2 cores), against linear and against
-   the same search on a simulated clock with no overhead (``hpsearch.simulate``). Ceilings
+   time (``hpsearch_loop.sleep_trial``, so 8 engines fit on 2 cores), against linear and against
+   the same search on a simulated clock with no overhead (``hpsearch_loop.simulate``). Ceilings
    printed beside: the machine's cores, how many sleeping engines really run at once, and the
    time no number of engines beats (the search simulated on unlimited engines)::
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from course_lib import hpsearch
+from course_lib import hpsearch, hpsearch_loop
 from course_lib.bench.common import BenchError, argtype, parse_list, text_table, write_csv
 
 HELP = "random/SH/ASHA/Hyperband vs Optuna: best accuracy, epochs, time; speed-up vs engines"
@@ -46,7 +46,7 @@ COLUMNS = ["table", "search", "seed", "engines", "best", "epochs", "configs", "s
 
 
 def run_search(cluster, search, seed=0, configs=27, max_epochs=9, eta=3, ranks=None,
-               trial=hpsearch.train_trial, directory=None, **trial_kwargs):
+               trial=hpsearch_loop.train_trial, directory=None, **trial_kwargs):
     """One search by its short name (see ``NAMES``) on ``ranks`` of ``cluster``, on SH's
     budget over ``configs`` configurations (random search: that many epochs of full trials).
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
@@ -81,11 +81,11 @@ def _row(table, search, seed, engines, result):
 def _warm_trial(directory):
     """On an engine: one epoch of a real trial, so no search's clock times loading the data."""
     config = {"lr": 0.1, "batch_size": 128, "width": 8, "warmup": 0}
-    hpsearch.train_trial(config, 1, Path(directory) / f"warm-{os.getpid()}")
+    hpsearch_loop.train_trial(config, 1, Path(directory) / f"warm-{os.getpid()}")
 
 
 def compare(cluster, searches=SEARCHES, seeds=(0, 1), engines=4, configs=27, max_epochs=9,
-            eta=3, trial=hpsearch.train_trial, **trial_kwargs):
+            eta=3, trial=hpsearch_loop.train_trial, **trial_kwargs):
     """One row per (search, seed) on the first ``engines`` ranks, seeds outside, searches
     inside (a burst of load elsewhere hits every search alike).
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
@@ -93,7 +93,7 @@ def compare(cluster, searches=SEARCHES, seeds=(0, 1), engines=4, configs=27, max
         raise BenchError(f"--search-engines {engines}: the cluster has {cluster.n} ranks")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-hpsearch-") as tmp:
-        if trial is hpsearch.train_trial:
+        if trial is hpsearch_loop.train_trial:
             cluster.run(_warm_trial, tmp)
         for i, (seed, search) in enumerate(itertools.product(seeds, searches)):
             result = run_search(cluster, search, seed, configs, max_epochs, eta,
@@ -117,7 +117,7 @@ def _policy(search, seed, configs, max_epochs, eta):
 def simulated(search, engines, seed=0, configs=27, max_epochs=9, eta=3, epoch_s=0.02):
     """The same search on ``engines`` simulated engines with no overhead at all.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    return hpsearch.simulate(_policy(search, seed, configs, max_epochs, eta), engines, epoch_s)
+    return hpsearch_loop.simulate(_policy(search, seed, configs, max_epochs, eta), engines, epoch_s)
 
 
 def speedup(cluster, engines=(1, 2, 4, 8), searches=("sh", "asha"), seeds=(0,), configs=27,
@@ -131,7 +131,7 @@ def speedup(cluster, engines=(1, 2, 4, 8), searches=("sh", "asha"), seeds=(0,), 
     with tempfile.TemporaryDirectory(prefix="bench-hpsearch-") as tmp:
         for i, (seed, n, search) in enumerate(itertools.product(seeds, engines, searches)):
             result = run_search(cluster, search, seed, configs, max_epochs, eta,
-                                ranks=list(range(n)), trial=hpsearch.sleep_trial,
+                                ranks=list(range(n)), trial=hpsearch_loop.sleep_trial,
                                 directory=Path(tmp) / f"{i}-{search}-{n}-{seed}",
                                 epoch_s=epoch_s)
             ideal = simulated(search, n, seed, configs, max_epochs, eta, epoch_s)
@@ -274,7 +274,7 @@ def main(args):
         return 2
     seeds, epoch_s = list(range(args.seeds)), args.epoch_ms / 1e3
     shape = dict(configs=args.configs, max_epochs=args.max_epochs, eta=args.eta)
-    trial = hpsearch.train_trial if args.trial == "real" else hpsearch.sleep_trial
+    trial = hpsearch_loop.train_trial if args.trial == "real" else hpsearch_loop.sleep_trial
     extra = {} if args.trial == "real" else {"epoch_s": epoch_s}
     speed_engines = [n for n in args.engines if n > 0]
     try:
@@ -291,7 +291,7 @@ def main(args):
                              for n in (1, 10_000)]
                 print(format_speedup_table(speed, epoch_s, concurrency, unlimited))
                 rows += speed
-    except (BenchError, ClusterError, hpsearch.SearchError) as e:
+    except (BenchError, ClusterError, hpsearch_loop.SearchError) as e:
         print(f"bench hpsearch: {e}", file=sys.stderr)
         return 1
     if args.csv:

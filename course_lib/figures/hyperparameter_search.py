@@ -149,13 +149,13 @@ def save_all(out_dir):
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
     import numpy as np
 
-    from course_lib import hpsearch
+    from course_lib import hpsearch, hpsearch_loop
     rng = np.random.default_rng(0)
     configs = [hpsearch.sample(hpsearch.SPACE, rng) for _ in range(81)]
     budget = hpsearch.halving_budget(81, 1, 27, 3)
-    results = [hpsearch.simulate(hpsearch.SuccessiveHalving(configs, 1, 27, 3), 16,
+    results = [hpsearch_loop.simulate(hpsearch.SuccessiveHalving(configs, 1, 27, 3), 16,
                                  name="successive halving (simulated)"),
-               hpsearch.simulate(hpsearch.ASHA(iter(configs * 4), 1, 27, 3, budget), 16,
+               hpsearch_loop.simulate(hpsearch.ASHA(iter(configs * 4), 1, 27, 3, budget), 16,
                                  name="ASHA (simulated)")]
     axes = gantt(results)
     return [save_figure(axes[0].figure, out_dir, "13_gantt_sh_vs_asha.png")]

@@ -10,7 +10,7 @@ for this: Optuna documents it as unsafe for parallel workers (one writer at a ti
 ``database is locked`` errors under concurrent writes).
 
 Inside a trial the objective trains one epoch at a time with the course's own trial function
-(:func:`course_lib.hpsearch.train_trial` resumes from its checkpoint, so epoch e + 1 costs one
+(:func:`course_lib.hpsearch_loop.train_trial` resumes from its checkpoint, so epoch e + 1 costs one
 epoch), reports the validation accuracy with ``trial.report(acc, epoch)`` and asks the pruner
 ``trial.should_prune()``. ``SuccessiveHalvingPruner`` *is* ASHA, decided by each trial for
 itself when it reaches a rung; ``HyperbandPruner`` runs brackets of it side by side::
@@ -18,7 +18,7 @@ itself when it reaches a rung; ``HyperbandPruner`` runs brackets of it side by s
     result = optuna_search(cluster, budget_epochs=63, pruner="asha")
     result.best, result.epochs_spent, result.busy_fraction(), result.pruned
 
-The result is a :class:`course_lib.hpsearch.SearchResult` (one job per trial), so the same
+The result is a :class:`course_lib.hpsearch_loop.SearchResult` (one job per trial), so the same
 tables and figures show it beside ours.
 """
 
@@ -31,8 +31,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course_lib import hpsearch
-from course_lib.hpsearch import SPACE, Job, SearchError, SearchResult
+from course_lib import hpsearch_loop
+from course_lib.hpsearch import SPACE
+from course_lib.hpsearch_loop import Job, SearchError, SearchResult
 
 STUDY = "course-hpsearch"     # the study's name: Hyperband's brackets are a hash of it
 JOURNAL = "optuna-journal.log"  # the shared storage, in the search's directory
@@ -180,7 +181,7 @@ def _import_optuna():
 
 @dataclass
 class OptunaResult(SearchResult):
-    """A :class:`course_lib.hpsearch.SearchResult` of an Optuna study (one job per trial, its
+    """A :class:`course_lib.hpsearch_loop.SearchResult` of an Optuna study (one job per trial, its
     ``rung`` the highest rung its epochs reached), plus the study's trials by state.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
     journal: str = ""
@@ -212,7 +213,7 @@ def _rung(epochs, min_epochs, eta):
 
 
 def optuna_search(cluster, budget_epochs=63, min_epochs=1, max_epochs=9, eta=3, pruner="asha",
-                  seed=0, trial=hpsearch.train_trial, directory=None, timeout=300.0,
+                  seed=0, trial=hpsearch_loop.train_trial, directory=None, timeout=300.0,
                   sampler="random", space=SPACE, ranks=None, faults=(), name=None,
                   **trial_kwargs):
     """Optuna on ``cluster``: one study in a journal file in ``directory``, created here, and
