@@ -280,7 +280,7 @@ class Reducer:
 
     def _ring(self, handle):
         from course_lib.collectives import allreduce
-        from course_lib.comm import TorchComm
+        from course_lib.comm_torch import TorchComm
         if self.comm is None:
             self.comm = TorchComm(timeout=self.timeout)
         bucket = handle.bucket

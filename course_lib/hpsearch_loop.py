@@ -318,5 +318,3 @@ def simulate(policy, num_engines, epoch_s=1.0, overhead_s=0.0, name=None):
 def _resumed_from(jobs, job):
     done = [j.epochs for j in jobs if j.config_id == job.config_id]
     return max(done, default=0)
-
-

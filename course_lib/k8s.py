@@ -391,4 +391,3 @@ def world_size(manifest):
         nproc = as_int(lookup(spec, "trainer", "numProcPerNode"))
         return nodes * nproc if nodes and nproc else None
     return None
-

@@ -260,5 +260,3 @@ def rule_problems(manifest):
                                 f"the job was described with {declared} processes but its "
                                 f"replicas x processes per pod give {world}"))
     return problems
-
-

@@ -318,5 +318,3 @@ def check(manifest, k8s_version=K8S_VERSION):
     if problems:
         raise ManifestError(problems)
     return yaml.safe_load(manifest) if isinstance(manifest, str) else manifest
-
-

@@ -126,7 +126,8 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
     so one cluster measures several world sizes); the other ranks return None.
     """
     from course_lib.collectives import allreduce
-    from course_lib.comm import TorchComm, get_comm
+    from course_lib.comm import get_comm
+    from course_lib.comm_torch import TorchComm
     comm = get_comm(transport, timeout=timeout, link=link,
                     check_sizes="always" if check == "messages" else True)
     if world_size is not None and world_size != comm.world_size:

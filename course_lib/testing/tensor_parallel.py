@@ -20,7 +20,7 @@ import copy
 import torch
 from torch import nn
 
-from course_lib.comm import TorchComm
+from course_lib.comm_torch import TorchComm
 from course_lib.tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,

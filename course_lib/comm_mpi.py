@@ -1,0 +1,153 @@
+"""Messages over MPI (:class:`MpiComm`, with mpi4py): numpy arrays or CPU tensors, sent as
+bytes; the interface is :class:`course_lib.comm.Comm`'s.
+
+Introduced in notebooks/02_parallel_computing.ipynb.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from course_lib import netem
+from course_lib.comm import DEFAULT_TIMEOUT, STAMP_TAG, Comm, CommTimeout, Request, nbytes
+
+
+class MpiComm(Comm):
+    """Messages over MPI: numpy arrays or CPU tensors, sent as bytes (any dtype, fp16 too).
+
+    Waits poll ``Test`` (MPI progresses inside MPI calls), so a deadline or a Ctrl-C can stop them.
+    A checked receive probes its message's size (``Iprobe``) before it is posted.
+    Introduced in notebooks/02_parallel_computing.ipynb.
+    """
+
+    transport = "mpi"
+
+    def __init__(self, mpi_comm=None, timeout=DEFAULT_TIMEOUT, check_sizes=True, link=None):
+        from mpi4py import MPI
+        self.MPI = MPI
+        self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout, check_sizes, link)
+
+    def _bytes(self, buf):
+        if isinstance(buf, np.ndarray):
+            if not buf.flags.c_contiguous:
+                raise ValueError(f"buffers must be contiguous, got strides {buf.strides}")
+            return [buf.reshape(-1).view(np.uint8), self.MPI.BYTE]
+        import torch
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ValueError("the mpi transport takes contiguous CPU buffers")
+        if buf.numel() == 0:  # an empty tensor may have stride 0, which view(uint8) rejects
+            return [np.empty(0, np.uint8), self.MPI.BYTE]
+        return [buf.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE]
+
+    def isend(self, buf, dst, tag=0, check_size=None, _op="isend"):
+        dst = self._peer(dst, _op)  # an MPI message carries its size: nothing to add
+        req = Request(self, _op, "send", dst, buf, None, tag)
+        self.bytes_sent += nbytes(buf)
+        if self.link is not None:  # the stamp goes first, in a message of its own
+            start, req.end = netem.send_stamp(self.link, nbytes(buf))
+            stamp = np.array([start])
+            req.stamp_msg = (self.mpi.Isend(stamp, dst, tag + STAMP_TAG), stamp)
+        req.handle = self.mpi.Isend(self._bytes(buf), dst, tag)
+        return req
+
+    def irecv(self, buf, src, tag=0, check_size=None, _op="irecv"):
+        src = self._peer(src, _op)
+        data = self._bytes(buf)
+        check_size = self._checked(check_size)
+        req = Request(self, _op, "recv", src, buf, None, tag, check_size)
+        if self.link is not None:
+            stamp = np.zeros(1)
+            req.stamp_msg = (self.mpi.Irecv(stamp, src, tag + STAMP_TAG), stamp)
+        if not check_size:
+            req.handle = self.mpi.Irecv(data, src, tag)
+        return self._queue(req)
+
+    def _stamp(self, request):
+        """The stamp's message left before its data did: it is here, or arrives at once."""
+        handle, stamp = request.stamp_msg
+        deadline = time.monotonic() + self.timeout
+        while not handle.Test():
+            if time.monotonic() > deadline:
+                handle.Cancel()
+                raise request._timed_out(self.timeout)
+            os.sched_yield()
+        return float(stamp[0]) if request.kind == "recv" else None
+
+    def _emulate(self, request):
+        if request.stamp_msg is not None and request.kind == "send":
+            self._stamp(request)  # the stamp's send buffer is free once it completed
+        super()._emulate(request)
+
+    def _post(self, req):
+        """Post the checked receives from ``req``'s peer and tag, in order, whose messages have
+        arrived (``Iprobe`` tells their size); a mismatched one is received and dropped. True
+        once ``req`` is posted."""
+        line = self._unposted[(req.peer, req.tag)]
+        status = self.MPI.Status()
+        while not req.posted:
+            r = line[0]
+            if not self.mpi.Iprobe(r.peer, r.tag, status):
+                return False
+            line.pop(0)
+            sent = status.Get_count(self.MPI.BYTE)
+            if sent != nbytes(r.buf):
+                self.mpi.Recv([np.empty(sent, np.uint8), self.MPI.BYTE], r.peer, r.tag)
+                r.error = r._size_error(sent)
+            else:
+                r.handle = self.mpi.Irecv(self._bytes(r.buf), r.peer, r.tag)
+            r.posted = True
+        return True
+
+    def _complete(self, req, timeout):
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while True:
+            if req.posted or self._post(req):
+                if req.error is not None:
+                    raise req.error
+                if req.handle.Test():
+                    return True
+            spins += 1
+            if spins % 64 == 0:
+                if time.monotonic() > deadline:
+                    if req.handle is not None:
+                        req.handle.Cancel()
+                    return False
+                os.sched_yield()  # let a rank sharing this core run
+
+    def _wait_all(self, requests, timeout):
+        """One polling loop over all requests (``Testall``): a ring step pays one loop, not two.
+        Checked receives not posted yet are completed one by one instead."""
+        pending = [r for r in requests if not r.done]
+        if not all(r.posted and r.error is None for r in pending):
+            return super()._wait_all(requests, timeout)
+        handles = [r.handle for r in pending]
+        deadline = time.monotonic() + timeout
+        spins = 0
+        while not self.MPI.Request.Testall(handles):
+            spins += 1
+            if spins % 64 == 0:
+                if time.monotonic() > deadline:
+                    for r in pending:
+                        if not r.handle.Test():
+                            r.handle.Cancel()
+                            raise r._timed_out(timeout)
+                os.sched_yield()
+        for r in pending:
+            r.done = True
+            self._emulate(r)
+
+    def barrier(self, timeout=None):
+        """Every rank waits here until all have arrived (``Ibarrier``, with a deadline)."""
+        timeout = self.timeout if timeout is None else timeout
+        barrier, deadline = self.mpi.Ibarrier(), time.monotonic() + timeout
+        while not barrier.Test():
+            if time.monotonic() > deadline:  # an Ibarrier cannot be cancelled
+                raise CommTimeout(f"rank {self.rank}: barrier over mpi did not complete within "
+                                  f"{timeout:g}s (world size {self.world_size}): a rank is "
+                                  "missing")
+            os.sched_yield()
