@@ -211,7 +211,7 @@ def test_figures_page_shows_every_image(open_page):
 
 
 # The current slide against the deck's viewport: nothing outside it (what a box that scrolls
-# clips is inside it), no code line cut off, every image of the slide loaded.
+# clips is inside it), no code line cut off, every image of the slide loaded, every formula once.
 SLIDE_JS = """() => {
   const slide = Reveal.getCurrentSlide();
   const box = document.querySelector('.reveal .slides').getBoundingClientRect();
@@ -225,6 +225,9 @@ SLIDE_JS = """() => {
     problems.push(`slide ${Math.round(r.top)}..${Math.round(r.bottom)} outside ` +
                   `${Math.round(box.top)}..${Math.round(box.bottom)}`);
   if (slide.scrollHeight > slide.clientHeight + 1) problems.push('slide scrolls');
+  for (const math of slide.querySelectorAll('.MathJax_CHTML'))  // typeset once, shown once
+    if (math.querySelectorAll(':scope > .mjx-math').length > 1)
+      problems.push(`formula shown twice: ${math.textContent.slice(0, 20)}`);
   for (const e of slide.querySelectorAll('pre, img, table, .jp-OutputArea-output')) {
     const q = e.getBoundingClientRect(), name = e.tagName + '.' + e.className;
     if (!clipped(e) && (q.bottom > box.bottom + 1 || q.right > box.right + 1))
@@ -275,3 +278,16 @@ def test_deck_reuses_the_cache_and_steps_through_ten_slides_that_fit(built, open
     assert len(set(seen)) == 10, f"Reveal.next() did not move on every step: {seen}"
     assert page.locator(".reveal .slides section .MathJax_CHTML").count() > 0
     assert not page.problems, page.problems
+
+
+def test_a_deck_opened_at_a_later_slide_shows_each_formula_once(built, open_page):
+    """A presenter reloads the deck mid-lecture (its URL keeps the slide) or jumps ahead while
+    MathJax is still typesetting: each formula of that slide is still typeset once."""
+    page = open_page(f"slides/{DECK}", viewport=(1280, 800))
+    page.wait_for_function("() => window.Reveal && Reveal.isReady()", timeout=30_000)
+    page.evaluate("() => Reveal.slide(2, 0)")  # notebook 01's gradient descent: ten formulas
+    _wait_fitted(page)
+    time.sleep(1)  # anything queued after the slide change has run
+    state = page.evaluate(SLIDE_JS)
+    assert page.locator(".present .MathJax_CHTML").count() >= 5
+    assert not state["problems"], state["problems"]
