@@ -45,8 +45,6 @@ from course_lib.launch import (
     MPI_LOOPBACK,
     PROFILE,
     clean_clusters,
-    cluster_processes,
-    kill_tree,
     mpiexec_path,
     process_status,
     slurm_config,
@@ -407,9 +405,6 @@ def _reuse(cluster_id, n, *args):
     except Exception:  # noqa: BLE001 - dead or half gone: start afresh
         stop_and_reap(ipp_cluster)
         ipp_cluster.remove_cluster_file()
-        # the new cluster takes the same id: nothing of the old one may outlive its file
-        for pids in cluster_processes(lambda found: found == cluster_id).values():
-            kill_tree(pids)
         return None
 
 

@@ -104,6 +104,7 @@ def clean_clusters(all=False, shared_by=None):
         clusters = manager.load_clusters(profile=PROFILE)
     except Exception:  # noqa: BLE001 - no profile yet: nothing to clean
         return stopped
+
     def doomed(cluster_id):
         return (all or not _owner_alive(cluster_id)
                 or cluster_id.startswith(f"{shared_by}-shared-"))
@@ -116,17 +117,8 @@ def clean_clusters(all=False, shared_by=None):
                 pass
             c.remove_cluster_file()
             stopped.append(c.cluster_id)
-    # processes whose cluster file is gone (removed while they ran) are found by their
-    # environment; the files above went first so that a cluster is stopped the usual way
-    for cluster_id, pids in cluster_processes(doomed).items():
-        kill_tree(pids)
-        stopped += [] if cluster_id in stopped else [cluster_id]
-    security = _security_dir()  # connection files of clusters stopped before, by a kill
-    for file in security.glob("ipcontroller-*-client.json") if security else ():
-        cluster_id = file.name[len("ipcontroller-"):-len("-client.json")]
-        if doomed(cluster_id):
-            _remove_connection_files(cluster_id)
-    return stopped
+    # clusters whose file is gone (removed while they ran) are found by their processes
+    return stopped + [found for found in _kill_leftovers(doomed) if found not in stopped]
 
 
 def cluster_processes(select=lambda cluster_id: True):
@@ -148,6 +140,23 @@ def cluster_processes(select=lambda cluster_id: True):
         if cluster_id and profile == f"profile_{PROFILE}" and select(cluster_id):
             found.setdefault(cluster_id, []).append(proc.pid)
     return found
+
+
+def _kill_leftovers(select):
+    """Kill what is still running of the clusters whose id ``select`` accepts (found by
+    :func:`cluster_processes`) and remove the connection files that their controllers, killed,
+    could not remove; returns the ids of the clusters found running."""
+    found = cluster_processes(select)
+    for pids in found.values():
+        kill_tree(pids)
+    security = _security_dir()
+    for file in security.glob("ipcontroller-*.json") if security else ():
+        # ipcontroller-{cluster id}-{client|engine}.json
+        if select(file.stem[len("ipcontroller-"):].rsplit("-", 1)[0]):
+            file.unlink(missing_ok=True)
+    return list(found)
+
+
 def start_watchdog(owner, cluster_file, poll=0.5):
     """Start a small process that stops the cluster of ``cluster_file`` once ``owner`` (the
     pid that started it: a notebook kernel, a test session) is gone without stopping it:
@@ -205,8 +214,8 @@ def stop_and_reap(ipp_cluster, extra_pids=()):
     then let ipyparallel remove the cluster's files.
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     kill_tree({*_launcher_pids(ipp_cluster), *extra_pids}, timeout=10)
+    _kill_leftovers(lambda found: found == ipp_cluster.cluster_id)  # what the trees missed
     ipp_cluster.stop_cluster_sync()
-    _remove_connection_files(ipp_cluster.cluster_id)
 
 
 def _security_dir():
@@ -215,14 +224,6 @@ def _security_dir():
         return Path(locate_profile(PROFILE), "security")
     except OSError:  # no profile yet
         return None
-
-
-def _remove_connection_files(cluster_id):
-    """The controller's connection files: a killed controller cannot remove them itself."""
-    security = _security_dir()
-    for side in ("client", "engine"):
-        if security is not None:
-            security.joinpath(f"ipcontroller-{cluster_id}-{side}.json").unlink(missing_ok=True)
 
 
 def launched_rank():
