@@ -163,11 +163,13 @@ class Cluster:
         :class:`EngineDied` error (returned, not raised), as an asynchronous job that must
         survive a lost worker wants. Either way the next call restarts the dead engines.
         """
+        __tracebackhide__ = True  # a notebook shows the error, not these frames
         if self.stopped:
             raise ClusterError(f"this cluster of {self.n} ranks was stopped (cluster.stop(), or "
                                "the end of its with block): run the set-up cell again to start "
                                "one, cluster = start_cluster(...)")
-        __tracebackhide__ = True  # a notebook shows the error, not these frames
+        if not self._broken:
+            self.dead_ranks()  # an engine that died since the last call: restarted first
         if self._broken:
             self._repair()
         ar = self.view.apply_async(call_and_report, fn, args, kwargs)
@@ -228,19 +230,20 @@ class Cluster:
         return [r for r, m in enumerate(ar.msg_ids) if m in self.client.outstanding]
 
     def _wait(self, ar, fn, timeout, allow_dead=False):
+        __tracebackhide__ = True
         timeout = self.timeout if timeout is None else timeout
         name = getattr(fn, "__qualname__", repr(fn))
         deadline = time.monotonic() + timeout
         dead = []
         while not ar.ready():
             ar.wait(0.05)
-            dead = self._dead_ranks()
+            dead = self.dead_ranks()  # marks the cluster broken ("engines") when one died
             if dead and allow_dead:
-                self._broken = "engines"  # the next call restarts them
                 if set(self._pending(ar)) <= set(dead):
                     return self._results_without(ar, dead, name)
             elif dead:
-                self._interrupt(ar, self._pending(ar), engines_dead=True)
+                self._interrupt(ar, [r for r in self._pending(ar) if r not in dead],
+                                engines_dead=True)
                 raise self._died(dead, name)
             if time.monotonic() > deadline and not ar.ready():
                 late = [r for r in self._pending(ar) if r not in dead]
@@ -251,9 +254,8 @@ class Cluster:
                     "they were interrupted; the next call re-creates the process group"
                 raise ClusterTimeout(f"{name} did not finish within {timeout:g}s on rank(s) "
                                      f"{late} of {self.n}; {then}")
-        dead = self._dead_ranks()  # died as the call ended (its peers' collectives failed at once)
+        dead = self.dead_ranks()  # died as the call ended (its peers' collectives failed at once)
         if dead:
-            self._broken = "engines"
             if allow_dead:
                 return self._results_without(ar, dead, name)
             raise self._died(dead, name)
@@ -299,19 +301,33 @@ class Cluster:
 
     def _interrupt(self, ar, ranks, engines_dead=False, grace=3.0):
         """SIGINT ``ranks``; kill those still running after ``grace`` s. Returns the killed."""
-        if ranks:
-            self.client.send_signal(signal.SIGINT, targets=[self.engine_ids[r] for r in ranks],
-                                    block=False)
+        # broken before anything that can raise: the next call repairs whatever happens here
+        self._broken = "engines" if engines_dead else (self._broken or "pg")
+        self._signal(ranks, signal.SIGINT)
         frozen = self._ranks_in_state(ranks, ("stopped", "tracing-stop"))  # alive, no handler runs
         deadline = time.monotonic() + grace
         while set(self._pending(ar)) - set(frozen) and time.monotonic() < deadline:
             ar.wait(0.05)
         stuck = self._pending(ar)
-        for r in stuck:  # deaf to SIGINT (blocked in a native wait): restarted by the next call
-            if not _signal_pid(self.pids[r], signal.SIGKILL, self.probes[r]["host"]):
-                self.client.send_signal(signal.SIGKILL, targets=[self.engine_ids[r]], block=False)
-        self._broken = "engines" if (stuck or engines_dead) else "pg"
+        self._signal(stuck, signal.SIGKILL)  # deaf to SIGINT (blocked in a native wait)
+        if stuck:
+            self._broken = "engines"  # restarted by the next call
         return stuck
+
+    def _signal(self, ranks, sig):
+        """Send ``sig`` to the engines of ``ranks``: straight to a process on this host, through
+        the controller to one on another host. An engine the controller has already dropped is
+        dead: it is skipped (ipyparallel raises KeyError for an id it no longer knows, and the
+        controller may drop one between our look and the send)."""
+        remote = [self.engine_ids[r] for r in ranks
+                  if not _signal_pid(self.pids[r], sig, self.probes[r]["host"])]
+        registered = set(self.client.ids)
+        remote = [e for e in remote if e in registered]
+        if remote:
+            try:
+                self.client.send_signal(sig, targets=remote, block=False)
+            except (KeyError, ipp.error.NoEnginesRegistered):
+                pass
 
     # -- the end
     @property

@@ -206,7 +206,7 @@ def run(cluster, policy, trial=train_trial, directory=None, ranks=None, name=Non
     finally:
         if faults:  # on the engines still alive: nothing stays armed for the next search
             live = [cluster.engine_ids[r] for r in ranks if r not in cluster.dead_ranks()]
-            cluster.client[live].apply_sync(_disarm)
+            cluster.client[live].apply_async(_disarm).get(timeout=30)
 
 
 def _disarm():

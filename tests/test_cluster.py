@@ -90,6 +90,46 @@ def test_allow_dead_lets_the_other_ranks_finish(cluster):
     assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]  # restarted, ranks kept
 
 
+def test_an_engine_the_controller_dropped_is_dead_not_a_key_error(cluster, monkeypatch):
+    """The race of a killed engine: the controller unregisters it before the cluster's own
+    look at the process sees it dead. Forced every time here: the look waits until the engine's
+    id is gone from the controller. Signalling the peers must skip the dropped id (ipyparallel
+    raises KeyError for it), end in EngineDied, and leave the cluster repaired by the next call."""
+    dropped = cluster.engine_ids[2]
+    looks = cluster._dead_ranks
+
+    def look_after_the_controller_dropped_it():
+        dead = looks()
+        if dead:
+            deadline = time.monotonic() + 30
+            while dropped in cluster.client.ids and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert dropped not in cluster.client.ids, "the controller never dropped the engine"
+        return dead
+
+    monkeypatch.setattr(cluster, "_dead_ranks", look_after_the_controller_dropped_it)
+    pid = cluster.pids[2]
+    t = time.monotonic()
+    with pytest.raises(C.EngineDied, match=rf"rank 2 \(pid {pid}\) died while running exit_on"):
+        cluster.run(C.exit_on, 2, 30.0)
+    assert time.monotonic() - t < 25  # ranks 0 and 1 were interrupted, not waited for
+    monkeypatch.undo()
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]  # restarted, ranks kept
+    assert cluster.engine_ids[2] != dropped
+
+
+def test_an_engine_dead_between_calls_is_restarted_by_the_next(cluster):
+    """An engine killed while the cluster is idle (and dropped by the controller): the next
+    call restarts it instead of naming an id the controller no longer knows."""
+    dropped, pid = cluster.engine_ids[1], cluster.pids[1]
+    os.kill(pid, 9)
+    deadline = time.monotonic() + 30
+    while dropped in cluster.client.ids and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
+    assert pid not in cluster.pids
+
+
 def test_every_listener_is_on_loopback(cluster):
     pids = set(_cluster_pids(cluster))
     listening = [c for c in psutil.net_connections("inet")

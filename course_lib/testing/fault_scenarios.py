@@ -372,6 +372,17 @@ def chief_killed_mid_checkpoint(ctx):
     return None, f"killed, resumed from {starts[1]['checkpoint']}: {run.failures[0][:80]}"
 
 
+@scenario("chief-killed-twice", "the chief killed in two attempts in a row (its engine dropped "
+          "by the controller as the cluster looks) restarts twice and finishes", 10.0)
+def chief_killed_twice(ctx):
+    from course_lib import chief
+    run = chief.supervise(ctx.cluster, ctx.tmp / "ckpt", 12, 5, report=lambda *_: None,
+                          faults=["train-step:kill@8:rank=0", "train-step:kill@3:rank=0"])
+    check(run.restarts == 2 and all("rank 0" in f and "died" in f for f in run.failures),
+          f"restarts {run.restarts}: {run.failures}")
+    return None, f"killed twice, finished: {run.failures[1][:80]}"
+
+
 @scenario("checkpoint-damaged", "a truncated or bit-flipped checkpoint is named and the one "
           "before it is used", 1.0)
 def checkpoint_damaged(ctx):
