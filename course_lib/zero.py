@@ -14,10 +14,11 @@ numbers per parameter). ZeRO keeps one copy of the state *across* the ranks inst
   its forward, freed after it, gathered again before its backward and freed after it (FSDP):
   1.5x DDP's bytes, 1/N of all the state.
 
-Each top-level child of the model with parameters is one *unit* (FSDP's wrapping): its
-parameters are flattened into one vector, cut into N contiguous shards with ``shard_bounds``
-(any size: the last shards may be one element shorter), and the optimizer sees one tensor per
-unit, this rank's shard::
+Each top-level child of the model with trainable parameters is one *unit* (FSDP's wrapping):
+its trainable parameters are flattened into one vector, cut into N contiguous shards with
+``shard_bounds`` (any size: the last shards may be one element shorter), and the optimizer sees
+one tensor per unit, this rank's shard. Frozen parameters (``requires_grad=False``) are in no
+unit: every rank keeps them whole, like buffers, with no gradient and no optimizer state::
 
     model = ZeroDataParallel(net, lambda shards: torch.optim.Adam(shards, lr=1e-3), comm, stage=3)
     loss = loss_fn(model(x_local), y_local)   # this rank's part of the global batch
@@ -161,6 +162,8 @@ class ZeroDataParallel(nn.Module):
         self.memory_at_update = None  # memory() just before the last optimizer update
         self.peak = None              # memory() when this rank held the most, since reset_peak()
         self.units = [_Unit(m, comm, sharded=stage > 0) for m in units_of(module)]
+        # frozen parameters: in no unit (nothing to train, so nothing to shard); kept whole
+        self.frozen = [p for p in module.parameters() if not p.requires_grad]
         if stage == 0:
             self.optimizer = make_optimizer([p for u in self.units for p in u.params])
         else:
@@ -242,20 +245,22 @@ class ZeroDataParallel(nn.Module):
                              f"{self.memory_budget}: {self.peak}")
 
     def full_parameters(self):
-        """Every parameter, whole (stage 3 gathers them for the moment), as detached copies."""
-        out = []
+        """Every parameter (frozen ones too), whole, in ``parameters()`` order, as detached
+        copies (stage 3 gathers one unit at a time for the moment)."""
+        whole = {}
         for unit in self.units:
             if self.stage == 3:
                 unit.gather(self.algorithm)
-            out += [p.detach().clone() for p in unit.params]
+            whole.update((id(p), p.detach().clone()) for p in unit.params)
             if self.stage == 3:
                 unit.release()
-        return out
+        return [whole[id(p)] if id(p) in whole else p.detach().clone()
+                for p in self.module.parameters()]
 
     def memory(self):
-        """Bytes this rank holds now, by kind: full parameters, gradients (full and shards),
-        optimizer state, parameter shards, and their total. (``memory_at_update``: the same just
-        before the last update; ``peak``: when the total was largest.)"""
+        """Bytes this rank holds now, by kind: full parameters (frozen ones too), gradients (full
+        and shards), optimizer state, parameter shards, and their total. (``memory_at_update``:
+        the same just before the last update; ``peak``: when the total was largest.)"""
         seen = set()  # a storage counts once: stage 1's gradients are views of one buffer
 
         def size(tensors):
@@ -267,7 +272,7 @@ class ZeroDataParallel(nn.Module):
             return total
         params = [p for u in self.units for p in u.params]
         shards = [u.shard for u in self.units] if self.stage else []
-        held = {"parameters": size(params),
+        held = {"parameters": size(params + self.frozen),
                 "gradients": size([p.grad for p in params] + [s.grad for s in shards]),
                 "optimizer": size(v for s in self.optimizer.state.values() for v in s.values()
                                   if torch.is_tensor(v) and v.dim() > 0),
@@ -287,17 +292,17 @@ class ZeroDataParallel(nn.Module):
 
 
 def units_of(module):
-    """The units ZeRO shards one at a time: the top-level children with parameters, if they
-    hold them all, else the whole module. Introduced in
+    """The units ZeRO shards one at a time: the top-level children with trainable parameters,
+    if they hold them all, else the whole module (none if nothing is trainable). Introduced in
     notebooks/10_sharded_data_parallelism.ipynb."""
-    children = [m for m in module.children() if any(True for _ in m.parameters())]
+    children = [m for m in module.children() if _numel(m)]  # a frozen child: not a unit
     if children and sum(_numel(m) for m in children) == _numel(module):
         return children
-    return [module]
+    return [module] if _numel(module) else []
 
 
-def _numel(module):
-    return sum(p.numel() for p in module.parameters() if p.requires_grad)
+def _numel(module, trainable=True):
+    return sum(p.numel() for p in module.parameters() if p.requires_grad == trainable)
 
 
 def planned_memory(module, world_size, stage, optimizer_numbers=2):
@@ -305,15 +310,16 @@ def planned_memory(module, world_size, stage, optimizer_numbers=2):
     :class:`ZeroDataParallel` at ``stage``, by kind (as ``memory()`` counts them): the paper's
     accounting plus what this implementation adds (stages 1-2 keep their parameter shard
     beside the full parameters; stage 2 the full gradients of one unit during the backward;
-    stage 3 the unit being computed, gathered, with its full gradients).
+    stage 3 the unit being computed, gathered, with its full gradients). Frozen parameters count
+    as parameters only, whole on every rank.
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
     p = next(module.parameters())
     b, N, K = p.element_size(), world_size, optimizer_numbers
     sizes = [_numel(m) for m in units_of(module)]
     psi = sum(sizes)
     shard = sum(-(-n // N) for n in sizes) if stage else 0  # the first shards are the longest
-    largest = max(sizes)
-    plan = {"parameters": b * (psi if stage < 3 else largest),
+    largest, frozen = max(sizes, default=0), _numel(module, trainable=False)
+    plan = {"parameters": b * ((psi if stage < 3 else largest) + frozen),
             "gradients": b * {0: psi, 1: psi, 2: largest + shard, 3: largest + shard}[stage],
             "optimizer": b * K * (shard if stage else psi),
             "shards": b * shard}
@@ -340,7 +346,7 @@ def does_not_fit_message(module, world_size, stage, budget, optimizer_numbers=2)
                      f"({_mb(planned_memory(module, n, s, optimizer_numbers)['total'])}).")
     else:
         element = next(module.parameters()).element_size()
-        largest = max(_numel(m) for m in units_of(module)) * element
+        largest = max((_numel(m) for m in units_of(module)), default=0) * element
         lines.append(f"Even sharding over {16 * world_size} ranks does not fit: at stage 3 a "
                      f"rank still gathers its largest unit whole ({_mb(2 * largest)} with its "
                      "gradients); split that layer (tensor parallelism, notebook 09) or raise "

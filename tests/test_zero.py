@@ -23,6 +23,65 @@ def test_one_rank_is_one_process():
             assert torch.allclose(p, q, rtol=0, atol=1e-12)
 
 
+FROZEN_MODELS = ["frozen-first", "frozen-middle"]  # a whole layer and one tensor frozen
+
+
+def frozen_bytes(name):
+    """Bytes of the trainable and of the frozen parameters of a model of K.MODELS (float64)."""
+    params = list(K.MODELS[name][0]().parameters())
+    return (sum(p.numel() * 8 for p in params if p.requires_grad),
+            sum(p.numel() * 8 for p in params if not p.requires_grad))
+
+
+@pytest.mark.parametrize("name", FROZEN_MODELS)
+def test_frozen_parameters_on_one_rank(name):
+    """Frozen parameters (a whole layer, and one bias of another) stay exactly as they were at
+    every stage, the others equal one process's (torch, no sharding), and the frozen ones
+    count as parameters only: no gradient, no optimizer state."""
+    from course_lib.comm import Comm
+    make, sizes = K.MODELS[name]
+    trainable, frozen = frozen_bytes(name)
+    for stage in zero.STAGES:
+        for optimizer in K.OPTIMIZERS:
+            model = zero.ZeroDataParallel(make(), K.OPTIMIZERS[optimizer], Comm(0, 1), stage)
+            x, y = K.make_data(sizes=sizes)
+            for _ in range(3):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                model.step()
+            reference = K.one_process(optimizer, model=name)  # torch, every parameter given
+            for p, q, start in zip(model.full_parameters(), reference, make().parameters(),
+                                   strict=True):
+                assert torch.allclose(p, q, rtol=0, atol=1e-12), (stage, optimizer)
+                assert start.requires_grad or torch.equal(p, start), (stage, optimizer)
+            held = model.memory()
+            assert held["parameters"] == (trainable if stage < 3 else 0) + frozen, held
+            numbers = {"adam": 2, "sgd": 1}[optimizer]  # Adam's two moments; the momentum
+            assert held["optimizer"] == numbers * trainable and held["gradients"] == 0, held
+        plan = zero.planned_memory(make(), 1, stage)
+        assert plan["parameters"] >= frozen and plan["optimizer"] == 2 * trainable, plan
+        assert plan["gradients"] <= 2 * trainable, plan
+
+
+@pytest.mark.parametrize("stage", zero.STAGES)
+@pytest.mark.parametrize("name", FROZEN_MODELS)
+def test_frozen_parameters_on_three_ranks(cluster, stage, name):
+    """The same on 3 ranks (which do not divide the units): equal to one process, the frozen
+    parameters unchanged, kept whole on every rank and counted as parameters only; the peak
+    held is the plan."""
+    reports = [r for r in cluster.run(K.zero_matches_one_process, stage, "adam", world_size=3,
+                                      model=name) if r]
+    assert len(reports) == 3
+    trainable, frozen = frozen_bytes(name)
+    for r in reports:
+        assert r["diff"] < 1e-10 and r["frozen_changed"] == 0, r
+        held = r["memory"]
+        assert held["parameters"] == (trainable if stage < 3 else 0) + frozen, held
+        assert held["optimizer"] == 2 * (held["shards"] if stage else trainable), held
+        assert held["gradients"] == 0, held
+        assert 0.9 * r["plan"]["total"] <= r["peak"]["total"] <= r["plan"]["total"], r
+    assert sum(r["memory"]["shards"] for r in reports) == (trainable if stage else 0)
+
+
 @pytest.mark.parametrize("stage", zero.STAGES)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_stage_equals_one_process_with_adam(cluster, stage, world_size):

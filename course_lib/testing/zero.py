@@ -5,6 +5,7 @@ notebooks/10_sharded_data_parallelism.ipynb."""
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import torch
 from torch import nn
@@ -53,9 +54,11 @@ def one_process(optimizer="adam", steps=3, batch=12, seed=0, model="small"):
 def zero_matches_one_process(stage, optimizer="adam", steps=3, world_size=None,
                              algorithm="ring", batch=12, seed=0, model="small"):
     """``steps`` of ZeRO ``stage`` on this rank's rows of the global batch; returns the largest
-    difference of the parameters from :func:`one_process`, this rank's memory by kind and the
-    bytes it sent per step, or None outside ``world_size``. ``model``: "small" (2 layers,
-    :func:`make_model`) or "deep" (16 layers, :func:`deep_model`).
+    difference of the parameters from :func:`one_process`, the largest change of the frozen
+    ones, this rank's memory by kind and the bytes it sent per step, or None outside
+    ``world_size``. ``model``: a name of ``MODELS``: "small" (2 layers, :func:`make_model`),
+    "deep" (16 layers, :func:`deep_model`), "frozen-first" or "frozen-middle"
+    (:func:`frozen_model`).
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
     comm = subgroup_comm(world_size)
     if comm is None:
@@ -79,7 +82,11 @@ def zero_matches_one_process(stage, optimizer="adam", steps=3, world_size=None,
     reference = one_process(optimizer, steps, batch, seed, name)
     diff = max(float((p - q).abs().max())
                for p, q in zip(model.full_parameters(), reference, strict=True))
-    return {"diff": diff, "memory": model.memory(), "at_update": model.memory_at_update,
+    frozen = max((float((p - q).abs().max()) for p, q in
+                  zip(model.full_parameters(), make(seed=seed).parameters(), strict=True)
+                  if not q.requires_grad), default=0.0)
+    return {"diff": diff, "frozen_changed": frozen, "memory": model.memory(),
+            "at_update": model.memory_at_update,
             "peak": model.peak, "sent_per_step": sent,
             "plan": planned_memory(make(seed=seed), comm.world_size, stage),
             "peak_parameters_in_forward": peak[0], "world_size": comm.world_size}
@@ -164,4 +171,21 @@ def train_under_budget(budget, stage=3, world_size=None, steps=5, layers=16, wid
             "world_size": comm.world_size}
 
 
-MODELS = {"small": (make_model, (5, 3)), "deep": (deep_model, (32, 32))}
+def frozen_model(seed=0, frozen="first"):
+    """A float64 MLP of 3 Linear layers (5 -> 7 -> 4 -> 3) with frozen parameters: a whole layer
+    and one tensor of another. ``frozen``: "first" (the first layer, which the backward then
+    does not reach, and the last layer's bias) or "middle" (the middle layer, which the
+    gradient passes through, and the first layer's bias).
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4), nn.Tanh(),
+                          nn.Linear(4, 3)).double()
+    layer, bias = {"first": (0, 4), "middle": (2, 0)}[frozen]
+    model[layer].requires_grad_(False)
+    model[bias].bias.requires_grad_(False)
+    return model
+
+
+MODELS = {"small": (make_model, (5, 3)), "deep": (deep_model, (32, 32)),
+          "frozen-first": (partial(frozen_model, frozen="first"), (5, 3)),
+          "frozen-middle": (partial(frozen_model, frozen="middle"), (5, 3))}
