@@ -33,8 +33,8 @@ found before, in four layers (:mod:`course_lib.k8s_validate`: ``validate`` lists
    ``kubectl apply``'s strict field validation does (``crd_problems``; the schemas and their
    sources are in ``course_lib/k8s_schemas/``);
 4. what the operators' webhooks and controllers require and no schema says: restart policies,
-   container names, replicas x processes = world size, the MPI flavour
-   (:mod:`course_lib.k8s_rules`).
+   container names and images, replica counts, replicas x processes = world size, the MPI
+   flavour (:mod:`course_lib.k8s_rules`).
 
 :mod:`course_lib.k8s_pods` shows what the operator would write into each pod::
 
@@ -59,6 +59,8 @@ import yaml
 K8S_VERSION = "1.30"
 WORLD_SIZE_ANNOTATION = "course-lib/world-size"
 RESTART_POLICIES = ("Always", "OnFailure", "Never", "ExitCode")
+# mpi-operator pkg/apis/kubeflow/validation/validation.go validRestartPolicies
+MPI_RESTART_POLICIES = ("Never", "OnFailure")
 MPI_IMPLEMENTATIONS = ("OpenMPI", "Intel", "MPICH")
 KINDS = ("PyTorchJob", "TFJob", "MPIJob", "TrainJob")
 

@@ -217,8 +217,9 @@ def _trainjob_nproc(trainer):
     # kubeflow/trainer pkg/runtime/framework/plugins/torch/torch.go EnforceMLPolicy and
     # calculateNumProcPerNode (commit 85eed65): "auto" becomes the CPU count when no GPU is
     # asked for; when the limits do not decide, the requests are consulted, and a node without
-    # requests gets 1 process.
-    value = trainer.get("numProcPerNode", "auto")   # torch-distributed's mlPolicy says auto
+    # requests gets 1 process. Since Trainer v2.2 a TrainJob's numProcPerNode is an int or left
+    # out, and left out means auto (kubeflow/trainer#3239).
+    value = trainer.get("numProcPerNode", "auto")
     resources_ = trainer.get("resourcesPerNode")
     if resources_ is None:
         return str(value)

@@ -17,6 +17,7 @@ from course_lib.k8s import (
     CONTAINER_NAMES,
     KINDS,
     MPI_IMPLEMENTATIONS,
+    MPI_RESTART_POLICIES,
     REPLICA_SPECS,
     REPLICA_TYPES,
     RESTART_POLICIES,
@@ -56,6 +57,16 @@ def _mpirun_np(tokens):
     return None
 
 
+def _no_image(kind):
+    """Why a container without an image is refused: Kubernetes' pod template schema leaves
+    ``image`` optional (a Deployment may fill it in), the operators do not."""
+    if kind == "MPIJob":    # mpi-operator's ValidateMPIJob does not look at images
+        return "mpi-operator accepts the job, but Kubernetes refuses to create a pod without one"
+    # training-operator pkg/webhooks (utils.ValidateReplicaSpecs): containers[i].image required
+    return (f"the {kind} webhook rejects the job (a pod template may leave it out, "
+            "the operator may not)")
+
+
 def _container_rules(kind, rtype, template, where, label):
     problems = []
     containers = lookup(template, "spec", "containers")
@@ -64,6 +75,13 @@ def _container_rules(kind, rtype, template, where, label):
                         f"{rtype} has no containers: the operator has nothing to run")]
     if not isinstance(containers, list):
         return problems                         # layers 2 and 3 say what is wrong
+    for i, container in enumerate(containers):
+        if isinstance(container, dict) and not container.get("image"):
+            name = container.get("name")
+            who = f"{rtype} container {name!r}" if name else f"{rtype} container {i}"
+            problems.append(Problem(label, "rules",
+                                    field_path(*where, "spec", "containers", i, "image"),
+                                    f"{who} has no image: {_no_image(kind)}"))
     names = [c.get("name") for c in containers if isinstance(c, dict)]
     wanted = CONTAINER_NAMES.get(kind)
     if wanted and wanted not in names:
@@ -91,12 +109,16 @@ def _replica_rules(manifest, label):
         if not isinstance(rspec, dict):
             continue
         policy = rspec.get("restartPolicy")
-        if policy is not None and policy not in RESTART_POLICIES:
+        if kind == "MPIJob" and policy is not None and policy not in MPI_RESTART_POLICIES:
+            problems.append(Problem(label, "rules", field_path(*where, "restartPolicy"),
+                                    f"{policy!r}: mpi-operator allows only Never or OnFailure "
+                                    "(its ValidateMPIJob refuses the job)"))
+        elif policy is not None and policy not in RESTART_POLICIES:
             problems.append(Problem(label, "rules", field_path(*where, "restartPolicy"),
                                     f"{policy!r} is not a restart policy: one of "
                                     f"{', '.join(RESTART_POLICIES)}"))
         count = rspec.get("replicas", 1)
-        if isinstance(count, int) and count < 0:
+        if kind == "TFJob" and isinstance(count, int) and count < 0:   # the others: kind rules
             problems.append(Problem(label, "rules", field_path(*where, "replicas"),
                                     f"{count} replicas"))
         problems += _container_rules(kind, rtype, rspec.get("template"), (*where, "template"),
@@ -109,10 +131,23 @@ def _pytorch_rules(manifest, label):
     replicas = lookup(spec, "pytorchReplicaSpecs", default={})
     master = replicas.get("Master") if isinstance(replicas, dict) else None
     elastic = spec.get("elasticPolicy")
-    if isinstance(master, dict) and replica_count(master) != 1:
+    # training-operator pkg/webhooks/pytorch validatePyTorchReplicaSpecs: Master replicas must be
+    # 1 (a missing count included), any other replica type's at least 1.
+    if isinstance(master, dict) and master.get("replicas") is None:
+        problems.append(Problem(label, "rules", "spec.pytorchReplicaSpecs.Master.replicas",
+                                "missing: the PyTorchJob webhook requires Master replicas: 1"))
+    elif isinstance(master, dict) and replica_count(master) != 1:
         problems.append(Problem(label, "rules", "spec.pytorchReplicaSpecs.Master.replicas",
                                 f"{replica_count(master)}: a PyTorchJob has exactly one Master "
                                 "(MASTER_ADDR is <name>-master-0)"))
+    for rtype, rspec in (replicas.items() if isinstance(replicas, dict) else ()):
+        count = lookup(rspec, "replicas")
+        if rtype != "Master" and isinstance(count, int) and not isinstance(count, bool) \
+                and count < 1:
+            problems.append(Problem(label, "rules",
+                                    field_path("spec", "pytorchReplicaSpecs", rtype, "replicas"),
+                                    f"{count}: a PyTorchJob's {rtype} replicas must be at least "
+                                    "1 (its webhook rejects the job)"))
     if master is None and not elastic:
         problems.append(Problem(label, "rules", "spec.pytorchReplicaSpecs",
                                 "no Master: without one (or an elasticPolicy) the operator "
@@ -150,9 +185,19 @@ def _mpi_rules(manifest, label):
     if not isinstance(launcher, dict) or replica_count(launcher) != 1:
         problems.append(Problem(label, "rules", "spec.mpiReplicaSpecs.Launcher",
                                 "an MPIJob needs exactly one Launcher"))
-    if not isinstance(lookup(replicas, "Worker"), dict):
+    worker, as_worker = lookup(replicas, "Worker"), bool(spec.get("runLauncherAsWorker"))
+    if not isinstance(worker, dict) and not as_worker:
         problems.append(Problem(label, "rules", "spec.mpiReplicaSpecs.Worker",
                                 "an MPIJob needs Worker replicas for mpirun to reach"))
+    # mpi-operator v2beta1 default.go gives a Worker without replicas 0; validation.go
+    # validateWorkerReplicaSpec: at least 1, unless the launcher is a worker too.
+    count = worker.get("replicas", 0) if isinstance(worker, dict) else 1
+    if isinstance(count, int) and not isinstance(count, bool) and count < 1 and not as_worker:
+        shown = count if "replicas" in worker else "missing (mpi-operator defaults it to 0)"
+        problems.append(Problem(label, "rules", "spec.mpiReplicaSpecs.Worker.replicas",
+                                f"{shown}: an MPIJob's Worker replicas must be at least 1 unless "
+                                "runLauncherAsWorker (mpi-operator's ValidateMPIJob refuses "
+                                "the job)"))
     declared = spec.get("mpiImplementation", "OpenMPI")      # the CRD's default
     for rtype, rspec in (replicas.items() if isinstance(replicas, dict) else ()):
         containers = lookup(rspec, "template", "spec", "containers", default=[])
@@ -196,10 +241,11 @@ def _trainjob_rules(manifest, label):
         problems.append(Problem(label, "rules", "spec.trainer.numNodes",
                                 f"{nodes!r}: at least 1"))
     nproc = trainer.get("numProcPerNode") if isinstance(trainer, dict) else None
-    if nproc is not None and (as_int(nproc) or 0) < 1 and nproc not in ("auto", "cpu", "gpu"):
-        # kubeflow/trainer torch plugin, Torch.Validate
+    # An int32 since Trainer v2.2 (kubeflow/trainer#3239: auto is what leaving it out means); a
+    # string is the CRD layer's to report.
+    if isinstance(nproc, int) and not isinstance(nproc, bool) and nproc < 1:
         problems.append(Problem(label, "rules", "spec.trainer.numProcPerNode",
-                                f"{nproc!r}: an integer >= 1, auto, cpu or gpu"))
+                                f"{nproc!r}: at least 1"))
     env = trainer.get("env") if isinstance(trainer, dict) else None
     for i, var in enumerate(env if isinstance(env, list) else []):
         if lookup(var, "name") in TORCH_RESERVED_ENV:
@@ -231,10 +277,12 @@ def rule_problems(manifest):
     label (pods and Services are named after it) with pod hostnames of at most 63 characters,
     and, when the ``course-lib/world-size`` annotation is there, replicas x processes equal to
     it. PyTorchJob/TFJob/MPIJob: known replica types, restart policies in Always, OnFailure,
-    Never, ExitCode, the container the operator looks for (``pytorch``, ``tensorflow``), one
-    Master/Chief/Launcher. MPIJob: the MPI implementation that the images announce, ``mpirun
-    -n`` equal to the slots. TrainJob: a runtimeRef, numProcPerNode an int, auto, cpu or gpu, no
-    reserved ``PET_*`` in env. Introduced in notebooks/12_scaling_out.ipynb."""
+    Never, ExitCode (an MPIJob: Never or OnFailure), an image in every container, the container
+    the operator looks for (``pytorch``, ``tensorflow``), one Master/Chief/Launcher, at least one
+    PyTorchJob/MPIJob Worker where there are Workers. MPIJob: the MPI implementation that the
+    images announce, ``mpirun -n`` equal to the slots. TrainJob: a runtimeRef, numNodes and
+    numProcPerNode at least 1, no reserved ``PET_*`` in env. Introduced in
+    notebooks/12_scaling_out.ipynb."""
     label, kind = label_of(manifest), kind_of(manifest)
     if kind not in KINDS or not isinstance(lookup(manifest, "spec"), dict):
         return []                               # layer 3 says what is wrong

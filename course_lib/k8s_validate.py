@@ -12,6 +12,10 @@ manifest (a dict from :mod:`course_lib.k8s`, or YAML text) and :func:`check` rai
    are in ``course_lib/k8s_schemas/``);
 4. ``k8s_rules.rule_problems``: what the operators' webhooks and controllers require and no
    schema says.
+
+YAML text is read as ``kubectl apply -f`` reads it: a stream of documents separated by ``---``,
+the empty ones (nothing, or only comments) skipped. :func:`validate`, :func:`check` and
+:func:`load` take one manifest; :func:`validate_all` and :func:`load_all` take a whole file.
 """
 
 from __future__ import annotations
@@ -72,22 +76,28 @@ def _plain_problems(value, where, label):
                     "quote it")]
 
 
-def yaml_problems(text, name="job.yaml"):
-    """Layer 1: ``text`` is one YAML document, a mapping of plain JSON values, and dumping what
-    was read and reading it back gives the same thing. Introduced in
-    notebooks/12_scaling_out.ipynb."""
+def documents(text):
+    """The documents of a YAML stream, as ``kubectl apply -f`` reads a file: separated by
+    ``---``, the empty ones (nothing, or only comments) skipped. Raises yaml's ``YAMLError``.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    return [document for document in yaml.safe_load_all(text) if document is not None]
+
+
+def _stream(text, name):
+    """``(documents, problems)``: the problems when ``text`` is not valid YAML."""
     try:
-        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+        return documents(text), []
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error)
         context = getattr(error, "context", None)
-        return [Problem(name, "yaml", where,
-                        f"not valid YAML: {problem}" + (f" ({context})" if context else ""))]
-    if len(documents) != 1:
-        return [Problem(name, "yaml", "", f"expected one YAML document, found {len(documents)}")]
-    data = documents[0]
+        return [], [Problem(name, "yaml", where,
+                            f"not valid YAML: {problem}" + (f" ({context})" if context else ""))]
+
+
+def _document_problems(data, name):
+    """One document: a mapping of plain JSON values that survives a YAML round trip."""
     if not isinstance(data, dict):
         return [Problem(name, "yaml", "",
                         f"the document is a {type(data).__name__}, not a mapping")]
@@ -98,13 +108,38 @@ def yaml_problems(text, name="job.yaml"):
     return problems
 
 
+def yaml_problems(text, name="job.yaml"):
+    """Layer 1: ``text`` holds one YAML document (empty ones skipped, as kubectl does), a
+    mapping of plain JSON values, and dumping what was read and reading it back gives the same
+    thing. Introduced in notebooks/12_scaling_out.ipynb."""
+    found, problems = _stream(text, name)
+    if problems:
+        return problems
+    if len(found) != 1:
+        return [Problem(name, "yaml", "", f"expected one YAML document, found {len(found)} "
+                        "(validate_all reads a file of several)")]
+    return _document_problems(found[0], name)
+
+
 def load(text, name="job.yaml"):
     """The manifest in YAML ``text``; :class:`ManifestError` if layer 1 finds a problem.
     Introduced in notebooks/12_scaling_out.ipynb."""
     problems = yaml_problems(text, name)
     if problems:
         raise ManifestError(problems)
-    return yaml.safe_load(text)
+    return documents(text)[0]
+
+
+def load_all(text, name="job.yaml"):
+    """Every manifest of a YAML file (the non-empty documents of the stream), whatever its
+    kind; :class:`ManifestError` if one is not valid YAML or not plain data. Introduced in
+    notebooks/12_scaling_out.ipynb."""
+    found, problems = _stream(text, name)
+    for document in found:
+        problems += _document_problems(document, name)
+    if problems:
+        raise ManifestError(problems)
+    return found
 
 
 # --------------------------------------------------------------------------- JSON schema help
@@ -296,7 +331,7 @@ def validate(manifest, k8s_version=K8S_VERSION):
         problems = yaml_problems(manifest)
         if problems:
             return problems
-        manifest = yaml.safe_load(manifest)
+        manifest = documents(manifest)[0]
     else:
         problems = yaml_problems(to_yaml(manifest), label_of(manifest))
     problems += pod_problems(manifest, k8s_version)
@@ -317,4 +352,25 @@ def check(manifest, k8s_version=K8S_VERSION):
     problems = validate(manifest, k8s_version)
     if problems:
         raise ManifestError(problems)
-    return yaml.safe_load(manifest) if isinstance(manifest, str) else manifest
+    return documents(manifest)[0] if isinstance(manifest, str) else manifest
+
+
+def training_jobs(manifests):
+    """The manifests (from :func:`load_all`) whose kind is one of ``k8s.KINDS``. Introduced in
+    notebooks/12_scaling_out.ipynb."""
+    return [m for m in manifests if kind_of(m) in KINDS]
+
+
+def validate_all(text, name="job.yaml", k8s_version=K8S_VERSION):
+    """Every problem of every training job in a YAML file, as ``kubectl apply -f`` reads it: a
+    stream of documents, the empty ones skipped. Documents of other kinds (a Service, a PVC, a
+    ClusterTrainingRuntime) are passed over: kubectl applies them, but their schemas are not
+    here (:func:`training_jobs` tells which were checked). Introduced in
+    notebooks/12_scaling_out.ipynb."""
+    found, problems = _stream(text, name)
+    for document in found:
+        if not isinstance(document, dict):
+            problems += _document_problems(document, name)
+        elif kind_of(document) in KINDS:
+            problems += validate(document, k8s_version)
+    return problems

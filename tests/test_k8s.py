@@ -165,6 +165,34 @@ BROKEN = {
                                        "Worker has no containers"),
     "name not a DNS label": ("TFJob", _set(["metadata", "name"], "TF_PS"), "rules",
                              "metadata.name", "DNS-1035"),
+    "container without an image": ("PyTorchJob", _del([*CONTAINER, "image"]), "rules",
+                                   "spec.pytorchReplicaSpecs.Worker.template.spec.containers[0]"
+                                   ".image", "Worker container 'pytorch' has no image"),
+    "empty image in a TFJob": ("TFJob", _set(["spec", "tfReplicaSpecs", "PS", "template", "spec",
+                                              "containers", 0, "image"], ""), "rules",
+                               "spec.tfReplicaSpecs.PS.template.spec.containers[0].image",
+                               "the TFJob webhook rejects the job"),
+    "MPIJob container without an image": ("MPIJob", _set([*MPI_WORKER, "image"], ""), "rules",
+                                          "Worker.template.spec.containers[0].image",
+                                          "Kubernetes refuses to create a pod without one"),
+    "PyTorchJob with 0 workers": ("PyTorchJob", _set([*WORKER, "replicas"], 0), "rules",
+                                  "spec.pytorchReplicaSpecs.Worker.replicas",
+                                  "Worker replicas must be at least 1"),
+    "Master without replicas": ("PyTorchJob", _del(["spec", "pytorchReplicaSpecs", "Master",
+                                                     "replicas"]), "rules",
+                                "spec.pytorchReplicaSpecs.Master.replicas", "requires Master"),
+    "MPIJob with 0 workers": ("MPIJob", _set(["spec", "mpiReplicaSpecs", "Worker", "replicas"], 0),
+                              "rules", "spec.mpiReplicaSpecs.Worker.replicas",
+                              "unless runLauncherAsWorker"),
+    "MPIJob restartPolicy Always": ("MPIJob", _set(["spec", "mpiReplicaSpecs", "Launcher",
+                                                    "restartPolicy"], "Always"), "rules",
+                                    "spec.mpiReplicaSpecs.Launcher.restartPolicy",
+                                    "allows only Never or OnFailure"),
+    "TrainJob numProcPerNode auto": ("TrainJob", _set(["spec", "trainer", "numProcPerNode"],
+                                                      "auto"), "crd",
+                                     "spec.trainer.numProcPerNode", "is not of type 'integer'"),
+    "TrainJob podTemplateOverrides": ("TrainJob", _set(["spec", "podTemplateOverrides"], []),
+                                      "crd", "spec.podTemplateOverrides", "unknown field"),
 }
 
 
@@ -199,6 +227,7 @@ def test_check_lists_every_problem_once():
     ("apiVersion: kubeflow.org/v1\nkind: [PyTorchJob\n", "line 3", "not valid YAML"),
     ("spec:\n\treplicas: 2\n", "line 2, column 1", "'\\t'"),
     ("kind: TFJob\n---\nkind: TFJob\n", "", "expected one YAML document, found 2"),
+    ("# only a comment\n---\n# and another\n", "", "expected one YAML document, found 0"),
     ("- a\n- b\n", "", "not a mapping"),
     ("kind: TFJob\nmetadata: {name: x}\nspec: {start: 2025-01-31}\n", "spec.start", "a date"),
 ])
@@ -208,6 +237,30 @@ def test_malformed_yaml_is_caught_with_its_place(text, where, words):
     assert where in problems[0].path and words in problems[0].message
     with pytest.raises(k8s.ManifestError, match="not valid YAML|document|mapping|date"):
         k8s_validate.load(text)
+
+
+def test_a_yaml_stream_is_read_as_kubectl_reads_it():
+    # One job, then `---` and only comments (kubeflow/trainer's 03-kueue-integration.yaml):
+    # kubectl skips the empty document, and so does every reader here.
+    manifest = job("TrainJob")
+    text = k8s.to_yaml(manifest) + "---\n# apiVersion: kueue.x-k8s.io/v1beta1\n# kind: LocalQueue\n"
+    assert k8s_validate.validate(text) == [] and k8s_validate.yaml_problems(text) == []
+    assert k8s_validate.check(text) == manifest and k8s_validate.load(text) == manifest
+    assert k8s_validate.load_all(text) == [manifest]
+    # A file of several: validate_all checks each training job, passes over the other kinds.
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "etcd"}}
+    broken = job("PyTorchJob")
+    broken["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = 0
+    stream = "---\n".join(k8s.to_yaml(m) for m in (service, manifest, broken)) + "---\n"
+    assert k8s_validate.validate(stream)[0].message.startswith(
+        "expected one YAML document, found 3")
+    loaded = k8s_validate.load_all(stream)
+    assert [m["kind"] for m in k8s_validate.training_jobs(loaded)] == ["TrainJob", "PyTorchJob"]
+    assert [str(p) for p in k8s_validate.validate_all(stream)] == [
+        "PyTorchJob/ddp: spec.pytorchReplicaSpecs.Worker.replicas: 0: a PyTorchJob's Worker "
+        "replicas must be at least 1 (its webhook rejects the job) [rules]",
+        "PyTorchJob/ddp: metadata.annotations.course-lib/world-size: the job was described with "
+        "4 processes but its replicas x processes per pod give 2 [rules]"]
 
 
 def test_unquoted_number_in_yaml_text_meets_the_crd():
@@ -274,9 +327,10 @@ def test_trainjob_environment_from_the_torch_runtime():
     assert [p.pod for p in pods] == ["ddp-node-0-0", "ddp-node-0-1"]
     assert pods[1].env == {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "2", "PET_NODE_RANK": "1",
                            "PET_MASTER_ADDR": "ddp-node-0-0.ddp", "PET_MASTER_PORT": "29500"}
-    # numProcPerNode auto on CPU-only nodes: one process per CPU of the limits
+    # numProcPerNode left out (auto: since Trainer v2.2 the field is an int or nothing) on
+    # CPU-only nodes: one process per CPU of the limits
     manifest = job("TrainJob")
-    manifest["spec"]["trainer"]["numProcPerNode"] = "auto"
+    del manifest["spec"]["trainer"]["numProcPerNode"]
     manifest["spec"]["trainer"]["resourcesPerNode"]["limits"]["cpu"] = "2500m"
     manifest["metadata"]["annotations"].clear()
     assert k8s_pods.pod_environments(manifest)[0].env["PET_NPROC_PER_NODE"] == "3"
@@ -300,6 +354,9 @@ def test_stored_crd_schemas_name_their_source():
         source = k8s_validate.crd(kind)["source"]
         assert re.fullmatch(r"[0-9a-f]{40}", source["commit"])
         assert source["commit"] in readme and source["path"] in readme
+        assert source["release"] in readme                      # which release it comes from
+    spec = k8s_validate.crd("TrainJob")["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert "runtimePatches" in spec and "podTemplateOverrides" not in spec   # Trainer v2.2
     schema = k8s_validate.crd("MPIJob")["openAPIV3Schema"]
     assert schema["properties"]["spec"]["properties"]["mpiImplementation"]["enum"] == \
         ["OpenMPI", "Intel", "MPICH"]
