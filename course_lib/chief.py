@@ -2,9 +2,10 @@
 
 Introduced in notebooks/11_fault_tolerance.ipynb. In data-parallel training one rank, the
 *chief* (rank 0), has the duties no other rank has: it initialises the model and broadcasts it,
-counts the steps, writes the log, and saves the checkpoints from which the job restarts. Every
-rank runs :func:`train`; the notebook's process runs :func:`supervise`, which restarts the
-engines when one dies and calls :func:`train` again, which resumes from the last checkpoint::
+counts the steps, writes the log (and TensorBoard's event files), and saves the checkpoints
+from which the job restarts. Every rank runs :func:`train`; the notebook's process runs
+:func:`supervise`, which restarts the engines when one dies and calls :func:`train` again,
+which resumes from the last checkpoint::
 
     run = supervise(cluster, "ckpt", steps=40, checkpoint_every=5,
                     faults=["train-step:kill@17:rank=1"])      # rank 1 dies at its 17th step
@@ -69,6 +70,15 @@ def _broadcast_state(model, optimizer, comm, momentum):
             dist.broadcast(state["momentum_buffer"], src=0, group=getattr(comm, "group", None))
 
 
+def _summary_writer(directory, start):
+    """The chief's TensorBoard writer. Resuming after step ``start``, ``purge_step`` tells
+    TensorBoard to drop what an earlier attempt logged after it: the steps computed twice show
+    once, with the values of the attempt that went on."""
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(str(Path(directory) / "tensorboard"),
+                         purge_step=start + 1 if start else None, flush_secs=5)
+
+
 def _log(directory, **record):
     with open(Path(directory) / LOG, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -76,12 +86,13 @@ def _log(directory, **record):
 
 
 def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr=0.02,
-          seed=0, timeout=20.0):
+          seed=0, timeout=20.0, tensorboard=True):
     """On every rank: data-parallel SGD with momentum for ``steps`` steps, resuming from the last
     checkpoint of ``directory``. The chief loads or initialises, broadcasts, logs every step
-    (JSONL) and checkpoints every ``checkpoint_every`` steps. ``fault_specs``: fault points to
-    arm (:func:`faults.parse`), each firing once in the life of ``directory`` (unless it says
-    ``once=`` itself). Returns this rank's parameters, flat.
+    (JSONL, and TensorBoard's event files in ``directory/tensorboard`` unless
+    ``tensorboard=False``) and checkpoints every ``checkpoint_every`` steps. ``fault_specs``:
+    fault points to arm (:func:`faults.parse`), each firing once in the life of ``directory``
+    (unless it says ``once=`` itself). Returns this rank's parameters, flat.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     import torch.distributed as dist
 
@@ -91,7 +102,7 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
     faults.arm_once(fault_specs, directory, rank)  # not again in the restarted process
     model = make_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    start = torch.zeros(1, dtype=torch.int64)
+    start, board = torch.zeros(1, dtype=torch.int64), None
     if rank == 0:  # the chief: restore or initialise
         Path(directory).mkdir(parents=True, exist_ok=True)
         state, path = checkpoint.load_latest(directory)
@@ -99,6 +110,8 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
             start[0] = checkpoint.restore(state, model, optimizer)[0]
         _log(directory, event="start", attempt=attempt, step=int(start), world_size=N,
              checkpoint=path.name if path else None, time=time.time())
+        if tensorboard:
+            board = _summary_writer(directory, int(start))
     dist.broadcast(start, src=0, group=getattr(comm, "group", None))
     _broadcast_state(model, optimizer, comm, momentum=start.item() > 0)
     for step in range(int(start), steps):
@@ -115,9 +128,15 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
         if rank == 0:
             _log(directory, event="step", attempt=attempt, step=step + 1,
                  loss=loss.item() / N, time=time.time())
+            if board:
+                board.add_scalar("loss", loss.item() / N, step + 1)
             if (step + 1) % checkpoint_every == 0:
                 checkpoint.save(checkpoint.training_state(model, optimizer, step + 1),
                                 directory, step + 1)
+                if board:
+                    board.flush()  # what a kill loses of the logs is what is computed again
+    if board:
+        board.close()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 

@@ -3,6 +3,8 @@ from its last checkpoint, at most K steps are computed twice, and the final para
 uninterrupted run's bit for bit — a worker killed, the chief killed mid-checkpoint, the chief
 killed twice in a row."""
 
+import time
+
 import torch
 
 from course_lib import chief
@@ -27,6 +29,31 @@ def test_a_killed_worker_is_restarted_and_the_result_is_bit_exact(cluster, tmp_p
     assert all(torch.equal(p, reference) for p in run.params)
     steps = [r["step"] for r in run.log if r["event"] == "step"]
     assert steps[:12] == list(range(1, 13)) and steps[12:] == list(range(11, STEPS + 1))
+
+
+def test_the_chief_logs_for_tensorboard_and_a_restart_shows_each_step_once(cluster, tmp_path):
+    """The chief's event files hold the loss of every step; after a kill, the steps computed
+    twice appear once (purge_step), with the resumed attempt's values: the JSONL log's last."""
+    from course_lib import tensorboard_view
+    run = chief.supervise(cluster, tmp_path / "ckpt", STEPS, K,
+                          faults=["train-step:kill@13:rank=1"])
+    assert run.restarts == 1
+    last = {r["step"]: r["loss"] for r in run.log if r["event"] == "step"}  # the resumed wins
+    loss = tensorboard_view.read_scalars(tmp_path / "ckpt" / tensorboard_view.SUBDIR)["loss"]
+    assert [s for s, _ in loss] == list(range(1, STEPS + 1))
+    assert all(abs(v - last[s]) < 1e-6 * abs(last[s]) for s, v in loss)  # float32 in the files
+    with tensorboard_view.serve(tmp_path / "ckpt" / tensorboard_view.SUBDIR) as board:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # TensorBoard reads the files a moment after it starts
+            try:
+                shown = board.scalars("loss")
+            except OSError:
+                shown = []
+            if len(shown) == STEPS:
+                break
+            time.sleep(0.5)
+        assert shown == loss
+    assert board.process.poll() is not None
 
 
 def test_the_chief_killed_mid_checkpoint_resumes_from_the_one_before(cluster, tmp_path):
