@@ -110,7 +110,9 @@ def _worker(spec, addresses, problem, X, y, theta0, cfg):
             log["rejected"] += rejected
             log["dropped"] += conn.dropped
 
-        t0, log["t0"] = time.monotonic(), time.time()  # "times" count from here
+        # "times" count from t0; the server's restarts use the same clock: CLOCK_MONOTONIC is
+        # one clock for every process of a machine, and never stepped as the wall clock can be
+        t0 = log["t0"] = time.monotonic()
         per_epoch = -(-len(X) // cfg["batch_size"])
         total, epoch, order = cfg["num_epochs"] * per_epoch, -1, None
         step = state["versions"][0] if cfg["backup_workers"] else 0  # a late starter skips

@@ -129,7 +129,7 @@ def serve(spec, n_params, cfg, apply_push):
     directory = directory and Path(directory) / f"server-{s}"
     if directory:
         theta, version, done = _restore(directory, stats)
-    stats["ready"] = time.time()  # restored (if need be): serving from now on
+    stats["ready"] = time.monotonic()  # restored (if need be): serving from now on
 
     def save():
         if directory:
@@ -263,7 +263,8 @@ def serve_restarting(spec, n_params, cfg, apply_push):
     """:func:`serve` in a child process that is started again, on the same address, each time
     it is killed (at most ``cfg["server_restarts"]`` times); the new one resumes from the
     shard's last checkpoint. Returns the last child's statistics (``ready``: when it began to
-    serve) with ``restarts``: one record (attempt, signal, time it was seen dead) per restart.
+    serve) with ``restarts``: one record (attempt, signal, time it was seen dead) per restart;
+    times are ``time.monotonic()``, the clock of the workers' ``t0``.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     rank, address = ENGINE["rank"], _BOUND["address"]
     close_server()  # the child binds the address
@@ -290,7 +291,7 @@ def serve_restarting(spec, n_params, cfg, apply_push):
             if code > 0:  # an error, not a kill: restarting would fail again
                 tail = err.read_text(errors="replace").strip().splitlines()[-1:]
                 raise PSError(f"server rank {rank} failed (exit status {code}): {tail}")
-            restarts.append(dict(attempt=attempt, signal=-code, time=time.time()))
+            restarts.append(dict(attempt=attempt, signal=-code, time=time.monotonic()))
     raise PSError(f"server rank {rank} was killed {len(restarts)} times, more than "
                   f"server_restarts = {cfg['server_restarts']}")
 
