@@ -192,25 +192,35 @@ class SGD:
 
 
 class Momentum:
-    """Heavy-ball momentum (Ruder's form): ``v <- beta * v + lr * grad``; ``theta <- theta - v``.
+    """Heavy-ball momentum with the rate inside (Ruder's form; Goyal et al. 2017, eq. 10):
+    ``v <- beta * (lr / lr_prev) * v + lr * grad``; ``theta <- theta - v``.
 
-    ``v`` starts at zero, so the first step equals plain SGD. (torch.optim.SGD keeps
-    ``v <- beta * v + grad`` and steps ``lr * v``: the same thing while lr is constant.)
+    ``v`` starts at zero, so the first step equals plain SGD. torch.optim.SGD keeps the rate
+    outside instead (their eq. 9): ``u <- beta * u + grad``; ``theta <- theta - lr * u``. The two
+    agree while ``v = lr * u``. When the rate changes (a warmup, a decay), ``v`` still holds the
+    old rate, so the *momentum correction* ``lr / lr_prev`` rescales it first: then both take
+    the same steps under any schedule. At a constant rate the factor is exactly 1.
+    ``correction=False`` leaves it out (notebook 07 shows what that does during a warmup).
 
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
 
-    def __init__(self, beta=0.9):
+    def __init__(self, beta=0.9, correction=True):
         if not 0 <= beta < 1:
             raise ValueError(f"beta must be in [0, 1), got {beta}")
-        self.beta = beta
+        self.beta, self.correction = beta, bool(correction)
         self.reset()
 
     def reset(self):
-        self.v = None
+        self.v, self.lr = None, None
 
     def step(self, theta, grad, lr):
-        self.v = lr * grad if self.v is None else self.beta * self.v + lr * grad
+        if self.v is None:
+            self.v = lr * grad
+        else:  # v was built with the previous rate: rescale it to this one
+            factor = lr / self.lr if self.correction else 1.0
+            self.v = self.beta * factor * self.v + lr * grad
+        self.lr = lr
         return theta - self.v
 
 

@@ -124,6 +124,70 @@ def test_momentum_by_hand():
     np.testing.assert_allclose(opt.step(np.zeros(2), g1, 1.0), -g1)
 
 
+def test_momentum_correction_by_hand():
+    g1, g2 = np.array([0.5, 1.0]), np.array([-1.0, 2.0])
+    for correction, v2 in ((True, 0.9 * (0.2 / 0.1) * 0.1 * g1 + 0.2 * g2),   # rescaled to 0.2
+                           (False, 0.9 * 0.1 * g1 + 0.2 * g2)):
+        opt = gd.Momentum(beta=0.9, correction=correction)
+        theta = opt.step(np.zeros(2), g1, 0.1)               # v = 0.1 * g1 either way
+        np.testing.assert_allclose(opt.step(theta, g2, 0.2), theta - v2, rtol=1e-15)
+        opt.reset()                                          # forgets v and the last rate
+        np.testing.assert_allclose(opt.step(np.zeros(2), g1, 0.4), -0.4 * g1)
+
+
+def _torch_sgd_steps(problem, X, y, theta0, rates, beta, batch_size=8, seed=0):
+    """torch.optim.SGD(momentum=beta) (the rate outside: u <- beta u + g, w <- w - lr u) on the
+    batches of minibatch_sgd, the rate of update u set to rates[u]: every update's parameters."""
+    import torch
+
+    w = torch.tensor(theta0, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=rates[0], momentum=beta)
+    rng, thetas, u = np.random.default_rng(seed), [], 0
+    while u < len(rates):
+        order = rng.permutation(len(X))
+        for start in range(0, len(X), batch_size):
+            if u == len(rates):
+                break
+            idx = order[start:start + batch_size]
+            w.grad = torch.from_numpy(problem.grad(w.detach().numpy(), X[idx], y[idx]))
+            opt.param_groups[0]["lr"] = rates[u]
+            opt.step()
+            thetas.append(w.detach().numpy().copy())
+            u += 1
+    return np.array(thetas)
+
+
+def test_momentum_with_correction_equals_torch_sgd_under_warmup(linear):
+    """Goyal et al. (2017): the rate inside the momentum (eq. 10) with the correction lr/lr_prev
+    takes the steps of the rate outside (eq. 9, torch.optim.SGD) under a changing rate; without
+    the correction it does not."""
+    problem, X, y, theta0 = linear
+    per_epoch = gd.updates_per_epoch(len(X), 8)                  # 5
+    warmup = gd.linear_scaling_warmup(0.01, 256, 8, warmup_epochs=2, updates_per_epoch=per_epoch)
+    rates = [warmup(u) for u in range(4 * per_epoch)]            # 0.01 -> 0.32 in 10 updates
+    assert rates[1] / rates[0] > 4 and rates[-1] == rates[10]    # a ramp, then a constant rate
+    want = _torch_sgd_steps(problem, X, y, theta0, rates, beta=0.9)
+    runs = {c: gd.minibatch_sgd(problem, X, y, theta0, 0.01, 4, batch_size=8, seed=0,
+                                optimizer=gd.Momentum(0.9, correction=c), update_schedule=warmup)
+            for c in (True, False)}
+    assert runs[True].lrs == rates
+    np.testing.assert_allclose(np.array(runs[True].thetas[1:]), want, rtol=1e-12, atol=1e-14)
+    off = np.array(runs[False].thetas[1:])
+    np.testing.assert_array_equal(off[0], want[0])               # the first step has no history
+    gap = np.linalg.norm(off - want, axis=1) / np.linalg.norm(want - theta0, axis=1)
+    assert gap[1:].min() > 0.05 and gap.max() > 0.3              # differs from the second step on
+
+
+def test_momentum_correction_is_the_identity_at_a_constant_rate(linear):
+    problem, X, y, theta0 = linear
+    a, b = (gd.minibatch_sgd(problem, X, y, theta0, 0.05, 3, batch_size=8, seed=2,
+                             optimizer=gd.Momentum(0.9, correction=c)) for c in (True, False))
+    np.testing.assert_array_equal(np.array(a.thetas), np.array(b.thetas))   # bit for bit
+    rates = [0.05] * len(a.lrs)
+    want = _torch_sgd_steps(problem, X, y, theta0, rates, beta=0.9, seed=2)
+    np.testing.assert_allclose(np.array(a.thetas[1:]), want, rtol=1e-12, atol=1e-14)
+
+
 def test_adagrad_by_hand():
     opt = gd.Adagrad(eps=0.0)
     theta = np.array([0.0, 0.0])
