@@ -23,6 +23,11 @@ from course_lib.engine import mark_group_broken
 
 STRATEGIES = ("per_parameter", "flat", "bucketed", "overlap")
 ALGORITHMS = ("native", "ring")
+# torch DDP (2.13): bucket_cap_mb left at its default (None) means 25 MiB, and then a first
+# bucket of 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES) so that communication starts early; a cap
+# that is given applies to the first bucket too.
+DEFAULT_BUCKET_CAP_MB = 25
+FIRST_BUCKET_MB = 1.0
 _RING = {}  # the background thread that runs the course's ring, one per process
 
 
@@ -88,7 +93,17 @@ def assign_buckets(sizes, cap_bytes, first_cap_bytes=None):
     ``sizes`` are the parameters' sizes in bytes, in model order. Buckets are filled in REVERSE
     order (backward produces the last layer's gradients first), and a bucket is closed as soon
     as it holds at least ``cap_bytes`` (the first one: ``first_cap_bytes``, if given, kept small
-    so that the first allreduce starts early). This is torch DDP's rule.
+    so that the first allreduce starts early).
+
+    torch DDP (2.13) uses this rule only from its second step on: step 1 reduces every
+    gradient in one bucket and records the order in which they become ready; before step 2 it
+    rebuilds its buckets by this rule, walking that order (not the reverse parameter order),
+    with ``cap_bytes = bucket_cap_mb * 2**20`` and ``first_cap_bytes`` = 1 MiB while
+    ``bucket_cap_mb`` is left at its default (a cap that is given caps the first bucket too).
+    Its buckets equal these from step 2 on for a model whose gradients become ready in reverse
+    parameter order (an MLP: each layer used once, in order). With
+    ``find_unused_parameters=True`` torch instead fills its buckets once, at construction,
+    from the first parameter to the last, and never rebuilds them.
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
@@ -161,17 +176,22 @@ class Handle:
             self.finished()
 
 
-def bucket_groups(sizes_and_dtypes, strategy, bucket_cap_mb=25, first_bucket_mb=None):
+def bucket_groups(sizes_and_dtypes, strategy, bucket_cap_mb=None, first_bucket_mb=None):
     """The buckets of a strategy as lists of parameter indices: one per parameter
-    (``per_parameter``), one per dtype (``flat``), or torch DDP's rule with a cap (``bucketed``,
-    ``overlap``). ``sizes_and_dtypes``: (bytes, dtype) per parameter, in model order.
-    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    (``per_parameter``), one per dtype (``flat``), or :func:`assign_buckets` per dtype
+    (``bucketed``, ``overlap``) with torch DDP's caps: ``bucket_cap_mb=None`` means 25 MiB and
+    a first bucket of 1 MiB; a cap that is given caps the first bucket too, unless
+    ``first_bucket_mb`` says otherwise. ``sizes_and_dtypes``: (bytes, dtype) per parameter, in
+    model order. Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     _check_choice(strategy, STRATEGIES, "strategy")
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+    if not (bucket_cap_mb is None or bucket_cap_mb > 0):
+        raise ValueError(f"bucket_cap_mb must be > 0 or None, got {bucket_cap_mb!r}")
     if strategy == "per_parameter":
         return [[i] for i in reversed(range(len(sizes_and_dtypes)))]
-    cap = 2.0**62 if strategy == "flat" else bucket_cap_mb * 2**20
+    if first_bucket_mb is None and bucket_cap_mb is None:  # torch: 1 MiB at the default cap only
+        first_bucket_mb = FIRST_BUCKET_MB
+    cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+    cap = 2.0**62 if strategy == "flat" else cap_mb * 2**20
     first = cap if first_bucket_mb is None or strategy == "flat" else first_bucket_mb * 2**20
     groups = []
     for dtype in sorted({d for _, d in sizes_and_dtypes}, key=str):  # one dtype per buffer
@@ -188,11 +208,12 @@ class Reducer:
 
     Hooks mark each gradient ready during backward; ``on_first_grad`` is called at the first
     gradient of a backward pass (the DDP wrapper queues its end-of-backward callback there).
-    ``first_bucket_mb`` caps the first bucket (default: ``bucket_cap_mb``). Introduced in
-    notebooks/06_data_parallel_sgd.ipynb.
+    The buckets are :func:`bucket_groups`': ``bucket_cap_mb=None`` is torch DDP's default (25
+    MiB, the first bucket 1 MiB); ``first_bucket_mb`` overrides the first bucket's cap.
+    Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
 
-    def __init__(self, named_params, strategy="bucketed", bucket_cap_mb=25, algorithm="native",
+    def __init__(self, named_params, strategy="bucketed", bucket_cap_mb=None, algorithm="native",
                  find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT,
                  on_first_grad=None, first_bucket_mb=None):
         self.strategy = _check_choice(strategy, STRATEGIES, "strategy")

@@ -1,4 +1,4 @@
-"""What an allreduce should cost: the alpha-beta-gamma model (notebooks 05 and 11).
+"""What an allreduce should cost: the alpha-beta-gamma model (notebooks 05-08 and 12).
 
 The model (Hockney 1994; used for MPI collectives by Thakur, Rabenseifner & Gropp 2005 and for
 the ring by Patarasuk & Yuan 2009) prices every message the same way:

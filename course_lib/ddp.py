@@ -9,8 +9,9 @@ How the averaging is done is what makes it fast or slow; four strategies, side b
     per_parameter  one allreduce per parameter tensor after backward: many small messages,
                    each paying the latency alpha (the teaching baseline)
     flat           all gradients copied into one buffer, one allreduce (tensor fusion)
-    bucketed       buffers of at most ``bucket_cap_mb``, parameters in reverse order (the order
-                   in which backward produces their gradients), one after the other
+    bucketed       buffers closed once they hold at least ``bucket_cap_mb``, parameters in
+                   reverse order (the order in which backward produces their gradients), one
+                   after the other
     overlap        bucketed, and each bucket's allreduce starts asynchronously from an autograd
                    hook as soon as its last gradient is ready, while backward goes on; the
                    waits happen at the end of backward (torch DDP) or in ``step`` (Horovod)
@@ -43,6 +44,8 @@ import torch
 
 from course_lib.buckets import (
     ALGORITHMS,
+    DEFAULT_BUCKET_CAP_MB,
+    FIRST_BUCKET_MB,
     STRATEGIES,
     DDPError,
     OverlappingReducer,
@@ -56,13 +59,10 @@ from course_lib.buckets import (
 )
 from course_lib.comm import DEFAULT_TIMEOUT
 
-# Like torch DDP: a small first bucket (the last layers' gradients) starts communication early.
-FIRST_BUCKET_MB = 1.0
-
-__all__ = ["ALGORITHMS", "STRATEGIES", "DDPError", "DistributedDataParallel",
-           "DistributedOptimizer", "OverlappingReducer", "Reducer", "assign_buckets",
-           "average_gradients", "average_gradients_naive", "broadcast_optimizer_state",
-           "broadcast_parameters", "make_reducer"]
+__all__ = ["ALGORITHMS", "DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_MB", "STRATEGIES", "DDPError",
+           "DistributedDataParallel", "DistributedOptimizer", "OverlappingReducer", "Reducer",
+           "assign_buckets", "average_gradients", "average_gradients_naive",
+           "broadcast_optimizer_state", "broadcast_parameters", "make_reducer"]
 
 
 def _tensors(obj):
@@ -146,10 +146,11 @@ def average_gradients_naive(params, timeout=DEFAULT_TIMEOUT):
     return params
 
 
-def average_gradients(params, strategy="bucketed", bucket_cap_mb=25, algorithm="native",
+def average_gradients(params, strategy="bucketed", bucket_cap_mb=None, algorithm="native",
                       timeline=None, timeout=DEFAULT_TIMEOUT):
     """After ``loss.backward()``: replace the ``.grad`` of every parameter in ``params`` by its
-    average over the ranks, with the strategy ``per_parameter``, ``flat`` or ``bucketed``.
+    average over the ranks, with the strategy ``per_parameter``, ``flat`` or ``bucketed``
+    (``bucket_cap_mb`` as in :class:`DistributedDataParallel`).
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
@@ -177,8 +178,13 @@ def _queue_at_end_of_backward(fn):
 class DistributedDataParallel(torch.nn.Module):
     """A from-scratch ``torch.nn.parallel.DistributedDataParallel``: broadcasts rank 0's
     parameters on construction, and when ``loss.backward()`` returns every ``.grad`` holds the
-    average over the ranks. ``buckets`` lists the parameter names of each bucket; the first
-    bucket holds about ``first_bucket_mb`` (as in torch DDP), the others ``bucket_cap_mb``.
+    average over the ranks. ``buckets`` lists the parameter names of each bucket. The caps are
+    torch DDP's (2.13): ``bucket_cap_mb=None`` means 25 MiB with a first bucket of 1 MiB; a
+    cap that is given applies to the first bucket too (``first_bucket_mb`` overrides it).
+    Unlike torch, the buckets are made once, here, in reverse parameter order; torch DDP
+    reduces everything in one bucket in its first step and then rebuilds its buckets by the
+    same rule in the order the gradients became ready, which is the same buckets for a model
+    that uses its layers once, in order (``assign_buckets`` says more).
 
     Buffers (BatchNorm's running mean and variance ...) are not trained, so no gradient keeps
     them equal: with ``broadcast_buffers=True`` (torch's default) rank 0's buffers are copied
@@ -188,9 +194,9 @@ class DistributedDataParallel(torch.nn.Module):
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
 
-    def __init__(self, module, strategy="overlap", bucket_cap_mb=25, algorithm="native",
+    def __init__(self, module, strategy="overlap", bucket_cap_mb=None, algorithm="native",
                  find_unused_parameters=False, timeline=None, timeout=DEFAULT_TIMEOUT,
-                 first_bucket_mb=FIRST_BUCKET_MB, broadcast_buffers=True):
+                 first_bucket_mb=None, broadcast_buffers=True):
         super().__init__()
         for value, allowed, name in [(strategy, STRATEGIES, "strategy"),
                                      (algorithm, ALGORITHMS, "algorithm")]:
@@ -248,13 +254,14 @@ class DistributedOptimizer:
     """Horovod's ``hvd.DistributedOptimizer``, from scratch: wraps an optimizer, starts the
     gradient allreduces from hooks during backward, and waits for them in ``step()``.
     Everything else (``param_groups``, ``state_dict``, ``zero_grad`` ...) is the wrapped one's.
+    Buckets as in :class:`DistributedDataParallel`.
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
 
-    def __init__(self, optimizer, named_parameters=None, strategy="overlap", bucket_cap_mb=25,
+    def __init__(self, optimizer, named_parameters=None, strategy="overlap", bucket_cap_mb=None,
                  algorithm="native", find_unused_parameters=False, timeline=None,
-                 timeout=DEFAULT_TIMEOUT, first_bucket_mb=FIRST_BUCKET_MB):
+                 timeout=DEFAULT_TIMEOUT, first_bucket_mb=None):
         self.optimizer, self.timeline = optimizer, timeline
         names = {id(p): n for n, p in (named_parameters or [])}
         params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -1,6 +1,6 @@
 """Hyper-parameter search: the other way to use many machines.
 
-Introduced in notebooks/13_hyperparameter_search.ipynb. Notebooks 02-11 train *one* model on
+Introduced in notebooks/13_hyperparameter_search.ipynb. Notebooks 02-12 train *one* model on
 many workers; a search trains *many* models, one per configuration of the hyper-parameters, each
 on one engine. The trials are independent (embarrassingly parallel) until the search decides
 which of them to continue: that decision is where the algorithms differ, and where engines can

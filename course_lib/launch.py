@@ -2,7 +2,7 @@
 supervised worker processes, the reaping of stray processes, and the command line run from a
 notebook (``bench_rows``: a benchmark's rows, with a deadline).
 
-Introduced in notebooks/00_welcome_and_cluster.ipynb (and notebooks/11_scaling_out.ipynb).
+Introduced in notebooks/00_welcome_and_cluster.ipynb (and notebooks/12_scaling_out.ipynb).
 ``python -m course_lib cluster clean`` calls :func:`clean_clusters` to stop clusters whose
 notebook kernel was killed before it could stop them.
 """

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from course_lib import ddp, timeline
-from course_lib.buckets import assign_buckets
+from course_lib.buckets import assign_buckets, bucket_groups
 from course_lib.cluster import RemoteError
 from course_lib.testing import ddp as ddp_check
 
@@ -26,6 +26,40 @@ def test_buckets_fill_in_reverse_order_up_to_the_cap():
     assert assign_buckets([4, 4, 4, 4, 4], 8, first_cap_bytes=4) == [[4], [3, 2], [1, 0]]
     with pytest.raises(ValueError, match="cap"):
         assign_buckets([1], 0)
+
+
+def test_the_first_bucket_is_1_mib_only_at_torchs_default_cap():
+    mib = 2**20
+    sizes = [(s, "float32") for s in (mib // 2, mib // 2, mib // 2, mib // 2, mib // 4, mib)]
+    assert bucket_groups(sizes, "overlap") == [[5], [4, 3, 2, 1, 0]]        # 1 MiB, then 25
+    assert bucket_groups(sizes, "overlap", 1.5) == [[5, 4, 3], [2, 1, 0]]    # 1.5 MiB, first too
+    assert bucket_groups(sizes, "bucketed", 25) == [[5, 4, 3, 2, 1, 0]]      # 25 given: no 1 MiB
+    assert bucket_groups(sizes, "overlap", 1.5, first_bucket_mb=0.5) == [[5], [4, 3, 2, 1], [0]]
+    assert bucket_groups(sizes, "flat") == [[5, 4, 3, 2, 1, 0]]
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        bucket_groups(sizes, "overlap", 0)
+
+
+def test_buckets_equal_torch_ddps_from_its_second_step(cluster):
+    """torch DDP (2.13) reduces everything in one bucket in step 1, then rebuilds its buckets in
+    the order the gradients became ready (reverse order for an MLP): from step 2 on they must
+    be the course's, at the default cap (1 MiB first bucket) and at caps given."""
+    caps = (None, 0.01, 2.0)
+    seen = cluster.run(ddp_check.torch_ddp_buckets, caps=caps, steps=3)
+    ours = cluster.run(ddp_check.course_ddp_buckets, caps=caps)
+    names = [f"{layer}.{kind}" for layer in (0, 2, 4, 6) for kind in ("weight", "bias")]
+    for rank in range(2):
+        assert [(cap, step) for cap, step, _ in seen[rank]] == \
+            [(cap, step) for cap in caps for step in (1, 2, 3)]
+        for cap, step, buckets in seen[rank]:
+            if step == 1:
+                assert len(buckets) == 1 and sorted(buckets[0]) == sorted(names), cap
+            else:
+                assert buckets == ours[rank][cap], (cap, step)
+    # the caps make different buckets (a given cap caps the first bucket too)
+    assert [len(ours[0][cap]) for cap in caps] == [2, 4, 2]
+    assert ours[0][None][0] == ["6.bias", "6.weight", "4.bias", "4.weight"]   # 1 MiB
+    assert ours[0][2.0][0] == ["6.bias", "6.weight", "4.bias", "4.weight", "2.bias", "2.weight"]
 
 
 @pytest.mark.parametrize("strategy,wrapper,algorithm", WRAPPED)

@@ -33,7 +33,8 @@ ONE_PROCESS = "1 process"
 COLUMNS = ["strategy", "bucket_mb", "buckets", "ranks", "batch", "params", "step_ms",
            "samples_per_s", "vs_torch"]
 DEFAULT_HIDDEN = (1024,) * 8       # with 1024 inputs and 10 outputs: 8.4M parameters
-DEFAULT_BUCKETS = (1, 5, 25, 100)  # MB; 25 is torch DDP's default bucket_cap_mb
+DEFAULT_BUCKETS = (1, 5, 25, 100)  # MiB; 25 is torch DDP's default cap (given, as here, it
+                                   # caps the first bucket too: no 1 MiB first bucket)
 TARGET = 0.95                      # the overlapped strategy against torch DDP
 WAIT_S = 120.0                     # deadline of a barrier (rank 0 may be timing alone)
 
@@ -63,8 +64,8 @@ def _wrap(strategy, bucket_mb, model, algorithm):
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, bucket_cap_mb=bucket_mb), None
     from course_lib import ddp
-    net = ddp.DistributedDataParallel(model, strategy=strategy, bucket_cap_mb=bucket_mb or 25,
-                                      algorithm=algorithm)
+    net = ddp.DistributedDataParallel(model, strategy=strategy, bucket_cap_mb=bucket_mb,
+                                      algorithm=algorithm)  # the caps torch DDP would use
     return net, len(net.buckets)
 
 

@@ -250,7 +250,7 @@ _STYLE = {"naive": "C3", "tree": "C1", "recursive_doubling": "C2", "rabenseifner
 
 def cost_model_figure(link="100GbE", n_bytes=100e6, p_fixed=8, path=None):
     """Predicted allreduce time against ranks (2 .. 4096) at ``n_bytes``, and against message
-    size at ``p_fixed`` ranks, for every algorithm and the lower bound (notebooks 05, 11)."""
+    size at ``p_fixed`` ranks, for every algorithm and the lower bound (notebook 05)."""
     if isinstance(link, str):
         link = costmodel.LINKS[link]
     ps = 2 ** np.arange(1, 13)

@@ -14,6 +14,13 @@ The loss of a rank is its summed loss times N / B, so the average over the ranks
 over the global batch even when B is not divisible by N. Variants of the network exercise the
 corner cases: ``tied`` (one weight used twice), ``frozen`` (the first layer does not train) and
 ``unused`` (a layer no rank uses, and one only rank 0 uses).
+
+``torch_ddp_buckets`` watches torch's DDP bucket its gradients, step by step, through a
+communication hook (``record_bucket``); ``course_ddp_buckets`` lists the course's buckets for
+the same model and caps::
+
+    seen = cluster.run(testing.ddp.torch_ddp_buckets)[0]   # [(cap_mb, step, buckets)]
+    ours = cluster.run(testing.ddp.course_ddp_buckets)[0]  # {cap_mb: buckets}
 """
 
 from __future__ import annotations
@@ -106,13 +113,11 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
     elif wrapper == "ddp":
         net = ddp.DistributedDataParallel(model, strategy, bucket_cap_mb, algorithm,
                                           find_unused_parameters=unused, timeline=tl,
-                                          first_bucket_mb=bucket_cap_mb,
                                           broadcast_buffers=broadcast_buffers)
     elif wrapper == "optimizer":
         ddp.broadcast_parameters(model)
         opt = ddp.DistributedOptimizer(opt, model.named_parameters(), strategy, bucket_cap_mb,
-                                       algorithm, find_unused_parameters=unused, timeline=tl,
-                                       first_bucket_mb=bucket_cap_mb)
+                                       algorithm, find_unused_parameters=unused, timeline=tl)
         ddp.broadcast_optimizer_state(opt)
     elif wrapper not in ("functional", "naive"):
         raise ValueError("wrapper must be 'ddp', 'optimizer', 'functional' or 'naive', not "
@@ -216,3 +221,43 @@ def mismatched_models(where="wrapper"):
         ddp.DistributedDataParallel(model, timeout=5.0)
     model(torch.ones(1, 4)).sum().backward()
     ddp.average_gradients(model.parameters(), timeout=5.0)
+
+
+def record_bucket(state, bucket):
+    """A torch DDP communication hook (``register_comm_hook(state, record_bucket)``), called
+    once per bucket of every step: appends the names of the bucket's parameters to
+    ``state["seen"]`` (``state["names"]`` maps ``id(p)`` to a name), then averages the bucket
+    as DDP does without a hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    state["seen"].append([state["names"][id(p)] for p in bucket.parameters()])
+    return allreduce_hook(None, bucket)
+
+
+def torch_ddp_buckets(hidden=(512, 512, 512), caps=(None, 0.25), steps=2, batch=32,
+                      find_unused_parameters=False, seed=0):
+    """On every rank: for each cap, ``models.mlp(64, hidden, 10)`` wrapped in torch's DDP
+    (``bucket_cap_mb=cap``; None is its default) trains ``steps`` steps on random data; returns
+    ``[(cap, step, buckets)]``, each bucket the list of parameter names DDP's communication hook
+    received, in the order it called the hook."""
+    record = []
+    for cap in caps:
+        model = models.mlp(64, list(hidden), 10, seed=seed)
+        state = {"names": {id(p): n for n, p in model.named_parameters()}, "seen": []}
+        net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap,
+                                                  find_unused_parameters=find_unused_parameters)
+        net.register_comm_hook(state, record_bucket)
+        gen = torch.Generator().manual_seed(seed)
+        for step in range(1, steps + 1):
+            state["seen"] = []
+            net(torch.randn(batch, 64, generator=gen)).sum().backward()
+            record.append((cap, step, state["seen"]))
+    return record
+
+
+def course_ddp_buckets(hidden=(512, 512, 512), caps=(None, 0.25), strategy="overlap", seed=0):
+    """On every rank: the buckets (lists of parameter names) of ``ddp.DistributedDataParallel``
+    around ``models.mlp(64, hidden, 10)`` for each ``bucket_cap_mb`` in ``caps``, as
+    ``{cap: buckets}``."""
+    return {cap: ddp.DistributedDataParallel(models.mlp(64, list(hidden), 10, seed=seed),
+                                             strategy, bucket_cap_mb=cap).buckets
+            for cap in caps}
