@@ -75,7 +75,7 @@ def bucket_sweep_figure(caps_mb, series, compute_ms, comm_ms, title="", path=Non
     ax.axhline(compute_ms, color="0.5", ls="--", label="compute alone")
     ax.axhline(compute_ms + comm_ms, color="k", ls=":",
                label="compute + one allreduce of every gradient")
-    ax.set(xlabel="bucket cap (MB)", ylabel="step time (ms), median", ylim=(0, None),
+    ax.set(xlabel="bucket cap (MiB)", ylabel="step time (ms), median", ylim=(0, None),
            title=title)
     ax.legend(fontsize=8)
     return _finish(fig, path)
