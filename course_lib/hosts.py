@@ -254,27 +254,35 @@ def start_cluster(machines, per_host=1, timeout=60, pg_timeout=30):
 
 
 def tc_versus_emulated(machines, cluster, local, rate="200Mbit/s", size=2 << 20,
-                       world_sizes=(2, 4), algorithms=("naive", "ring"), iters=2):
+                       world_sizes=(2, 4), algorithms=("naive", "ring"), iters=2, progress=False):
     """The same allreduces of ``size`` bytes timed three ways: on ``cluster``, whose ranks live
     on ``machines`` (one each) with their cables slowed by tc to ``rate`` (the real kernel: TCP,
     queues, Gloo); on ``local``, one machine's cluster, on the emulated link of that rate
     (:mod:`course_lib.netem`); and by the alpha-beta model of that link. Returns one dict per
-    world size and algorithm: seconds "tc", "emulated" and "model".
+    world size and algorithm: seconds "tc", "emulated" and "model". ``progress=True`` shows a
+    bar (``tqdm.auto``) naming the run under way, removed when done.
     Introduced in notebooks/12_scaling_out.ipynb."""
+    from tqdm.auto import tqdm
+
     from course_lib import netem
     from course_lib.bench.allreduce import allreduce_rank_bench
     link, before = netem.make_link(rate, "50us"), local.link
     times = {}
+    bar = tqdm(total=2 * len(world_sizes), desc="timing allreduces", disable=not progress,
+               leave=False)
     try:
         for h in machines:
             shape(h, rate=rate)
         local.set_link(link)
         for way, on in (("tc", cluster), ("emulated", local)):
             for n in world_sizes:
+                bar.set_postfix_str(f"{way}, N = {n}")
                 rows = on.run(allreduce_rank_bench, "torch", list(algorithms), [size],
                               iters=iters, warmup=1, check=False, world_size=n)[0]
                 times.update({(way, n, r["algorithm"]): r["time_us"] / 1e6 for r in rows})
+                bar.update()
     finally:
+        bar.close()
         for h in machines:
             shape(h)
         local.set_link(before)

@@ -294,7 +294,7 @@ def _measure_ps(cluster, n_params, workers, servers, compute_s, steps, batch, ti
 
 
 def measure(cluster, workers=(2, 4, 8), servers=4, n_params=2**17, compute_s=0.05, steps=6,
-            batch=32, link=LINK, methods=METHODS, timeout=30.0):
+            batch=32, link=LINK, methods=METHODS, timeout=30.0, progress=False):
     """Train the same model (``n_params`` float64 parameters, a quadratic whose gradient costs
     one pass over them) synchronously with each method for every N in ``workers``, each step
     ``compute_s`` of compute (a sleep) then the exchange, on the emulated ``link`` (set on the
@@ -303,7 +303,8 @@ def measure(cluster, workers=(2, 4, 8), servers=4, n_params=2**17, compute_s=0.0
     Returns rows (dicts): measured ``steps_per_s``, ``samples_per_s``, ``busiest_bytes`` (per
     step, in + out, the start excluded) and ``efficiency``, each beside the model's
     (``model_...``), and ``ratio`` = measured / model steps per second. The PS needs N + S
-    ranks: the cluster must have them. Introduced in notebooks/12_scaling_out.ipynb."""
+    ranks: the cluster must have them. ``progress=True`` shows a bar (``tqdm.auto``) naming
+    the run under way, removed when done. Introduced in notebooks/12_scaling_out.ipynb."""
     if not workers or min(workers) < 1:
         raise ValueError(f"workers: a list of numbers >= 1, not {workers!r}")
     bad = set(methods) - set(METHODS)
@@ -319,13 +320,19 @@ def measure(cluster, workers=(2, 4, 8), servers=4, n_params=2**17, compute_s=0.0
     if emulated is None:
         raise ValueError(f"measure() needs an emulated link (link={LINK!r}): on bare "
                          "loopback every method is bound by the machine, not the network")
+    from tqdm.auto import tqdm
     n_bytes, rows = 8 * n_params, []
+    bar = tqdm(total=1 + len(methods) * len(workers), desc="measuring", disable=not progress,
+               leave=False)
     try:
+        bar.set_postfix_str("1 worker alone")
         one, _ = _measure_ring(cluster, n_params, 1, compute_s, steps, batch, timeout)
         rows.append(_row("one", 1, 0, one, 0.0, one, batch, n_bytes, emulated, compute_s,
                          n_params, steps))
+        bar.update()
         for method in methods:
             for n in workers:
+                bar.set_postfix_str(f"{method}, N = {n}")
                 if method == "ring":
                     rate, busiest = _measure_ring(cluster, n_params, n, compute_s, steps, batch,
                                                   timeout)
@@ -336,7 +343,9 @@ def measure(cluster, workers=(2, 4, 8), servers=4, n_params=2**17, compute_s=0.0
                                                 batch, timeout)
                 rows.append(_row(method, n, s, rate, busiest, one, batch, n_bytes, emulated,
                                  compute_s, n_params, steps))
+                bar.update()
     finally:
+        bar.close()
         if link is not None:
             cluster.set_link(before)
     return rows

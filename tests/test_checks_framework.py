@@ -21,6 +21,50 @@ def test_compare_handles_arrays_tensors_and_sequences():
     assert checks.compare(1.0, 1.001) is not None
 
 
+def test_compare_points_at_the_first_differing_item_of_lists_of_tuples():
+    expected = [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert checks.compare(expected, [("F", 0), ("F", 1), ("B", 0), ("B", 1)]) is None
+    assert checks.compare(expected, [("F", 0), ("B", 0), ("F", 1), ("B", 1)]) == \
+        "output[1][0]: expected 'F', got 'B'"
+    assert checks.compare(expected, expected[:3]) == \
+        "output: expected length 4, got length 3: output[3] = ('B', 1) is missing"
+    assert checks.compare([None, "x"], [None, "x"]) is None
+
+
+def test_sequence_difference_names_the_first_difference_before_both_lists():
+    """Two lists of 16 tuples wrap over several lines: the index and the two items that differ
+    come first, then the lists."""
+    expected = [("F", m) for m in range(4)] + [(op, m) for m in range(4, 8) for op in "BF"] \
+        + [("B", m) for m in range(4, 8)]
+    got = [("F", m) for m in range(8)] + [("B", m) for m in range(8)]
+    assert len(expected) == len(got) == 16
+    lines = checks.sequence_difference(expected, got).splitlines()
+    assert lines == ["  first difference at index 4: expected ('B', 4), got ('F', 4)",
+                     f"  expected {expected}", f"  got      {got}"]
+    assert checks.sequence_difference(expected, got[:3]).splitlines()[0] == \
+        "  yours stops after 3 items: index 3 is missing, expected ('F', 3)"
+    assert checks.sequence_difference(got[:3], got).splitlines()[0] == \
+        "  yours has 13 item(s) too many: index 3, ('F', 3), is not expected"
+    assert checks.sequence_difference([1], None, indent="").splitlines() == \
+        ["expected [1]", "got      None"]
+
+
+def test_a_wrong_pipeline_order_is_shown_from_its_first_difference():
+    """Lab 09's check of the 1F1B order (16 steps on stage 0 of 4 with 8 micro-batches)."""
+    from course_lib import pipeline
+    from course_lib.checks import lab09_model_parallelism as lab09
+
+    def gpipe(stage, num_stages, num_microbatches):
+        return pipeline.schedule_order("gpipe", stage, num_stages, num_microbatches)
+
+    with pytest.raises(CheckFailed) as failed:
+        lab09.check_1f1b_order(gpipe)
+    lines = str(failed.value).splitlines()
+    assert lines[1] == "  first difference at index 4: expected ('B', 0), got ('F', 4)", lines
+    assert lines[2].startswith("  expected [('F', 0), ") and lines[3].startswith("  got      [")
+    assert lines[4].startswith("Hint: that is GPipe's order")
+
+
 def test_run_check_generic():
     cases = [Case(f"n={n}", lambda n=n: (np.arange(n, dtype=float),)) for n in (0, 1, 5)]
     assert checks.run_check("check_double", lambda x: x * 2, lambda x: 2 * x, cases, hint="h")

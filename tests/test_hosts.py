@@ -1,6 +1,8 @@
 """Hosts made of network namespaces: the course's own cluster with its engines on two hosts, and
 tc's slow cables against the emulated network. Needs root (skipped otherwise, saying why)."""
 
+import contextlib
+import io
 import socket
 import subprocess
 
@@ -42,7 +44,11 @@ def test_the_course_cluster_runs_on_two_hosts(cluster):
         assert result["host"] == "hostA" and result["params_sha256"] == \
             reference["params_sha256"]  # the same run, bit for bit, over TCP between hosts
 
-        rows = hosts.tc_versus_emulated(machines, wide, cluster, world_sizes=(2,))
+        shown = io.StringIO()
+        with contextlib.redirect_stderr(shown):  # the progress bar: text on stderr here
+            rows = hosts.tc_versus_emulated(machines, wide, cluster, world_sizes=(2,),
+                                            progress=True)
+        assert 0 < shown.getvalue().find("tc, N = 2") < shown.getvalue().find("emulated, N = 2")
         for row in rows:  # the kernel's tbf and netem's model agree with the alpha-beta model
             assert 0.85 < row["tc"] / row["model"] < 1.2, row
             assert 0.85 < row["emulated"] / row["model"] < 1.2, row

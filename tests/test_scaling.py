@@ -3,7 +3,9 @@ emulated protocol played message by message, a small measured run on the emulate
 only for what the link guarantees and for margins the model leaves wide), the model to
 thousands, the bench and the figures."""
 
+import contextlib
 import csv
+import io
 import subprocess
 import sys
 
@@ -102,12 +104,35 @@ def test_the_model_to_thousands_against_horovod():
 
 # ---------------------------------------------------------------- measured
 @pytest.fixture(scope="module")
-def measured(cluster):
+def measured_and_shown(cluster):
+    """The measured rows, and what the progress bar wrote (tqdm.auto: text on stderr here)."""
     assert cluster.link is None
-    rows = scaling.measure(cluster, workers=(2, 4), servers=2, n_params=2**17, compute_s=0.01,
-                           steps=4)
+    shown = io.StringIO()
+    with contextlib.redirect_stderr(shown):
+        rows = scaling.measure(cluster, workers=(2, 4), servers=2, n_params=2**17,
+                               compute_s=0.01, steps=4, progress=True)
     assert cluster.link is None  # put back
-    return {(r["method"], r["workers"]): r for r in rows}
+    return {(r["method"], r["workers"]): r for r in rows}, shown.getvalue()
+
+
+def test_progress_bars_can_be_widgets_in_jupyter():
+    """tqdm.auto draws a widget in a notebook only with ipywidgets; without it, importing it
+    (as Optuna does, notebook 13) prints a red TqdmWarning and bars fall back to text."""
+    from tqdm.notebook import IProgress
+    assert IProgress is not None, "pip install -c constraints.txt ipywidgets"
+
+
+@pytest.fixture(scope="module")
+def measured(measured_and_shown):
+    return measured_and_shown[0]
+
+
+def test_measure_shows_each_run_as_it_starts(measured_and_shown):
+    rows, shown = measured_and_shown
+    labels = ["1 worker alone"] + [f"{m}, N = {n}" for m in ("ps1", "ps", "ring") for n in (2, 4)]
+    where = [shown.find(label) for label in labels]
+    assert -1 not in where and where == sorted(where), shown
+    assert shown.startswith("\r") and f"/{len(rows)} [" in shown, shown  # a bar of 7 runs
 
 
 def test_measured_rows_never_beat_the_link(measured):

@@ -74,22 +74,33 @@ def compare(expected: Any, got: Any, name: str = "output", rtol: float = 1e-6,
             atol: float = 1e-9) -> str | None:
     """Describe the first difference between ``expected`` and ``got``, or return None.
 
-    Tuples and lists are compared element by element (length first); numbers, numpy arrays and
-    torch tensors by shape and ``np.allclose(got, expected, rtol, atol)``.
+    Tuples and lists are compared element by element (the first element that differs is named,
+    then a length that differs: ``output[3] = ... is missing``); numbers, numpy arrays and
+    torch tensors by shape and ``np.allclose(got, expected, rtol, atol)``; anything else
+    (strings, None) with ``==``.
     """
     if isinstance(expected, (tuple, list)):
         if not isinstance(got, (tuple, list, np.ndarray)) and not _is_tensor(got):
             return (f"{name}: expected a sequence of length {len(expected)}, "
                     f"got {type(got).__name__}")
-        if len(got) != len(expected):
-            return f"{name}: expected length {len(expected)}, got length {len(got)}"
-        for i, (e, g) in enumerate(zip(expected, got, strict=True)):
+        for i, (e, g) in enumerate(zip(expected, got, strict=False)):  # lengths: below
             problem = compare(e, g, f"{name}[{i}]", rtol, atol)
             if problem:
+                if len(got) != len(expected):
+                    problem += f" (and expected length {len(expected)}, got length {len(got)})"
                 return problem
+        if len(got) != len(expected):
+            i = min(len(got), len(expected))
+            extra = (f"{name}[{i}] = {_short(expected[i])} is missing" if i < len(expected)
+                     else f"{name}[{i}] = {_short(got[i])} is one too many")
+            return f"{name}: expected length {len(expected)}, got length {len(got)}: {extra}"
         return None
+    e = _number_or_array(expected)
+    if e is None:  # a string, None, ...: compared with ==
+        return None if _equal(expected, got) else \
+            f"{name}: expected {_short(expected)}, got {_short(got)}"
     try:
-        e, g = _as_array(expected), _as_array(got)
+        g = _as_array(got)
     except (TypeError, ValueError):
         return f"{name}: expected a number or an array, got {type(got).__name__}"
     if e.shape != g.shape:
@@ -102,6 +113,57 @@ def compare(expected: Any, got: Any, name: str = "output", rtol: float = 1e-6,
                 f"expected {e[worst]:.6g}, got {g[worst]:.6g})\n"
                 f"  expected {_summary(e)}\n  got      {_summary(g)}")
     return None
+
+
+def _number_or_array(x: Any) -> np.ndarray | None:
+    """``x`` as a float array, or None when it is not numbers (None, a string, ...)."""
+    if x is None or isinstance(x, (str, bytes)):  # (None would become nan)
+        return None
+    try:
+        return _as_array(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an array compared with a string, ...
+        return False
+
+
+def _short(x: Any, width: int = 60) -> str:
+    text = repr(x)
+    return text if len(text) <= width else text[: width - 4] + " ..."
+
+
+def sequence_difference(expected: Sequence, got: Any, indent: str = "  ") -> str:
+    """Lines that show where two sequences compared with ``==`` part: the index and the two
+    items of the first difference, then both sequences in full, e.g.::
+
+          first difference at index 5: expected ('B', 0), got ('F', 5)
+          expected [('F', 0), ...]
+          got      [('F', 0), ...]
+
+    Used by the check of labs/09_model_parallelism.ipynb (the 1F1B order of
+    notebooks/09_model_parallelism.ipynb)."""
+    try:
+        items = list(got)
+    except TypeError:
+        return f"{indent}expected {expected}\n{indent}got      {got!r}"
+    n = min(len(expected), len(items))
+    i = next((k for k in range(n) if not _equal(expected[k], items[k])), n)
+    if i < n:
+        first = f"first difference at index {i}: expected {expected[i]!r}, got {items[i]!r}"
+    elif len(items) < len(expected):
+        first = (f"yours stops after {len(items)} items: index {i} is missing, "
+                 f"expected {expected[i]!r}")
+    elif len(items) > len(expected):
+        first = (f"yours has {len(items) - len(expected)} item(s) too many: "
+                 f"index {i}, {items[i]!r}, is not expected")
+    else:
+        first = "no difference"
+    return f"{indent}{first}\n{indent}expected {expected}\n{indent}got      {got}"
 
 
 def _changed_inputs(before: tuple, after: tuple) -> list[int]:

@@ -20,7 +20,13 @@ from datetime import timedelta
 
 import numpy as np
 
-from course_lib.checks.framework import Case, CheckFailed, not_implemented, pack_function
+from course_lib.checks.framework import (
+    Case,
+    CheckFailed,
+    not_implemented,
+    pack_function,
+    sequence_difference,
+)
 
 HIDDEN, CAP_BYTES, BATCH, STEPS, LR = (128, 128, 128), 40_000, 64, 4, 0.1
 WAIT_DEADLINE = 10.0  # seconds a student's work.wait() may take before it is an error
@@ -53,7 +59,7 @@ def _as_lists(buckets):
 def _diagnose_buckets(got, sizes, cap):
     try:
         got = _as_lists(got)
-    except TypeError:
+    except (TypeError, ValueError):
         return "return a list of buckets, each a list of parameter indices."
     flat = [i for b in got for i in b]
     if sorted(flat) != list(range(len(sizes))):
@@ -100,12 +106,13 @@ def check_assign_buckets(student_fn, seed: int = 0) -> bool:
                               "\nHint: walk it with reversed(range(len(sizes))) instead of "
                               "sizes.reverse().")
         try:
-            same = _as_lists(got) == expected
-        except TypeError:
-            same = False
-        if not same:
-            raise CheckFailed(f"{where}\n  sizes {sizes}\n  expected {expected}\n  got      "
-                              f"{got}\nHint: {_diagnose_buckets(got, sizes, cap)}")
+            shown = _as_lists(got)  # tuples or numpy ints compare as the lists they hold
+        except (TypeError, ValueError):
+            shown = None
+        if shown != expected:
+            difference = sequence_difference(expected, got if shown is None else shown)
+            raise CheckFailed(f"{where}\n  sizes {sizes}\n{difference}"
+                              f"\nHint: {_diagnose_buckets(got, sizes, cap)}")
     print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference")
     return True
 

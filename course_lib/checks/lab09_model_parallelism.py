@@ -13,7 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from course_lib import pipeline
-from course_lib.checks.framework import CheckFailed, not_implemented, pack_function
+from course_lib.checks.framework import (
+    CheckFailed,
+    not_implemented,
+    pack_function,
+    sequence_difference,
+)
 
 ORDER_CASES = [(0, 4, 8), (1, 4, 8), (3, 4, 8), (0, 2, 1), (0, 4, 2), (2, 4, 2), (0, 1, 3),
                (1, 3, 16)]  # (stage, num_stages, num_microbatches)
@@ -78,7 +83,7 @@ def check_1f1b_order(student_fn: Callable, cluster=None) -> bool:
                               f"Hint: return a list of ('F', m) and ('B', m) pairs.") from err
         expected = pipeline.schedule_order("1f1b", stage, N, M)
         if got != expected:
-            raise CheckFailed(f"{where}\n  expected {expected}\n  got      {got}\n"
+            raise CheckFailed(f"{where}\n{sequence_difference(expected, got)}\n"
                               f"Hint: {_diagnose_order(stage, N, M, got)}")
     N, M = 4, 8
     sim = pipeline.simulate("1f1b", N, M, orders=[_order(student_fn, s, N, M) for s in range(N)])
