@@ -220,6 +220,9 @@ def _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result, t
 
     def submit(job):
         path = directory / f"config-{job.config_id:04d}"
+        # an earlier run of this config left its engine's pid: gone until this run writes its
+        # own, so that a death of that engine is not taken for this run's
+        (path / ENGINE_FILE).unlink(missing_ok=True)
         for _ in range(len(ranks) + 1):
             try:
                 running[view.apply_async(trial, job.config, job.epochs, str(path),

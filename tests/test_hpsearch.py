@@ -104,7 +104,10 @@ def test_a_killed_engine_s_trial_runs_again_elsewhere(cluster, tmp_path):
     result = hpsearch.successive_halving(cluster, trial=hpsearch_loop.sleep_trial, epoch_s=0.05,
                                          faults=["trial-epoch:kill@4:rank=2"],
                                          directory=tmp_path)
-    assert result.lost_ranks == [2] and len(result.retried) == 1
+    # the trial rank 2 was running, and at most one more the scheduler had just given it
+    # (one task per engine at a time: TaskScheduler.hwm = 1)
+    assert result.lost_ranks == [2] and 1 <= len(result.retried) <= 2, result.retried
+    assert all(j.retried == 1 for j in result.retried)  # each started again once, not twice
     assert 2 not in {j.rank for j in result.jobs if j.end > result.retried[0].start}
     assert [len([j for j in result.jobs if j.rung == k]) for k in range(3)] == [27, 9, 3]
     assert cluster.run(os.getpid)[2] != victim  # the next call restarted the engine
