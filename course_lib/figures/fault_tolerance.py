@@ -1,5 +1,7 @@
 """The figures of notebooks/11_fault_tolerance.ipynb: the loss of a run that was killed and
-resumed, against the uninterrupted run, with the steps computed twice shaded.
+resumed, against the uninterrupted run, with the steps computed twice shaded; the same run's
+two logs (JSONL, and TensorBoard's, where each step shows once); the time to finish against the
+checkpoint interval, simulated and measured; a parameter server killed and restarted.
 
     from course_lib.figures import fault_tolerance as figures
     figures.loss_with_restarts(run.log, clean.log)
@@ -58,11 +60,20 @@ def checkpoint_interval(mtbf=3.0, cost=1 / 60, restart=5 / 60, work=200.0, ax=No
     ax.semilogx(intervals * 60, hours, "o-", label="simulated")
     ax.axvline(young * 60, color="k", ls="--", lw=1,
                label=f"Young: sqrt(2CM) = {young * 60:.0f} min")
+    plain_log_ticks(ax, [m for m in (1, 2, 5, 10, 20, 60, 180) if m <= intervals[-1] * 60])
     ax.set(xlabel="checkpoint interval (minutes)", ylabel=f"hours to finish {work:g} h of work",
            title=f"MTBF {mtbf:g} h, checkpoint {cost * 60:g} min, restart {restart * 60:g} min")
     ax.title.set_fontsize(10)
     ax.legend()
     return ax
+
+
+def plain_log_ticks(ax, ticks):
+    """Label a logarithmic x axis at ``ticks`` only, as plain numbers (no minor labels, which
+    overlap on a short range). Introduced in notebooks/11_fault_tolerance.ipynb."""
+    from matplotlib.ticker import NullFormatter
+    ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def save_all(out_dir):
@@ -73,8 +84,9 @@ def save_all(out_dir):
 
 def measured_intervals(rows, young_steps, ax=None):
     """Measured time to finish against the checkpoint interval K (rows of
-    ``bench.checkpoint.interval_rows``), the first-order model beside it and Young's interval
-    marked. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    ``bench.checkpoint.interval_rows``), with each run's failures and steps redone under its K,
+    the first-order model beside it and Young's interval marked. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
     import matplotlib.pyplot as plt
     if ax is None:
         ax = plt.subplots(figsize=(7, 3.5))[1]
@@ -85,9 +97,50 @@ def measured_intervals(rows, young_steps, ax=None):
     ax.axhline(rows[0]["ideal_s"], color="k", lw=0.8)
     ax.text(ks[0], rows[0]["ideal_s"], "  the work alone", va="bottom", fontsize=8)
     ax.axvline(young_steps, color="C3", ls=":", label=f"Young: {young_steps:.0f} steps")
-    ax.set(xlabel="checkpoint every K steps", ylabel="seconds to finish")
+    plain_log_ticks(ax, ks)
+    xlabel = "checkpoint every K steps"
+    if all("failures" in r for r in rows):  # how the failures fell: what moves a point
+        ax.set_xticks(ks, [f"{r['interval']}\n{r['failures']:.3g} failures\n{r['redone']:.3g} "
+                           "steps redone" for r in rows], fontsize=8)
+        xlabel += " (under it: that run's failures and steps redone)"
+    ax.set(xlabel=xlabel, ylabel="seconds to finish")
     ax.legend(fontsize="small")
     return ax
+
+
+def tensorboard_and_log(scalars, log, axes=None):
+    """The chief's two logs of one supervised run: left, the loss per step from TensorBoard's
+    event files (``scalars``: ``[(step, value)]`` of ``tensorboard_view.read_scalars``) under
+    the JSONL records of each attempt (``log``); right, how many times each step appears in
+    each. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    from collections import Counter
+
+    import matplotlib.pyplot as plt
+    if axes is None:
+        axes = plt.subplots(1, 2, figsize=(11, 3.5), width_ratios=[3, 2])[1]
+    left, right = axes
+    records = [r for r in log if r["event"] == "step"]
+    left.plot([s for s, _ in scalars], [v for _, v in scalars], color="0.6", lw=4,
+              label="TensorBoard's event files")
+    for a in sorted({r["attempt"] for r in records}):
+        mine = [r for r in records if r["attempt"] == a]
+        left.plot([r["step"] for r in mine], [r["loss"] for r in mine], "o",
+                  ms=3 + 3 * a, mfc="none" if a else f"C{a}", color=f"C{a}",
+                  label=f"JSONL log, attempt {a}")
+    left.set(xlabel="global step", ylabel="training loss")
+    left.set_title("the loss per step, from each log", fontsize=10)
+    left.legend(fontsize="small")
+    in_log, in_board = Counter(r["step"] for r in records), Counter(s for s, _ in scalars)
+    steps = range(1, max([*in_log, *in_board]) + 1)
+    right.bar(steps, [in_log[s] for s in steps], 0.8, color="C3", alpha=0.35,
+              label=f"JSONL log: {len(records)} records")
+    right.step(steps, [in_board[s] for s in steps], where="mid", color="k",
+               label=f"TensorBoard: {len(scalars)} points")
+    right.set(xlabel="global step", ylabel="times logged", yticks=range(max(in_log.values()) + 1))
+    right.set_title("each step once in TensorBoard (purge_step)", fontsize=10)
+    right.legend(fontsize="small", loc="lower right")
+    left.figure.tight_layout()
+    return axes
 
 
 def server_restart(result, axes=None):

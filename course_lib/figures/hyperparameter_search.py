@@ -74,6 +74,15 @@ def best_so_far(results, x="seconds", ax=None):
     return ax
 
 
+def time_to_reach(result, target):
+    """``(seconds, epochs spent)`` when ``result``'s best accuracy so far first reached
+    ``target``, or ``None`` if it never did: where its curve of :func:`best_so_far` crosses
+    ``target``. Introduced in notebooks/13_hyperparameter_search.ipynb."""
+    curve = result.best_so_far()
+    reached = curve[curve[:, 2] >= target] if len(curve) else curve
+    return (float(reached[0, 0]), int(reached[0, 1])) if len(reached) else None
+
+
 def speedup(rows, ax=None):
     """Speed-up of each search against the number of engines (rows: dict(search, engines,
     seconds)), with the ideal line. Introduced in notebooks/13_hyperparameter_search.ipynb."""
@@ -116,19 +125,24 @@ class LivePlot:
         self.draw(jobs)
 
     def draw(self, jobs):
+        """Draw ``jobs`` (the search's jobs so far), in place of the last drawing in a
+        notebook; returns the figure, closed."""
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(6, 2.8))
+        fig, ax = plt.subplots(figsize=(7.5, 2.8))
         ends = sorted(jobs, key=lambda j: j.end)
         best, ys = 0.0, []
         for job in ends:
             best = max(best, job.acc)
             ys.append(best)
-        ax.step([j.end - self.started for j in ends], ys, where="post")
-        ax.plot([j.end - self.started for j in ends], [j.acc for j in ends], ".", ms=3,
-                color="0.6")
-        ax.set(xlabel="seconds", ylabel="validation accuracy",
+        ax.step([j.end - self.started for j in ends], ys, where="post", label="best so far")
+        ax.plot([j.end - self.started for j in ends], [j.acc for j in ends], ".", ms=4,
+                color="0.5", label="each job, when it finished")
+        ax.set_xlim(left=0)  # from the search's start: the wait for the first results shows
+        ax.set(xlabel="seconds since the search started", ylabel="validation accuracy",
                title=f"{self.title}: {len(jobs)} jobs done, best {best:.3f}")
         ax.title.set_fontsize(9)
+        if jobs:
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
         fig.tight_layout()
         self.updates += 1
         try:
@@ -141,6 +155,7 @@ class LivePlot:
                     self.handle.update(fig)
         finally:
             plt.close(fig)
+        return fig
 
 
 def save_all(out_dir):

@@ -16,55 +16,89 @@ from course_lib import pipeline
 from course_lib.figures import save_figure
 
 COLOURS = {"F": "tab:blue", "B": "tab:orange"}
+LIGHT = {"F": "#9ecae1", "B": "#fdbf86"}  # an interleaved rank's second chunk of layers
 
 
-def simulated_gantt(sim, ax, title=None):
+def simulated_gantt(sim, ax, title=None, xmax=None, chunks=None):
     """One row per stage: its forwards (blue) and backwards (orange) with the micro-batch
-    number; white is the bubble. Introduced in notebooks/09_model_parallelism.ipynb."""
+    number where the box has room for it; white is the bubble. ``xmax``: the time axis's end
+    (default: the step's end); ``chunks[s][i]``: the chunk of stage s's i-th box (interleaved
+    1F1B), drawn light from chunk 1 on. Introduced in notebooks/09_model_parallelism.ipynb."""
+    xmax = xmax or sim.makespan
+    ax.set_xlim(0, xmax)
+    # points per unit of time: the axes' width before the figure's layout widens it
+    points = ax.get_position().width * ax.figure.get_figwidth() * 72 / xmax
     for s, row in enumerate(sim.intervals):
-        for op, m, start, end in row:
-            ax.broken_barh([(start, end - start)], (s - 0.4, 0.8), facecolors=COLOURS[op],
-                           edgecolors="white", linewidth=0.5)
-            ax.text((start + end) / 2, s, str(m), ha="center", va="center", fontsize=7,
-                    color="white")
+        for i, (op, m, start, end) in enumerate(row):
+            light = bool(chunks and chunks[s][i])
+            ax.broken_barh([(start, end - start)], (s - 0.4, 0.8),
+                           facecolors=(LIGHT if light else COLOURS)[op], edgecolors="white",
+                           linewidth=0.5)
+            if (end - start) * points >= 4.5 * len(str(m)) + 2:  # a 7-point digit: ~4.5 pt
+                ax.text((start + end) / 2, s, str(m), ha="center", va="center", fontsize=7,
+                        color="black" if light else "white")
     ax.set_yticks(range(len(sim.intervals)), [f"stage {s}" for s in range(len(sim.intervals))])
     ax.invert_yaxis()
-    ax.set_xlim(0, sim.makespan)
     ax.set_xlabel("time (units of one forward)")
     ax.set_title(title or f"bubble {sim.bubble:.0%}, live at most {max(sim.peak_live)}",
                  fontsize=10)
     return ax
 
 
-def schedules_figure(num_stages=4, num_microbatches=8, t_forward=1.0, t_backward=2.0):
-    """Naive, GPipe, 1F1B and interleaved 1F1B (2 chunks per rank) on N stages, simulated one
-    under the other, for the same batch:
-    the naive schedule's one piece is M micro-batches' work. Time unit: one micro-batch's
-    forward. Introduced in notebooks/09_model_parallelism.ipynb."""
+def schedules_figure(num_stages=4, num_microbatches=8, t_forward=1.0, t_backward=2.0,
+                     virtual_stages=2):
+    """Naive, GPipe, 1F1B and interleaved 1F1B (``virtual_stages`` chunks per rank) on N stages,
+    simulated for the same batch: the naive schedule's one piece is M micro-batches' work. The
+    naive run, about N times longer, has an axis of its own, with the end of the other three
+    marked on it; those three share one axis. Time unit: one micro-batch's forward.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
     import matplotlib.pyplot as plt
-    schedules = [*pipeline.SCHEDULES, "interleaved"]
-    fig, axes = plt.subplots(len(schedules), 1, figsize=(10, 8.5), sharex=True)
-    longest = 0.0
-    for ax, schedule in zip(axes, schedules, strict=True):
-        k = num_microbatches if schedule == "naive" else 1  # the whole batch at once
-        sim = pipeline.simulate(schedule, num_stages, num_microbatches, k * t_forward,
-                                k * t_backward, virtual_stages=2)
-        M = 1 if schedule == "naive" else num_microbatches
+    N, M, v = num_stages, num_microbatches, virtual_stages
+    sims = {}
+    for schedule in (*pipeline.SCHEDULES, "interleaved"):
+        k = M if schedule == "naive" else 1  # the naive schedule: the whole batch at once
+        sims[schedule] = pipeline.simulate(schedule, N, M, k * t_forward, k * t_backward,
+                                           virtual_stages=v)
+    fig, axes = plt.subplots(len(sims), 1, figsize=(10, 9.5))
+    for ax in axes[2:]:  # the naive run keeps an axis of its own
+        ax.sharex(axes[1])
+    streamed = max(sims[s].makespan for s in sims if s != "naive")
+    unit = f"units of one micro-batch's forward; a backward takes {t_backward / t_forward:g}"
+    for ax, (schedule, sim) in zip(axes, sims.items(), strict=True):
+        if schedule == "naive":
+            title = (f"naive (the whole batch at once): {sim.makespan:g} units, bubble "
+                     f"{sim.bubble:.0%} = (N-1)/N; its own time axis, {sim.makespan / streamed:.1f}"
+                     " times as long as the ones below")
+            simulated_gantt(sim, ax, title)
+            ax.set_xlabel(f"time ({unit})", fontsize=9)
+            ends = {"interleaved": sims["interleaved"].makespan, "GPipe and 1F1B":
+                    sims["gpipe"].makespan}
+            for end in ends.values():
+                ax.axvline(end, color="k", ls="--", lw=1)
+            # on stage 0's row, empty between its forward and its backward
+            ax.annotate(" ".join(f"{name} end{'s' if name == 'interleaved' else ''} at {end:g};"
+                                 for name, end in ends.items()).rstrip(";") + " (dashed)",
+                        (max(ends.values()), 0), xytext=(4, 0), textcoords="offset points",
+                        fontsize=8, va="center", ha="left")
+            continue
+        chunks = None
         if schedule == "interleaved":
-            title = (f"interleaved 1F1B, 2 chunks per rank (M = {M}): {sim.makespan:g} units, "
-                     f"bubble {sim.bubble:.0%} = (N-1)/(2M+N-1), each box half a stage")
+            chunks = [[step[2] for step in pipeline.interleaved_order(s, N, M, v)]
+                      for s in range(N)]
+            title = (f"interleaved 1F1B (M = {M}, {v} chunks per rank, light = 2nd chunk): "
+                     f"{sim.makespan:g} units, bubble {sim.bubble:.0%} = (N-1)/({v}M+N-1)")
         else:
-            title = (f"{schedule} (M = {M}): {sim.makespan:g} units, bubble {sim.bubble:.0%} = "
-                     f"(N-1)/(M+N-1), at most {max(sim.peak_live)} micro-batch(es) alive")
-        simulated_gantt(sim, ax, title)
+            title = (f"{'GPipe' if schedule == 'gpipe' else '1F1B'} (M = {M}): "
+                     f"{sim.makespan:g} units, bubble {sim.bubble:.0%} = (N-1)/(M+N-1), at most "
+                     f"{max(sim.peak_live)} micro-batches alive")
+        simulated_gantt(sim, ax, title, xmax=streamed, chunks=chunks)
         ax.set_xlabel("")
-        longest = max(longest, sim.makespan)
-    axes[-1].set_xlim(0, longest)
-    axes[-1].set_xlabel("time (units of one micro-batch's forward; backward takes "
-                        f"{t_backward / t_forward:g})")
-    fig.suptitle(f"N = {num_stages} stages, one batch: blue forward, orange backward, number = "
+        if ax is not axes[-1]:
+            ax.tick_params(labelbottom=False)
+    axes[-1].set_xlabel(f"time ({unit})", fontsize=9)
+    fig.suptitle(f"N = {N} stages, one batch: blue forward, orange backward, number = "
                  "micro-batch, white = the bubble", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(h_pad=1.2)
     return fig
 
 
@@ -78,15 +112,14 @@ def measured_vs_simulated(reports, schedule, num_microbatches, t_forward, t_back
     N = len(reports)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 2 + 1.3 * N))
     sim = pipeline.simulate(schedule, N, num_microbatches, t_forward * 1e3, t_backward * 1e3)
-    simulated_gantt(sim, top, f"simulated {schedule}, N = {N}, M = {num_microbatches}: "
-                              f"{sim.makespan:.0f} ms, bubble {sim.bubble:.0%}")
-    top.set_xlabel("time (ms)")
     start = min(r["start"] for r in reports)
     timeline.gantt([r["timeline"] for r in reports], ax=bottom, since=start,
                    title=f"measured on this machine: {max(r['seconds'] for r in reports) * 1e3:.0f}"
                          " ms")
-    right = max(top.get_xlim()[1], bottom.get_xlim()[1])
-    top.set_xlim(0, right)
+    right = max(sim.makespan, bottom.get_xlim()[1])  # one time axis for both
+    simulated_gantt(sim, top, f"simulated {schedule}, N = {N}, M = {num_microbatches}: "
+                              f"{sim.makespan:.0f} ms, bubble {sim.bubble:.0%}", xmax=right)
+    top.set_xlabel("time (ms)")
     bottom.set_xlim(0, right)
     fig.tight_layout()
     return fig
