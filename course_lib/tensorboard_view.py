@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -74,9 +75,18 @@ class TensorBoard:
                 'style="border: 1px solid #ccc"></iframe>')
 
 
+def _die_with_parent():
+    """In the child, before it runs TensorBoard (Linux): SIGTERM when the process that started
+    it dies, so a notebook's kernel shut down or killed takes its TensorBoard with it."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def serve(logdir, timeout=60):
     """Start ``tensorboard --logdir logdir`` on 127.0.0.1 and a free port; returns a
     :class:`TensorBoard` once it answers (a deadline of ``timeout`` s, naming what it printed).
+    It runs until ``stop()``, or until the process that started it (a notebook's kernel) ends.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     logdir = Path(logdir)
     if not logdir.is_dir():
@@ -84,7 +94,7 @@ def serve(logdir, timeout=60):
     process = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
          "--port", "0", "--reload_interval", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
     lines = queue.Queue()  # a thread reads its output all its life: a full pipe never blocks it
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout],
                      daemon=True).start()

@@ -38,6 +38,31 @@ def test_no_logs_is_a_clear_error(tmp_path):
         tensorboard_view.serve(tmp_path / "nothing")
 
 
+def test_tensorboard_dies_with_the_process_that_started_it(run_dir):
+    """A notebook's kernel shut down or killed takes its TensorBoard with it."""
+    import subprocess
+    import sys
+
+    import psutil
+    code = ("import sys; from course_lib import tensorboard_view\n"
+            f"board = tensorboard_view.serve({str(run_dir / tensorboard_view.SUBDIR)!r})\n"
+            "print(board.process.pid, flush=True)\n"
+            "import os; os.kill(os.getpid(), 9)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    pid = int(out.stdout.split()[0])
+
+    def gone():
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+    deadline = time.monotonic() + 20
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), "TensorBoard outlived the process that started it"
+
+
 @pytest.mark.browser
 @pytest.mark.skipif(shutil.which("chromium") is None and shutil.which("chromium-browser") is None,
                     reason="needs Chromium: apt-get install -y chromium")
