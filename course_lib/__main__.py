@@ -11,6 +11,7 @@
     bench checkpoint ... save time by size; time to finish with failures vs the interval
     bench scaling ...    parameter server (1 and S servers) vs ring, emulated link; model to 4096
     bench hpsearch ...   random, SH, ASHA, Hyperband, Optuna: accuracy, epochs, busy; speed-up
+    bench staging ...    a transfer staged through host memory vs direct; GPUDirect's model
     faults [--repeat K] [--only A,B] [--list]
                          every promise tried: faults injected, deadlines, leftovers, exposure
     cluster clean [--all] stop clusters left behind by a killed notebook kernel

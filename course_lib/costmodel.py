@@ -43,6 +43,21 @@ the hardware's bandwidth whatever p is.
 
     from course_lib import costmodel
     costmodel.allreduce_time("ring", 100e6, 64, costmodel.LINKS["100GbE"])   # seconds
+
+A GPU's data on its way to another GPU (notebook 12) crosses several links one after another.
+Without GPUDirect it is staged through host memory: GPU -> host (PCIe), host -> NIC -> wire ->
+NIC -> host (the network), host -> GPU (PCIe). With GPUDirect RDMA the NIC reads and writes GPU
+memory itself, so only the network pass is left; inside one server GPUDirect P2P moves GPU to GPU
+over PCIe (one pass instead of two), NVLink without PCIe at all. Each pass over n bytes costs
+alpha + n beta of its link (:data:`PCIE` for the bus). Moving the whole buffer pass after pass
+(store and forward) costs the sum; cutting it into k chunks of c bytes lets pass s work on chunk
+i while pass s+1 works on chunk i-1 (a pipeline), so the slowest pass runs once over the whole
+buffer and every other pass adds only one chunk::
+
+    store and forward   sum_s (alpha_s + n beta_s)
+    pipelined           sum_s (alpha_s + c beta_s) + (k - 1) max_s (alpha_s + c beta_s)
+
+    costmodel.path_time(64e6, costmodel.gpu_paths()["across nodes, staged through host memory"])
 """
 
 from __future__ import annotations
@@ -94,6 +109,19 @@ LINKS = {
     # a kernel launch and NCCL's protocol put alpha at a few microseconds inside one server.
     "NVLink": Link("NVLink", alpha=3e-6, beta=1 / 300e9),
 }
+
+
+# The bus between a GPU (or a NIC) and the host, per direction of a x16 slot. Line rate: 16 GT/s
+# (PCIe 4.0) or 32 GT/s (5.0) per lane x 16 lanes x 128/130 encoding = 31.5 and 63 GB/s. beta is
+# the effective rate, about 80 % of that (packet headers and flow control): what cudaMemcpy from
+# pinned host memory reaches, ~25 and ~50 GB/s. alpha is one copy's fixed cost (a call and a DMA
+# set-up), a few microseconds. The line rates are in PCIE_LINE_RATE, for comparison.
+PCIE = {
+    "PCIe 4.0 x16": Link("PCIe 4.0 x16", alpha=5e-6, beta=1 / 25e9),
+    "PCIe 5.0 x16": Link("PCIe 5.0 x16", alpha=5e-6, beta=1 / 50e9),
+}
+PCIE_LINE_RATE = {"PCIe 4.0 x16": 16e9 * 16 * 128 / 130 / 8,   # 31.5 GB/s per direction
+                  "PCIe 5.0 x16": 32e9 * 16 * 128 / 130 / 8}   # 63 GB/s per direction
 
 
 def _log2_steps(p):
@@ -260,3 +288,46 @@ def format_table(rows, unit="ms"):
         cells += [f"{row[c] * scale:>{w}.4g}" for c, w in zip(cols[1:], widths[1:], strict=True)]
         lines.append("".join(cells))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- GPU to GPU: staged or direct
+def _link(link):
+    if isinstance(link, Link):
+        return link
+    for table in (LINKS, PCIE):
+        if link in table:
+            return table[link]
+    raise ValueError(f"unknown link {link!r}: a Link, or one of {[*LINKS, *PCIE]}")
+
+
+def path_time(n_bytes, stages, chunk_bytes=None):
+    """Seconds to move ``n_bytes`` through ``stages`` (Links or names of :data:`LINKS` and
+    :data:`PCIE`, in order), each stage one full pass over the data. ``chunk_bytes=None``: store
+    and forward, the sum of the passes, sum_s (alpha_s + n beta_s). With chunks of c bytes (k =
+    ceil(n / c), the last one shorter is priced as a full one): a pipeline, sum_s (alpha_s + c
+    beta_s) + (k - 1) max_s (alpha_s + c beta_s), the slowest pass over the whole buffer plus one
+    chunk of each other pass. Introduced in notebooks/12_scaling_out.ipynb."""
+    links = [_link(s) for s in stages]
+    n = np.asarray(n_bytes, dtype=float)
+    if chunk_bytes is None:
+        return _scalar_or_array(sum(link.alpha + n * link.beta for link in links))
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
+    c = np.minimum(float(chunk_bytes), n)
+    k = np.ceil(n / c)
+    per_chunk = [link.alpha + c * link.beta for link in links]
+    return _scalar_or_array(sum(per_chunk) + (k - 1) * np.maximum.reduce(per_chunk))
+
+
+def gpu_paths(pcie="PCIe 4.0 x16", network="InfiniBand HDR", nvlink="NVLink"):
+    """The stages a GPU's buffer crosses to reach another GPU, staged through host memory or
+    direct (GPUDirect), as ``{name: [links]}`` for :func:`path_time`. Across nodes: staged is
+    PCIe, the network, PCIe; GPUDirect RDMA is the network alone (the NIC reads GPU memory over
+    PCIe while the wire carries it). Inside a node: staged is PCIe twice (GPU -> host -> GPU);
+    GPUDirect P2P is one PCIe pass; NVLink one NVLink pass.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    return {"across nodes, staged through host memory": [pcie, network, pcie],
+            "across nodes, GPUDirect RDMA": [network],
+            "inside a node, staged through host memory": [pcie, pcie],
+            "inside a node, GPUDirect P2P over PCIe": [pcie],
+            "inside a node, NVLink": [nvlink]}

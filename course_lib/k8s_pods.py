@@ -3,15 +3,14 @@
 Introduced in notebooks/12_scaling_out.ipynb. The operators' Go source decides each pod's name and
 environment (the file and function are named in comments): :func:`pod_environments` computes
 them for a checked manifest of :mod:`course_lib.k8s`, :func:`run_locally` runs a two-pod
-PyTorchJob on two network namespaces named like its pods, and :func:`kubectl_dry_run` asks a
-real cluster when one answers.
+PyTorchJob on two network namespaces named like its pods (:mod:`course_lib.k8s_watch` watches
+it as ``kubectl`` would), and :func:`kubectl_dry_run` asks a real cluster when one answers.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -286,26 +285,16 @@ def run_locally(manifest, timeout=180.0):
     """Run a two-pod PyTorchJob here as the cluster would: each pod a host of its own named like
     the pod (:func:`course_lib.hosts.make_hosts`, so ``MASTER_ADDR=<job>-master-0`` resolves),
     its container's command, and exactly the environment :func:`pod_environments` gives it.
-    Returns each pod's output (rank 0's last line is the script's JSON result). Needs root.
+    Returns each pod's output (rank 0's last line is the script's JSON result); raises
+    RuntimeError naming the first pod that failed or ran late. Needs root.
     Introduced in notebooks/12_scaling_out.ipynb."""
-    import sys
-
-    from course_lib import hosts
-    pods = pod_environments(manifest)
-    if manifest["kind"] != "PyTorchJob" or len(pods) != 2:
-        raise ValueError(f"run_locally runs a PyTorchJob of two pods, not a {manifest['kind']} "
-                         f"of {len(pods)}")
-    commands = []
-    for pod in pods:
-        replica = manifest["spec"]["pytorchReplicaSpecs"][pod.replica]
-        command = replica["template"]["spec"]["containers"][0]["command"]
-        if command[0] == "torchrun":  # this machine's torchrun: the one beside its Python
-            command = [sys.executable, "-m", "torch.distributed.run", *command[1:]]
-        commands.append(command)
-    with hosts.make_hosts([pod.pod for pod in pods]) as machines:
-        outputs = hosts.run_each(machines, commands,
-                                 [{**os.environ, **pod.env} for pod in pods], timeout)
-    return dict(zip([pod.pod for pod in pods], outputs, strict=True))
+    from course_lib.k8s_watch import run_watched
+    run = run_watched(manifest, timeout)
+    for pod in run.pods.values():
+        if pod.phase != "Succeeded":
+            raise RuntimeError(f"{pod.name} failed ({pod.reason}, exit code {pod.exit_code}): "
+                               f"{pod.log.strip()[-1500:]}")
+    return {name: pod.log for name, pod in run.pods.items()}
 
 
 # --------------------------------------------------------------------------- kubectl

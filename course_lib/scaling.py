@@ -87,6 +87,35 @@ HOROVOD_512 = dict(gpus=512, efficiency=0.90, models="Inception V3 and ResNet-10
                    source="Horovod README, Benchmarks (github.com/horovod/horovod)")
 
 
+# Uber's published numbers, each with its source. Sergeev & Del Balso 2018 ("Horovod: fast and
+# easy distributed deep learning in TensorFlow", arXiv:1802.05799, the paper of the "Meet
+# Horovod" post of October 2017) plot them as curves and state a few in their text; only those
+# stated in words or in Horovod's README are here. ``approx`` marks one said in words ("half").
+# Setting of all: Pascal GPUs, 4 per server, 25 Gbit/s network, tf_cnn_benchmarks.
+UBER_128 = [
+    dict(system="standard distributed TensorFlow", models="Inception V3, ResNet-101", gpus=128,
+         network="25GbE, TCP", efficiency=0.50, approx=True,
+         source="Sergeev & Del Balso 2018, Fig. 1 and its text: about half of the resources "
+                "unused at 128 GPUs"),
+    dict(system="Horovod", models="Inception V3, ResNet-101", gpus=128, network="25GbE, TCP",
+         efficiency=0.88, approx=False,
+         source="Sergeev & Del Balso 2018, Sec. 8 (Fig. 6): 88 % at 128 GPUs, 'about twice as "
+                "fast as standard distributed TensorFlow'"),
+    dict(system="Horovod", models="Inception V3, ResNet-101", gpus=128,
+         network="25 Gbit/s RoCE (RDMA)", efficiency=0.90, approx=False,
+         source="Horovod README, Oct. 2017 (32 servers x 4 Pascal GPUs): 90 %"),
+    dict(system="Horovod", models="VGG-16", gpus=128, network="25 Gbit/s RoCE (RDMA)",
+         efficiency=0.79, approx=False,
+         source="Horovod README, Oct. 2017 (32 servers x 4 Pascal GPUs): 79 % for VGG-16"),
+]
+# RDMA against TCP on the same 25 Gbit/s network, Horovod (Sergeev & Del Balso 2018, Sec. 8,
+# Fig. 7): Inception V3 and ResNet-101 gained three to four percent, VGG-16 about 30 %.
+RDMA_SPEEDUP = {"Inception V3": (0.03, 0.04), "ResNet-101": (0.03, 0.04), "VGG-16": (0.30, 0.30)}
+# Parameters of each model (Keras Applications' table): the gradient every step sends.
+PARAMETERS = {"Inception V3": 23.9e6, "ResNet-50": 25.6e6, "ResNet-101": 44.7e6,
+              "VGG-16": 138.4e6}
+
+
 # ---------------------------------------------------------------- the formulas
 def _cost_link(link):
     """A :class:`costmodel.Link` from a costmodel or netem Link, a costmodel preset name
@@ -349,6 +378,30 @@ def measure(cluster, workers=(2, 4, 8), servers=4, n_params=2**17, compute_s=0.0
         if link is not None:
             cluster.set_link(before)
     return rows
+
+
+def ring_over_ps(rows, workers=None):
+    """How many times the ring's throughput each parameter server's is, measured (rows of
+    :func:`measure`) at ``workers`` (default: the largest N measured by both), beside the
+    model's: {"workers", "servers", "ps1", "ps", "model_ps1", "model_ps"} (a method not
+    measured is missing). What Uber's "about twice as fast" compares, here.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    by = {(r["method"], r["workers"]): r for r in rows}
+    both = sorted(n for m, n in by if m == "ring" and any(k[1] == n and k[0] != "ring"
+                                                          for k in by))
+    n = workers if workers is not None else (both[-1] if both else None)
+    ring = by.get(("ring", n))
+    if ring is None:
+        raise ValueError(f"no ring row at N = {n}: measure the ring and a PS at the same N")
+    out = {"workers": n}
+    for method in ("ps1", "ps"):
+        ps = by.get((method, n))
+        if ps is not None:
+            out[method] = ring["samples_per_s"] / ps["samples_per_s"]
+            out[f"model_{method}"] = ring["model_samples_per_s"] / ps["model_samples_per_s"]
+            if method == "ps":
+                out["servers"] = ps["servers"]
+    return out
 
 
 def machine_floor(cluster, n_params=2**17, workers=8, steps=5, timeout=30.0):

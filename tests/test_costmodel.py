@@ -170,3 +170,60 @@ def test_links_are_documented_round_numbers():
     speeds = [links[k].bandwidth for k in ("10GbE", "100GbE", "InfiniBand HDR", "NVLink")]
     assert speeds == sorted(speeds)
     assert "GB/s" in str(links["NVLink"])
+
+
+# ---------------------------------------------------------------- GPU to GPU: staged or direct
+A = Link("a", alpha=1.0, beta=0.1)   # 100 bytes: 11 s; a 20-byte chunk: 3 s
+W = Link("w", alpha=2.0, beta=0.2)   # 100 bytes: 22 s; a 20-byte chunk: 6 s
+
+
+def test_store_and_forward_is_the_sum_of_the_passes():
+    assert costmodel.path_time(100, [A]) == pytest.approx(11.0)
+    assert costmodel.path_time(100, [A, W, A]) == pytest.approx(11 + 22 + 11)
+    # arrays of sizes: 200 bytes is 1 + 20 and 2 + 40
+    assert costmodel.path_time(np.array([100, 200]), [A, W]) == pytest.approx([33, 63])
+
+
+def test_a_pipeline_costs_the_slowest_pass_plus_a_chunk_of_each_other():
+    # 5 chunks of 20 bytes through A, W, A: one chunk of each (3 + 6 + 3), then 4 more of the
+    # slowest (W: 6 each) = 36, against 44 store and forward
+    assert costmodel.path_time(100, [A, W, A], chunk_bytes=20) == pytest.approx(12 + 4 * 6)
+    # one stage: chunks only add latency, 5 x (1 + 2)
+    assert costmodel.path_time(100, [A], chunk_bytes=20) == pytest.approx(15.0)
+    # a chunk as large as the message is store and forward
+    assert costmodel.path_time(100, [A, W], chunk_bytes=100) == \
+        pytest.approx(costmodel.path_time(100, [A, W]))
+    assert costmodel.path_time(100, [A, W], chunk_bytes=1000) == pytest.approx(33.0)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        costmodel.path_time(100, [A], chunk_bytes=0)
+
+
+def test_pcie_line_rate_and_effective_bandwidth():
+    assert costmodel.PCIE_LINE_RATE["PCIe 4.0 x16"] == pytest.approx(31.5e9, rel=1e-3)
+    assert costmodel.PCIE_LINE_RATE["PCIe 5.0 x16"] == pytest.approx(63.0e9, rel=1e-3)
+    for name, link in costmodel.PCIE.items():
+        assert link.bandwidth < costmodel.PCIE_LINE_RATE[name]   # effective below line rate
+    assert costmodel.PCIE["PCIe 4.0 x16"].bandwidth == pytest.approx(25e9)
+    assert costmodel.PCIE["PCIe 5.0 x16"].bandwidth == pytest.approx(50e9)
+
+
+def test_gpudirect_paths_by_hand():
+    paths = costmodel.gpu_paths()
+    pcie, ib = costmodel.PCIE["PCIe 4.0 x16"], costmodel.LINKS["InfiniBand HDR"]
+    n = 64e6
+    staged = costmodel.path_time(n, paths["across nodes, staged through host memory"])
+    assert staged == pytest.approx(2 * (5e-6 + n / 25e9) + 1.5e-6 + n / 25e9)
+    assert costmodel.path_time(n, paths["across nodes, GPUDirect RDMA"]) == \
+        pytest.approx(ib.alpha + n * ib.beta)
+    # PCIe and InfiniBand HDR both carry 25 GB/s: staging triples a large transfer's time...
+    assert staged / costmodel.path_time(n, [ib]) == pytest.approx(3.0, rel=1e-3)
+    # ... and pipelining in 4 MB chunks hides all but one chunk's copies (16 chunks)
+    piped = costmodel.path_time(n, paths["across nodes, staged through host memory"], 4e6)
+    assert piped == pytest.approx(2 * (5e-6 + 4e6 / 25e9) + 1.5e-6 + 4e6 / 25e9
+                                  + 15 * (5e-6 + 4e6 / 25e9))
+    inside = costmodel.path_time(n, paths["inside a node, staged through host memory"])
+    assert inside == pytest.approx(2 * costmodel.path_time(n, [pcie]))
+    assert costmodel.path_time(n, paths["inside a node, NVLink"]) < \
+        costmodel.path_time(n, paths["inside a node, GPUDirect P2P over PCIe"]) < inside
+    with pytest.raises(ValueError, match="unknown link"):
+        costmodel.path_time(n, ["carrier pigeon"])

@@ -206,8 +206,15 @@ def test_bench_refuses_bad_options():
 def test_figures(tmp_path, measured):
     from course_lib.figures import scaling_out
     paths = scaling_out.save_all(tmp_path)
-    assert [p.name for p in paths] == ["12_ps_vs_ring.png"] and paths[0].stat().st_size > 20_000
+    assert paths[0].name == "12_ps_vs_ring.png" and paths[0].stat().st_size > 20_000
     ax = scaling_out.measured_throughput(list(measured.values()))
     assert len(ax.lines) == 3 * 2 + 2  # measured and formula per method, ideal, one worker
     axes = scaling_out.efficiency_vs_workers(links=("10GbE", "NVLink"))
     assert len(axes) == 2 and len(axes[0].lines) == 4
+    # one legend for the figure, readable (>= 8 pt), below the panels: it covers no curve
+    legend, = axes[0].figure.legends
+    assert all(t.get_fontsize() >= 8 for t in legend.get_texts()) and len(legend.get_texts()) == 4
+    assert not any(ax.get_legend() for ax in axes)
+    axes[0].figure.canvas.draw()
+    box = legend.get_window_extent()
+    assert all(box.y1 <= ax.get_window_extent().y0 for ax in axes)

@@ -1,0 +1,39 @@
+"""bench staging: the options, the model table, and one real (tiny) run through the command
+line, whose rows are checked, never its timings."""
+
+import csv
+import subprocess
+import sys
+
+
+def _bench(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "course_lib", "bench", "staging", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_model_alone_lists_every_gpu_path():
+    from course_lib import costmodel
+    out = _bench("--model-only", timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in costmodel.gpu_paths():
+        assert name in out.stdout
+    assert "pipelined, 4 MiB chunks" in out.stdout and "1 GiB" in out.stdout
+
+
+def test_bad_options_are_refused():
+    assert _bench("--sizes", "12Q", timeout=60).returncode == 2
+    out = _bench("--repeats", "0", timeout=60)
+    assert out.returncode == 1 and "--repeats" in out.stderr
+
+
+def test_a_tiny_run_prints_every_row(tmp_path):
+    path = tmp_path / "staging.csv"
+    out = _bench("--sizes", "256K,1M", "--link", "1Gbit/s,50us", "--chunk", "128K",
+                 "--repeats", "1", "--csv", str(path))
+    assert out.returncode == 0, out.stderr
+    rows = list(csv.DictReader(open(path)))
+    assert [(r["bytes"], r["link"].split(" (")[0]) for r in rows] == [
+        ("262144", "loopback"), ("1048576", "loopback"),
+        ("262144", "1 Gbit/s, 50 us"), ("1048576", "1 Gbit/s, 50 us")]
+    assert all(r["intact"] == "True" for r in rows)
+    assert "ceiling: memcpy" in out.stdout and "GPUDirect RDMA" in out.stdout
