@@ -71,16 +71,22 @@ $(SITE_STAMP): $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[site]'
 	touch $(SITE_STAMP)
 
-# SITE_NOTEBOOKS="notebooks/01_*.ipynb" builds a subset (globs); the default is the whole course
+# A subset: NOTEBOOKS="notebooks/09_*.ipynb" (globs, space-separated) for both; the decks take the
+# notebooks/ ones (labs/ globs are for the site). SITE_NOTEBOOKS, the site's own, wins for the site.
+# The default is the whole course.
+SITE_NOTEBOOKS ?= $(NOTEBOOKS)
+DECKS = $(sort $(wildcard $(if $(NOTEBOOKS),$(filter notebooks/%,$(NOTEBOOKS)),notebooks/*.ipynb)))
+
 site: $(SITE_STAMP)       ## the course as a static website, in build/site/ (open index.html)
 	$(PY) slides/vendor.py slides/vendor
 	$(if $(SITE_NOTEBOOKS),SITE_NOTEBOOKS="$(SITE_NOTEBOOKS)") $(VENV)/bin/sphinx-build -q -c site -b html . build/site
 	@echo "the site: $(CURDIR)/build/site/index.html"
 
 slides: $(SITE_STAMP)     ## a reveal.js deck per notebook, in slides/ (outputs shared with make site)
+	$(if $(DECKS),,$(error NOTEBOOKS="$(NOTEBOOKS)" names no notebook of notebooks/))
 	$(PY) slides/vendor.py slides/vendor
 	$(VENV)/bin/jupyter nbconvert --config slides/config.py --to slides $(KERNEL_ARGS) \
-		--output-dir slides notebooks/*.ipynb
+		--output-dir slides $(DECKS)
 
 images: $(STAMP)          ## regenerate the figures in images/
 	$(PY) -m course_lib images

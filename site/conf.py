@@ -7,13 +7,15 @@ from the jupyter-cache in build/jupyter_cache, which `make slides` shares); the 
 students get them (not executed: their exercises raise until solved); the library's reference
 from its docstrings; the figures of images/. Nothing is fetched at build or reading time:
 MathJax is served from slides/vendor (`python slides/vendor.py`). SITE_NOTEBOOKS (globs,
-space-separated) builds a subset.
+space-separated; `make site NOTEBOOKS=...` sets it) builds a subset. site/_static/course.css
+keeps every page within the window (long output lines scroll in their box).
 """
 import os
 import shutil
 from pathlib import Path
 
 from jupyter_client.manager import KernelManager
+from sphinx.util.matching import Matcher
 
 ROOT = Path(__file__).resolve().parents[1]
 MATHJAX = ROOT / "slides" / "vendor" / "mathjax"
@@ -45,44 +47,41 @@ html_title = "Distributed deep learning"
 html_theme_options = {"use_download_button": True, "show_toc_level": 2}
 html_context = {"default_mode": "light"}
 html_favicon = "favicon.svg"
+# the course's additions to the theme: no page wider than the window (long output lines
+# scroll inside their box)
+html_static_path = ["_static"]
+html_css_files = ["course.css"]
 mathjax_path = "mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"  # MathJax 2, as in the decks
 myst_update_mathjax = False  # its settings are MathJax 3's
 mathjax2_config = {"tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]],
                                "processEscapes": True},
                    "messageStyle": "none"}
 
-# The sidebar: README's course map first, then the notebooks, the labs and the reference
-TOC = """
+# The sidebar: README's course map first, then the notebooks and the labs that are built (a
+# subset may have none of one kind: a toctree whose glob matches nothing is a warning), then the
+# reference
+TOC_SECTIONS = [("Notebooks", "notebooks"), ("Labs", "labs")]
+REFERENCE = ["site/api", "site/figures", "CONTRIBUTING"]
 
-```{toctree}
-:hidden:
-:caption: Notebooks
-:glob:
-notebooks/*
-```
 
-```{toctree}
-:hidden:
-:caption: Labs
-:glob:
-labs/*
-```
-
-```{toctree}
-:hidden:
-:caption: Reference
-site/api
-site/figures
-CONTRIBUTING
-```
-"""
+def toc(patterns, srcdir=ROOT):
+    """The landing page's hidden toctrees, for the folders of TOC_SECTIONS that `patterns`
+    (include_patterns' syntax) take a notebook from."""
+    included = Matcher(patterns)
+    blocks = [f"```{{toctree}}\n:hidden:\n:caption: {caption}\n:glob:\n{folder}/*\n```\n"
+              for caption, folder in TOC_SECTIONS
+              if any(included(p.relative_to(srcdir).as_posix())
+                     for p in (Path(srcdir) / folder).glob("*.ipynb"))]
+    reference = "\n".join(REFERENCE)
+    blocks.append(f"```{{toctree}}\n:hidden:\n:caption: Reference\n{reference}\n```\n")
+    return "\n\n" + "\n".join(blocks)
 
 
 def _generated(app, docname, source):
     """The sidebar's tables of contents on the landing page; the API reference and the figures
     page listed from the files, so that they never go stale."""
     if docname == root_doc:
-        source[0] += TOC
+        source[0] += toc(app.config.include_patterns, Path(app.srcdir))
     elif docname == "site/api":
         modules = sorted(p.stem for p in (ROOT / "course_lib").glob("*.py") if p.stem[0] != "_")
         source[0] += "".join(f"\n## `course_lib.{m}`\n\n```{{eval-rst}}\n.. automodule:: "

@@ -7,9 +7,11 @@ from slides/vendor/ (`python slides/vendor.py`); the look is in slides/template/
 
     jupyter nbconvert --config slides/config.py --to slides --output-dir slides notebooks/*.ipynb
 """
+import ast
 import re
 from pathlib import Path
 
+from IPython.core.inputtransformer2 import TransformerManager
 from jupyter_cache import get_cache
 from jupyter_cache.base import CacheBundleIn
 from nbconvert.preprocessors import ExecutePreprocessor
@@ -48,11 +50,49 @@ def _deck_links(nb):
     return nb
 
 
+def _strings(source, keyword):
+    """The strings given as `keyword=` or to set_`keyword`( / sup`keyword`( in `source`; an
+    f-string's fields become an ellipsis."""
+    pattern = rf"""(?:\b{keyword}\s*=|set_{keyword}\(|sup{keyword}\()\s*[fF]?(["'])([^"'\n]+)\1"""
+    found = (re.sub(r"\{[^}]*\}", "…", text).strip() for _, text in re.findall(pattern, source))
+    return list(dict.fromkeys(text for text in found if text.strip("… ")))
+
+
+def figure_alt(output, cell, longest=160):
+    """The alt text of an image output: an `alt` in the output's metadata (its image's or its
+    own) or in the cell's; else the titles the cell gives, or its axes' labels; else the
+    statement that made the figure (the cell's last one that calls a plotting function)."""
+    meta = output.get("metadata") or {}
+    for place in (*(v for v in meta.values() if isinstance(v, dict)), meta,
+                  cell.get("metadata") or {}):
+        if isinstance(place.get("alt"), str) and place["alt"].strip():
+            return place["alt"].strip()
+    source = cell.get("source", "")
+    if titles := _strings(source, "title"):
+        return "Figure: " + "; ".join(titles)
+    ylabels, xlabels = _strings(source, "ylabel"), _strings(source, "xlabel")
+    if ylabels:
+        return "Figure: " + "; ".join(ylabels) + (" against " + xlabels[0] if xlabels else "")
+    code = TransformerManager().transform_cell(source)  # %magics to plain Python
+    try:
+        tree = ast.parse(code)
+        statements = [" ".join(ast.get_source_segment(code, s).split()) for s in tree.body]
+    except (SyntaxError, TypeError):
+        statements = [line.strip() for line in code.splitlines()]
+    statements = [s.rstrip(";") for s in statements if s and not s.startswith("#")]
+    plots = [s for s in statements if re.search(r"\b(figures\.\w+|\w*(plot|figure)\w*)\(", s)]
+    made_by = (plots or statements or [""])[-1]
+    if len(made_by) > longest:
+        made_by = made_by[:longest - 1] + "…"
+    return f"Figure made by: {made_by}" if made_by else "Figure"
+
+
 c = get_config()  # noqa: F821  (traitlets defines it for configuration files)
 c.SlidesExporter.preprocessors = [CachedExecute]
 c.CachedExecute.timeout = 600
 c.SlidesExporter.extra_template_basedirs = [str(HERE)]
 c.SlidesExporter.template_name = "template"
+c.SlidesExporter.filters = {"figure_alt": figure_alt}
 c.SlidesExporter.reveal_url_prefix = "vendor/reveal.js"
 c.SlidesExporter.require_js_url = "vendor/requirejs/require.js"
 c.SlidesExporter.mathjax_url = "vendor/mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"

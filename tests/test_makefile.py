@@ -1,6 +1,7 @@
 """The Makefile: `make lab` serves the whole repository (notebooks and labs), also as root,
 without start-up warnings; kernels of `make lab` and `make slides` encrypt their messages;
-`make setup` asks PyTorch's CPU index for torch when it answers, and PyPI alone otherwise."""
+`make setup` asks PyTorch's CPU index for torch when it answers, and PyPI alone otherwise;
+`make slides` and `make site` build the notebooks NOTEBOOKS names."""
 
 import json
 import os
@@ -123,3 +124,43 @@ def test_slides_and_lab_kernels_do_not_warn_about_plain_tcp(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "without encryption" not in out.stderr, out.stderr
     assert nbformat.read(tmp_path / "run.ipynb", 4).cells[0].outputs[0].text == "42\n"
+
+
+def _dry_run(*args):
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTEBOOKS", "SITE_NOTEBOOKS")}
+    out = subprocess.run(["make", "--no-print-directory", "-n", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    return out.returncode, out.stdout + out.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make (apt-get install make)")
+def test_slides_and_site_build_the_notebooks_named():
+    """NOTEBOOKS (globs) picks the notebooks of `make slides` and `make site`; the decks take
+    the notebooks/ ones; SITE_NOTEBOOKS, the site's own, still works and wins."""
+    def decks(*args):
+        code, out = _dry_run("slides", *args)
+        assert code == 0, out
+        # the nbconvert command, its continuation line joined
+        line = next(line for line in out.replace("\\\n", " ").splitlines() if "nbconvert" in line)
+        return [arg for arg in line.split() if arg.endswith(".ipynb")]
+
+    def site(*args):
+        code, out = _dry_run("site", *args)
+        assert code == 0, out
+        line = next(line for line in out.splitlines() if "sphinx-build" in line)
+        found = re.search(r'SITE_NOTEBOOKS="([^"]*)"\s', line)
+        return found and found.group(1)
+
+    every = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert decks() == every and len(every) > 10
+    assert decks("NOTEBOOKS=notebooks/01_*.ipynb") == ["notebooks/01_gradient_descent.ipynb"]
+    assert decks("NOTEBOOKS=notebooks/0[12]_*.ipynb labs/01_*.ipynb") == every[1:3]
+    code, out = _dry_run("slides", "NOTEBOOKS=labs/01_*.ipynb")
+    assert code != 0 and "names no notebook" in out, out
+
+    assert site() is None  # the whole course: conf.py's default
+    assert site("NOTEBOOKS=notebooks/09_*.ipynb labs/09_*.ipynb") == \
+        "notebooks/09_*.ipynb labs/09_*.ipynb"
+    assert site("SITE_NOTEBOOKS=notebooks/01_*.ipynb") == "notebooks/01_*.ipynb"
+    assert site("SITE_NOTEBOOKS=notebooks/01_*.ipynb", "NOTEBOOKS=notebooks/02_*.ipynb") == \
+        "notebooks/01_*.ipynb"

@@ -10,6 +10,7 @@ $BROWSER_ARTIFACTS (a temporary directory otherwise; its path is printed).
 
 import functools
 import http.server
+import importlib.util
 import os
 import re
 import shutil
@@ -69,13 +70,15 @@ def built(vendor, tmp_path_factory):
     cache, site, slides = tmp / "jupyter_cache", tmp / "site", tmp / "slides"
     env = dict(os.environ, SITE_NOTEBOOKS=f"{NOTEBOOK} {LAB}",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    _run([sys.executable, "-m", "sphinx", "-q", "-c", "site", "-b", "html",
-          "-D", f"nb_execution_cache_path={cache}", ".", str(site)], timeout=240, env=env)
+    site_build = _run([sys.executable, "-m", "sphinx", "-q", "-c", "site", "-b", "html",
+                       "-D", f"nb_execution_cache_path={cache}", ".", str(site)],
+                      timeout=240, env=env)
     deck = _run([sys.executable, "-m", "jupyter", "nbconvert", "--config", "slides/config.py",
                  "--to", "slides", f"--CachedExecute.cache_path={cache}", "--output-dir",
                  str(slides), NOTEBOOK], timeout=120, env=env)
     (slides / "vendor").symlink_to(vendor, target_is_directory=True)
-    return {"site": site, "slides": slides, "deck_log": deck.stderr}
+    return {"site": site, "slides": slides, "site_log": site_build.stderr,
+            "deck_log": deck.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +149,65 @@ def test_built_html_names_no_external_script_style_or_image(built):
     assert len(files) > len(PAGES)
     offenders = [str(f.relative_to(f.parents[1])) for f in files if pattern.search(f.read_text())]
     assert not offenders, f"pages loading scripts, styles or images from another host: {offenders}"
+
+
+def test_builds_do_not_warn(built):
+    """Sphinx (-q) prints only warnings; nbconvert warns when an image has no alt text."""
+    assert "WARNING" not in built["site_log"], built["site_log"][-3000:]
+    assert "didn't match any documents" not in built["site_log"]  # a toctree of nothing built
+    assert "Alternative text is missing" not in built["deck_log"], built["deck_log"][-3000:]
+
+
+def _conf():
+    spec = importlib.util.spec_from_file_location("site_conf", ROOT / "site" / "conf.py")
+    conf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conf)
+    return conf
+
+
+def test_sidebar_lists_only_the_kinds_of_notebook_built(built):
+    toc = _conf().toc
+    assert "notebooks/*" in toc(["notebooks/01_*.ipynb"])
+    assert "labs/*" not in toc(["notebooks/01_*.ipynb"])
+    assert "notebooks/*" not in toc(["labs/05_allreduce.ipynb"])
+    assert "labs/*" in toc(["labs/05_allreduce.ipynb", "labs/solutions/*.ipynb"])
+    assert "site/api" in toc([])
+    landing = (built["site"] / "README.html").read_text()  # the small site has both kinds
+    assert 'href="notebooks/01_gradient_descent.html"' in landing
+    assert 'href="labs/05_allreduce.html"' in landing
+
+
+def test_deck_images_say_what_they_show(built):
+    html = (built["slides"] / DECK).read_text()
+    alts = re.findall(r'<div class="jp-RenderedImage[^>]*>\s*<img [^>]*?alt="([^"]*)"', html)
+    images = html.count('<div class="jp-RenderedImage')
+    assert images >= 5 and len(alts) == images, (images, alts)
+    assert all(alt.startswith("Figure") and "No description" not in alt for alt in alts), alts
+    # a title the cell gives, else the call that made the figure
+    assert "Figure: loss above the optimum, same epochs" in alts
+    assert "Figure made by: figures.plot_contour_paths(problem, X, y, runs, " \
+           "optimum_theta=theta_star)" in alts
+
+
+# A page no wider than the window, with both sidebars (1400) and without (600, where notebook
+# 01's printed lines are wider than their box): long lines scroll inside their box
+@pytest.mark.parametrize("width", [1400, 600])
+@pytest.mark.parametrize("path", PAGES)
+def test_site_page_is_no_wider_than_the_window(open_page, artifacts, path, width):
+    page = open_page(f"site/{path}", viewport=(width, 900))
+    if page.locator("span.math, div.math").count():
+        _wait_math(page)  # a typeset formula has its final width
+    widths = page.evaluate("""() => [document.documentElement.scrollWidth,
+                                     document.documentElement.clientWidth]""")
+    if widths[0] > widths[1]:
+        page.screenshot(path=artifacts / f"site_wide_{width}_{path.replace('/', '_')}.png",
+                        full_page=True)
+    assert widths[0] <= widths[1], f"{path} at {width} px: {widths[0]} px wide"
+    overflowing = page.evaluate("""() => [...document.querySelectorAll('.cell_output pre')]
+        .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => getComputedStyle(e).overflowX)""")
+    assert all(o in ("auto", "scroll") for o in overflowing), overflowing
+    if path == NOTEBOOK.replace(".ipynb", ".html") and width == 600:
+        assert overflowing, "no printed line wider than its box: nothing was checked"
 
 
 @pytest.mark.parametrize("path", ["index.html", *PAGES])
