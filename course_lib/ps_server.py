@@ -123,17 +123,19 @@ def serve(spec, n_params, cfg, apply_push):
     theta, version, waiting_init = None, 0, []
     stats = dict(server=ENGINE["rank"], shard=(start, stop), staleness=[], pushes=0, pulls=0,
                  bytes_in=0, bytes_out=0, rejected=0, lost=[], per_worker={w: 0 for w in workers},
-                 used=[], step_ends=[], dropped=[], restored_from=None, from_lost=0, skipped=[])
+                 used=[], step_ends=[], dropped=[], restored_from=None, from_lost=0, skipped=[],
+                 duplicates=0)
     done, heard = set(), {w: time.monotonic() for w in workers}
+    applied = {}  # worker -> the number of its last push applied: a resend is answered, not applied
     every, directory = cfg.get("checkpoint_every"), cfg.get("checkpoint_dir")
     directory = directory and Path(directory) / f"server-{s}"
     if directory:
-        theta, version, done = _restore(directory, stats)
+        theta, version, done, applied = _restore(directory, stats)
     stats["ready"] = time.monotonic()  # restored (if need be): serving from now on
 
     def save():
         if directory:
-            _save(directory, theta, version, done)
+            _save(directory, theta, version, done, applied)
     pending = {}  # sync: worker -> (identity, grad_sum, count) of the current step
     step_started = time.monotonic()
     t0, deadline = time.monotonic(), time.monotonic() + cfg["time_limit"]
@@ -189,6 +191,13 @@ def serve(spec, n_params, cfg, apply_push):
                 reply(identity)
         elif op == "push":
             grad, count = np.frombuffer(payload, np.float64), header["count"]
+            if "seq" in header and applied.get(w) == header["seq"]:
+                # sent again by a worker that heard no reply in time (its socket, and the reply,
+                # are gone): applying it twice would count one gradient twice
+                stats["duplicates"] += 1
+                reply(identity)
+                continue
+            applied[w] = header.get("seq")
             stats["pushes"] += 1
             stats["per_worker"][w] += 1
             if sync and backup and header["version"] != version:  # late: the step went on
@@ -242,20 +251,23 @@ def serve(spec, n_params, cfg, apply_push):
 
 
 def _restore(directory, stats):
-    """(theta, version, done) of the server's last good checkpoint, or (None, 0, set())."""
+    """(theta, version, done, applied) of the server's last good checkpoint, or
+    (None, 0, set(), {})."""
     from course_lib import checkpoint
     state, _ = checkpoint.load_latest(directory, report=stats["skipped"].append)
     if state is None:
-        return None, 0, set()
+        return None, 0, set(), {}
     stats["restored_from"] = int(state["version"])
-    return state["theta"].numpy().copy(), int(state["version"]), set(state["done"])
+    return (state["theta"].numpy().copy(), int(state["version"]), set(state["done"]),
+            {int(w): int(seq) for w, seq in state.get("applied", [])})
 
 
-def _save(directory, theta, version, done):
+def _save(directory, theta, version, done, applied):
     import torch
 
     from course_lib import checkpoint
-    checkpoint.save({"theta": torch.from_numpy(theta), "version": version, "done": sorted(done)},
+    checkpoint.save({"theta": torch.from_numpy(theta), "version": version, "done": sorted(done),
+                     "applied": sorted((w, seq) for w, seq in applied.items() if seq is not None)},
                     directory, version, keep=2)
 
 
@@ -333,6 +345,7 @@ class ServerConnections:
         self.socks = [self._connect(address) for address in addresses]
         self.bounds = [shard_bounds(n_params, s, len(addresses)) for s in range(len(addresses))]
         self.n_params, self.bytes, self.resent = n_params, 0, 0
+        self.seq = 0  # numbers this worker's pushes, so a server applies a resent one once
 
     @staticmethod
     def _connect(address):
@@ -386,8 +399,9 @@ class ServerConnections:
         return self._exchange("pull")[:2]
 
     def push(self, grad_sum, count, versions):
+        self.seq += 1
         return self._exchange("push", np.asarray(grad_sum, np.float64), count=count,
-                              version=list(versions))
+                              version=list(versions), seq=self.seq)
 
     def done(self):
         if self.retry is not None:  # a server that may be restarted must have heard it
