@@ -192,3 +192,23 @@ def test_server_restarts_bad_arguments(cluster, linear, tmp_path):
     with pytest.raises(ValueError, match="another run"):
         ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, mode="async", server_restarts=1,
                  checkpoint_dir=tmp_path)
+
+
+def test_a_push_sent_again_is_applied_once(cluster, linear, tmp_path):
+    """Replies slower than the workers' 0.5 s retry (a 400 ms link each way): every push is sent
+    again on a new socket, and the server must apply each worker's push once, not once per copy
+    (it answers the copy, from its record of the last push applied per worker)."""
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(1, 2, world_size=4)
+    cluster.set_link("1Gbit/s,400ms")
+    try:
+        result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=1,
+                          batch_size=100, mode="async", checkpoint_dir=tmp_path / "ckpt",
+                          server_restarts=1, timeout=10)
+    finally:
+        cluster.set_link(None)
+    server = result.servers[0]
+    steps = sum(w["steps"] for w in result.workers)
+    assert sum(w["resent"] for w in result.workers) >= steps // 2  # most pushes went twice
+    assert server["duplicates"] >= 1 and server["pushes"] == steps
+    assert server["version"] == steps  # one update per gradient
