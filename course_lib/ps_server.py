@@ -18,7 +18,9 @@ server runs in a child process of its rank that checkpoints its shard (at ``init
 starts another on the same address, which resumes from the last checkpoint, as Kubernetes
 restarts a failed container in place. A worker that hears nothing within ``retry`` s closes its
 socket, opens a new one and sends the same request again (the "lazy pirate" of the ZeroMQ
-guide), until the deadline.
+guide), until the deadline. A push carries its worker's sequence number: a server that already
+applied it (its reply came too late for the closed socket) answers the copy without applying
+the gradient twice.
 
 On an emulated network (``start_cluster(link=...)``, :mod:`course_lib.netem`) the header carries
 the sender's stamp and every message pays the link's time: a server's single link carries every
