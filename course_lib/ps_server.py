@@ -360,10 +360,12 @@ class ServerConnections:
     def _reply(self, s, message, what):
         """Server ``s``'s reply to ``message``. With ``retry``: when none came within ``retry``
         s, a new socket (a late reply to the old one is never mistaken for this one) sends
-        ``message`` again, until ``timeout`` s have passed."""
-        deadline = time.monotonic() + self.timeout
+        ``message`` again, waiting twice as long each time (at most 8 x ``retry``: a reply
+        slower than ``retry`` still gets through), until ``timeout`` s have passed."""
+        deadline, patience = time.monotonic() + self.timeout, self.retry
         while self.retry is not None:
-            wait = min(self.retry, deadline - time.monotonic())
+            wait = min(patience, deadline - time.monotonic())
+            patience = min(2 * patience, 8 * self.retry)
             if wait <= 0 or self.socks[s].poll(int(wait * 1000)):
                 break
             self.socks[s].close(linger=0)

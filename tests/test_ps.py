@@ -195,12 +195,13 @@ def test_server_restarts_bad_arguments(cluster, linear, tmp_path):
 
 
 def test_a_push_sent_again_is_applied_once(cluster, linear, tmp_path):
-    """Replies slower than the workers' 0.5 s retry (a 400 ms link each way): every push is sent
-    again on a new socket, and the server must apply each worker's push once, not once per copy
-    (it answers the copy, from its record of the last push applied per worker)."""
+    """Replies slower than the workers' first 0.5 s wait (a 600 ms link each way): every push is
+    sent again on a new socket (then waited for twice as long), and the server must apply each
+    worker's push once, not once per copy (it answers the copy, from its record of the last push
+    applied per worker)."""
     problem, X, y, theta0 = linear
     spec = ps.make_spec(1, 2, world_size=4)
-    cluster.set_link("1Gbit/s,400ms")
+    cluster.set_link("1Gbit/s,600ms")
     try:
         result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=1,
                           batch_size=100, mode="async", checkpoint_dir=tmp_path / "ckpt",
