@@ -193,24 +193,3 @@ def test_server_restarts_bad_arguments(cluster, linear, tmp_path):
         ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, mode="async", server_restarts=1,
                  checkpoint_dir=tmp_path)
 
-
-def test_a_push_sent_again_is_applied_once(cluster, linear, tmp_path):
-    """Replies slower than the workers' first 0.5 s wait (a 600 ms link each way): every push is
-    sent again on a new socket (then waited for twice as long), and the server must apply each
-    worker's push once, not once per copy (it answers the copy, from its record of the last push
-    applied per worker)."""
-    problem, X, y, theta0 = linear
-    spec = ps.make_spec(1, 2, world_size=4)
-    cluster.set_link("1Gbit/s,600ms")
-    try:
-        result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=1,
-                          batch_size=100, mode="async", checkpoint_dir=tmp_path / "ckpt",
-                          server_restarts=1, timeout=10)
-    finally:
-        cluster.set_link(None)
-    server = result.servers[0]
-    steps = sum(w["steps"] for w in result.workers)
-    assert sum(w["resent"] for w in result.workers) >= 1
-    # a copy the server read before its sender gave up is answered, not applied (a copy still
-    # queued when its socket closed is dropped by ZeroMQ: how many are read depends on timing)
-    assert server["pushes"] == steps and server["version"] == steps  # one update per gradient
