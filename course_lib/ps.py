@@ -89,7 +89,7 @@ def worker_step(problem, pull, push, Xb, yb):
 def _worker(spec, addresses, problem, X, y, theta0, cfg):
     w, num_workers = spec["worker"].index(ENGINE["rank"]), len(spec["worker"])
     conn = ServerConnections(addresses, len(theta0), 2 * cfg["timeout"] + 5,
-                             retry=0.5 if cfg["server_restarts"] else None)
+                             retry=cfg["retry"])
     rng, delay_rng = np.random.default_rng(cfg["seed"]), np.random.default_rng([cfg["seed"], w])
     log = dict(worker=ENGINE["rank"], steps=0, rejected=0, loss_sums=[], counts=[], times=[],
                dropped=0, step_ids=[], versions=[])
@@ -260,7 +260,8 @@ def train(cluster, spec, problem, X, y, theta0, lr, num_epochs=1, batch_size=32,
                crash_after=dict(crash_after or {}), backup_workers=int(backup_workers),
                slow={int(r): float(s) for r, s in (slow or {}).items()},
                checkpoint_dir=checkpoint_dir, checkpoint_every=int(checkpoint_every),
-               server_restarts=int(server_restarts), faults=tuple(faults))
+               server_restarts=int(server_restarts), faults=tuple(faults),
+               retry=0.5 if server_restarts else None)  # a worker's first wait for a reply
     bound = cluster.run(bind_server, spec, host)  # in rank order; None on non-servers
     # server s of the spec (``spec["ps"][s]``) holds shard s: its address goes to place s
     addresses = [bound[r] for r in spec["ps"]]

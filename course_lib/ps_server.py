@@ -134,6 +134,7 @@ def serve(spec, n_params, cfg, apply_push):
     if directory:
         theta, version, done, applied = _restore(directory, stats)
     stats["ready"] = time.monotonic()  # restored (if need be): serving from now on
+    finished_before = bool(workers) and done >= set(workers)
 
     def save():
         if directory:
@@ -246,10 +247,24 @@ def serve(spec, n_params, cfg, apply_push):
                 reply(identity)
             pending = {}
             step_started = time.monotonic()
+    if finished_before:
+        # restored with every worker done: the last one may not have heard its reply (the
+        # server was killed after it saved the 'done') and will send it again
+        answer_late_dones(sock, quiet=16 * cfg["retry"], reply=reply)
     close_server(linger=2000)  # the last replies still go out
     stats["elapsed"] = time.monotonic() - t0
     stats["version"], stats["theta"] = version, theta
     return stats
+
+
+def answer_late_dones(sock, quiet, reply):
+    """Answer every ``done`` that comes until none came for ``quiet`` s."""
+    while sock.poll(int(quiet * 1000)):
+        identity, header, payload = sock.recv_multipart(copy=True)
+        header = json.loads(header)
+        _arrived(header, payload)
+        if header["op"] == "done" and header.get("ack"):
+            reply(identity)
 
 
 def _restore(directory, stats):
@@ -357,19 +372,22 @@ class ServerConnections:
         sock.connect(address)
         return sock
 
-    def _reply(self, s, message, what):
+    def _reply(self, s, message, what, new_socket=True):
         """Server ``s``'s reply to ``message``. With ``retry``: when none came within ``retry``
         s, a new socket (a late reply to the old one is never mistaken for this one) sends
         ``message`` again, waiting twice as long each time (at most 8 x ``retry``: a reply
-        slower than ``retry`` still gets through), until ``timeout`` s have passed."""
+        slower than ``retry`` still gets through), until ``timeout`` s have passed.
+        ``new_socket=False`` resends on the same socket: for ``done``, whose every reply means
+        the same, and whose first reply may be the last thing the server sends before it exits."""
         deadline, patience = time.monotonic() + self.timeout, self.retry
         while self.retry is not None:
             wait = min(patience, deadline - time.monotonic())
             patience = min(2 * patience, 8 * self.retry)
             if wait <= 0 or self.socks[s].poll(int(wait * 1000)):
                 break
-            self.socks[s].close(linger=0)
-            self.socks[s] = self._connect(self.addresses[s])
+            if new_socket:
+                self.socks[s].close(linger=0)
+                self.socks[s] = self._connect(self.addresses[s])
             self.bytes += _send(self.socks[s], *message)
             self.resent += 1
         return _recv(self.socks[s], max(deadline - time.monotonic(), 0.001), what)[1:]
@@ -386,7 +404,8 @@ class ServerConnections:
         theta, versions, rejected, self.dropped = np.empty(self.n_params), [], False, False
         for s in range(len(self.socks)):
             reply, payload = self._reply(s, messages[s],
-                                         f"{op} sent by worker rank {self.rank} to server {s}")
+                                         f"{op} sent by worker rank {self.rank} to server {s}",
+                                         new_socket=op != "done")
             if reply["op"] == "error":
                 raise PSError(f"worker rank {self.rank}: server {s} failed: {reply['message']}")
             a, b = self.bounds[s]

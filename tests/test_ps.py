@@ -1,6 +1,8 @@
 """The parameter server: sync equals single-process mini-batch SGD, async converges, failures
 end in errors that name the worker, the staleness-aware step tames high staleness."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -193,3 +195,108 @@ def test_server_restarts_bad_arguments(cluster, linear, tmp_path):
         ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, mode="async", server_restarts=1,
                  checkpoint_dir=tmp_path)
 
+
+
+# ---------------------------------------------------------------- resent messages, one process
+def _raw_server():
+    """A ROUTER socket on a free port, as a server's, and its address."""
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.linger = 0
+    return sock, f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+
+def _message(sock, header, vector=()):
+    import json
+    sock.send_multipart([json.dumps(header).encode(), np.asarray(vector, np.float64).tobytes()])
+
+
+def test_a_done_answered_late_is_heard_though_the_server_exits_at_once(monkeypatch):
+    """The server answers the last 'done' after the worker's first wait (0.5 s) and exits at once:
+    the worker, resending on the same socket, still hears that one reply (on a new socket, it
+    would have waited for a server that is gone)."""
+    import json
+    import threading
+
+    from course_lib.engine import ENGINE
+    from course_lib.ps_server import ServerConnections
+    monkeypatch.setitem(ENGINE, "rank", 1)
+    server, address = _raw_server()
+
+    def answer_once_late():
+        if server.poll(5000):
+            identity, header, _ = server.recv_multipart()
+            time.sleep(0.8)
+            server.send_multipart([identity, json.dumps(dict(op="ok", version=7)).encode(),
+                                   np.zeros(3).tobytes()])
+        server.close(linger=1000)  # gone: a resent 'done' finds nobody
+
+    thread = threading.Thread(target=answer_once_late)
+    thread.start()
+    conn = ServerConnections([address], 3, timeout=4, retry=0.5)
+    try:
+        _, versions, _ = conn.done()
+    finally:
+        conn.close(linger=0)
+        thread.join()
+    assert versions == [7] and conn.resent == 1
+
+
+def test_the_server_applies_a_push_sent_twice_once(monkeypatch):
+    """A push that arrives twice (its worker heard no reply in time and sent it again) updates the
+    parameters once; the copy is answered with the current parameters."""
+    import threading
+
+    import zmq
+
+    from course_lib import ps_server
+    from course_lib.engine import ENGINE
+    monkeypatch.setitem(ENGINE, "rank", 0)
+    sock, address = _raw_server()
+    monkeypatch.setitem(ps_server._BOUND, "sock", sock)
+    cfg = dict(mode="async", timeout=5, time_limit=20, lr=1.0, max_staleness=None,
+               staleness_aware=False, retry=0.5)
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(
+        ps_server.serve({"ps": [0], "worker": [1]}, 2, cfg, ps.apply_push)))
+    thread.start()
+    worker = zmq.Context.instance().socket(zmq.DEALER)
+    worker.linger = 0
+    worker.connect(address)
+    try:
+        replies = []
+        for header, vector in [(dict(op="init"), [0, 0]),
+                               (dict(op="push", count=1, version=0, seq=1), [1, 2]),
+                               (dict(op="push", count=1, version=0, seq=1), [1, 2]),  # the copy
+                               (dict(op="push", count=1, version=1, seq=2), [1, 1]),
+                               (dict(op="done", ack=True), [])]:
+            _message(worker, dict(header, worker=1), vector)
+            assert worker.poll(5000), f"no reply to {header}"
+            _, payload = worker.recv_multipart()
+            replies.append(np.frombuffer(payload, np.float64).tolist())
+    finally:
+        worker.close()
+        thread.join(timeout=10)
+    assert replies[1] == replies[2] == [-1, -2] and replies[3] == [-2, -3]
+    assert result["pushes"] == 2 and result["duplicates"] == 1 and result["version"] == 2
+
+
+def test_a_push_sent_again_on_a_slow_link_is_applied_once(cluster, linear, tmp_path):
+    """Replies slower than the workers' first 0.5 s wait (a 600 ms link each way): pushes are sent
+    again on a new socket, 'done' on the same one, and the run ends with one update per gradient
+    (the server answers a copy of a push it applied from its record of each worker's last push;
+    how many copies it reads depends on timing: a copy still queued when its socket closed is
+    dropped by ZeroMQ)."""
+    problem, X, y, theta0 = linear
+    spec = ps.make_spec(1, 2, world_size=4)
+    cluster.set_link("1Gbit/s,600ms")
+    try:
+        result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=1,
+                          batch_size=100, mode="async", checkpoint_dir=tmp_path / "ckpt",
+                          server_restarts=1, timeout=10)
+    finally:
+        cluster.set_link(None)
+    server = result.servers[0]
+    steps = sum(w["steps"] for w in result.workers)
+    assert sum(w["resent"] for w in result.workers) >= 1
+    assert server["pushes"] == steps and server["version"] == steps  # one update per gradient
