@@ -10,9 +10,11 @@ training step); nothing happens unless that point is *armed* in this process::
 
 ``"kill"`` is SIGKILL, as the kernel's out-of-memory killer or a lost node: no ``finally``,
 no flush. ``"hang"`` sleeps (for ``hang_s`` seconds), as a process stuck in a collective whose
-peer is gone: only a deadline notices. ``once=path`` fires only if ``path`` does not exist yet
-(and creates it first), so the restarted process does not fail again at the same place. Points
-can be armed from the environment too, for processes started by a launcher (``torchrun``)::
+peer is gone: only a deadline notices. ``"stop"`` raises :class:`FaultStop`, for code that then
+goes silent as a dead process would while its process lives on (a parameter-server worker).
+``once=path`` fires only if ``path`` does not exist yet (and creates it first), so the restarted
+process does not fail again at the same place. Points can be armed from the environment too, for
+processes started by a launcher (``torchrun``)::
 
     COURSE_LIB_FAULTS="train-step:kill@7:rank=1:once=/tmp/fired"
 """
@@ -24,8 +26,13 @@ import signal
 import time
 
 ENV = "COURSE_LIB_FAULTS"
-ACTIONS = ("kill", "hang")
+ACTIONS = ("kill", "hang", "stop")
 _ARMED = {}   # name -> [plan, ...], each dict(action, at, once, hang_s, hits)
+
+
+class FaultStop(Exception):
+    """Raised by a point armed with ``"stop"``: the code there stops its work and goes silent.
+    Introduced in notebooks/04_parameter_server.ipynb."""
 
 
 class FaultSpecError(ValueError):
@@ -76,12 +83,14 @@ def parse(spec, rank=None):
 
 def arm_once(specs, directory, rank=None):
     """Disarm every point, then arm ``specs`` for ``rank``, each firing once in the life of
-    ``directory`` (a ``once=`` file there, unless the spec names its own): a process restarted
-    to resume from ``directory``'s checkpoint does not fail again at the same place.
+    ``directory`` (a ``once=`` file there, unless the spec names its own; no such file when
+    ``directory`` is None): a process restarted to resume from ``directory``'s checkpoint does
+    not fail again at the same place.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     disarm()
     for i, spec in enumerate(specs):
-        parse(spec if "once=" in spec else f"{spec}:once={directory}/.fault-{i}", rank)
+        once = "once=" in spec or directory is None
+        parse(spec if once else f"{spec}:once={directory}/.fault-{i}", rank)
 
 
 def arm_from_environment(rank=None):
@@ -110,4 +119,6 @@ def _fire(plan):
     if plan["action"] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10)  # the signal is delivered at once; never return from a kill
+    if plan["action"] == "stop":
+        raise FaultStop(f"fault point stopped here (pid {os.getpid()})")
     time.sleep(plan["hang_s"])

@@ -1,6 +1,9 @@
-"""The wire of the parameter server: ZeroMQ sockets, one message format, and the two loops.
+"""The wire of the parameter server: ZeroMQ sockets, one message format, the server loop and the
+worker's connections.
 
-Introduced in notebooks/04_parameter_server.ipynb; :mod:`course_lib.ps` drives it. Each server
+Introduced in notebooks/04_parameter_server.ipynb; :mod:`course_lib.ps` drives it and hands each
+server a policy (what to do with a push); the loop here keeps the sockets, the deadlines, the
+checkpoints, the restarts and the statistics. Each server
 rank binds one ROUTER socket (127.0.0.1 and a free port unless ``host=`` says otherwise); each
 worker opens one DEALER socket per server. A message is two frames: a small JSON header and the
 raw bytes of a float64 vector (no pickle on the hot path). Why ZeroMQ and not Gloo send/recv: a
@@ -35,11 +38,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+import zmq
 
-from course_lib import faults, netem
+from course_lib import checkpoint, faults, netem
+from course_lib.data import shard_bounds
 from course_lib.engine import ENGINE
 
 
@@ -80,6 +87,15 @@ def _recv(sock, timeout, what):
 
 
 # ---------------------------------------------------------------- the server
+@dataclass
+class Shard:
+    """One server's slice of the parameters, and its version: the updates applied so far.
+    Introduced in notebooks/04_parameter_server.ipynb."""
+
+    theta: np.ndarray
+    version: int = 0
+
+
 _BOUND: dict = {}  # on a server rank: its ROUTER socket between bind and serve
 
 
@@ -87,7 +103,6 @@ def bind_server(spec, host="127.0.0.1"):
     """On a ps rank: bind a ROUTER socket to a free port; return ``tcp://host:port`` (else None).
 
     Introduced in notebooks/04_parameter_server.ipynb."""
-    import zmq
     if ENGINE["rank"] not in spec["ps"]:
         return None
     close_server()
@@ -106,155 +121,151 @@ def close_server(linger=0):
         sock.close(linger=linger)
 
 
-def serve(spec, n_params, cfg, apply_push):
-    """Serve this rank's shard until every worker said done (or went silent in async mode).
+def serve(spec: dict, n_params: int, cfg, policy, sock=None) -> dict:
+    """Serve this rank's shard until every worker said done (or went silent in async mode),
+    doing with each push what ``policy`` (:class:`course_lib.ps.Synchronous` or
+    ``Asynchronous``) decides; ``cfg`` is a :class:`course_lib.ps.PSConfig`. Returns the
+    statistics. Introduced in notebooks/04_parameter_server.ipynb."""
+    return ShardServer(spec, n_params, cfg, policy, _BOUND["sock"] if sock is None else sock).run()
 
-    Sync: wait for one push from every worker still running, apply ``lr * sum / count`` once,
-    answer them all. With ``backup_workers = b > 0`` the step goes on with the first N - b
-    gradients of the current version; a later push of an old version is dropped and answered
-    with the current parameters (Chen et al. 2016). Async: apply each push at once with
-    ``apply_push`` (staleness-aware if asked; pushes staler than ``max_staleness`` are
-    rejected). Returns the statistics. Introduced in notebooks/04_parameter_server.ipynb.
-    """
-    from course_lib.data import shard_bounds
-    sock = _BOUND["sock"]
-    s = spec["ps"].index(ENGINE["rank"])
-    start, stop = shard_bounds(n_params, s, len(spec["ps"]))
-    workers, timeout, sync = list(spec["worker"]), cfg["timeout"], cfg["mode"] == "sync"
-    backup = cfg.get("backup_workers", 0)
-    theta, version, waiting_init = None, 0, []
-    stats = dict(server=ENGINE["rank"], shard=(start, stop), staleness=[], pushes=0, pulls=0,
-                 bytes_in=0, bytes_out=0, rejected=0, lost=[], per_worker={w: 0 for w in workers},
-                 used=[], step_ends=[], dropped=[], restored_from=None, from_lost=0, skipped=[],
-                 duplicates=0)
-    done, heard = set(), {w: time.monotonic() for w in workers}
-    applied = {}  # worker -> the number of its last push applied: a resend is answered, not applied
-    every, directory = cfg.get("checkpoint_every"), cfg.get("checkpoint_dir")
-    directory = directory and Path(directory) / f"server-{s}"
-    if directory:
-        theta, version, done, applied = _restore(directory, stats)
-    stats["ready"] = time.monotonic()  # restored (if need be): serving from now on
-    finished_before = bool(workers) and done >= set(workers)
 
-    def save():
-        if directory:
-            _save(directory, theta, version, done, applied)
-    pending = {}  # sync: worker -> (identity, grad_sum, count) of the current step
-    step_started = time.monotonic()
-    t0, deadline = time.monotonic(), time.monotonic() + cfg["time_limit"]
+class ShardServer:
+    """One server's loop: messages in, the policy's decisions, replies out, every wait with a
+    deadline; checkpoints, restores and statistics around it."""
 
-    def reply(identity, op="ok", **extra):
-        stats["bytes_out"] += _send(sock, dict(op=op, version=version, **extra), theta, identity)
+    def __init__(self, spec: dict, n_params: int, cfg, policy, sock) -> None:
+        self.sock, self.cfg, self.policy, self.rank = sock, cfg, policy, ENGINE["rank"]
+        s = spec["ps"].index(self.rank)
+        start, stop = shard_bounds(n_params, s, len(spec["ps"]))
+        self.workers = list(spec["worker"])
+        self.stats = dict(server=self.rank, shard=(start, stop), pushes=0, pulls=0, bytes_in=0,
+                          bytes_out=0, lost=[], per_worker={w: 0 for w in self.workers},
+                          used=[], step_ends=[], restored_from=None, skipped=[], duplicates=0)
+        self.shard, self.waiting_init = None, []
+        self.done, self.heard = set(), {w: time.monotonic() for w in self.workers}
+        self.applied = {}  # worker -> number of its last push applied: a resend is answered only
+        self.held = {}     # sync: worker -> identity to answer once the step is taken
+        self.directory = cfg.checkpoint_dir and Path(cfg.checkpoint_dir) / f"server-{s}"
+        if self.directory:
+            theta, version, self.done, self.applied = _restore(self.directory, self.stats)
+            self.shard = None if theta is None else Shard(theta, version)
+        self.stats["ready"] = time.monotonic()  # restored (if need be): serving from now on
 
-    def fail(message):
-        for identity, _, _ in pending.values():
-            _send(sock, dict(op="error", message=message), None, identity)
+    @property
+    def version(self) -> int:
+        return 0 if self.shard is None else self.shard.version
+
+    def save(self) -> None:
+        if self.directory:
+            _save(self.directory, None if self.shard is None else self.shard.theta, self.version,
+                  self.done, self.applied)
+
+    def reply(self, identity, op="ok", **extra) -> None:
+        theta = None if self.shard is None else self.shard.theta
+        self.stats["bytes_out"] += _send(self.sock, dict(op=op, version=self.version, **extra),
+                                         theta, identity)
+
+    def fail(self, message: str):
+        for identity in self.held.values():
+            _send(self.sock, dict(op="error", message=message), None, identity)
         close_server()
         raise PSError(message)
 
-    while len(done) + len(stats["lost"]) < len(workers):
-        now = time.monotonic()
-        if now > deadline:
-            fail(f"server rank {ENGINE['rank']}: time limit {cfg['time_limit']:g}s passed with "
-                 f"workers {sorted(set(workers) - done)} still running")
-        if sync and pending and now - step_started > timeout:
-            missing = sorted(set(workers) - done - set(pending))
-            fail(f"server rank {ENGINE['rank']}, sync step {version}: no gradient from worker "
-                 f"rank(s) {missing} within {timeout:g}s (got {sorted(pending)})")
-        if not sync or backup:  # a worker silent past the deadline is lost; the rest go on
-            stats["lost"] += [w for w in workers if w not in done and w not in stats["lost"]
-                              and now - heard[w] > timeout]
-        if not sock.poll(100):
-            continue
-        identity, header, payload = sock.recv_multipart(copy=True)
+    def run(self) -> dict:
+        finished_before = bool(self.workers) and self.done >= set(self.workers)
+        t0 = self.t0 = time.monotonic()
+        self.deadline, self.step_started = t0 + self.cfg.time_limit, t0
+        while len(self.done) + len(self.stats["lost"]) < len(self.workers):
+            self.check_deadlines()
+            if self.sock.poll(100):
+                self.handle(*self.sock.recv_multipart(copy=True))
+            running = set(self.workers) - self.done
+            if self.policy.ready(running):
+                used = self.policy.step(self.shard)
+                if self.cfg.checkpoint_every and self.version % self.cfg.checkpoint_every == 0:
+                    self.save()
+                self.stats["used"].append(used)
+                self.stats["step_ends"].append(time.monotonic() - t0)
+                for w in used:
+                    self.reply(self.held.pop(w))
+                self.step_started = time.monotonic()
+        if finished_before:
+            # restored with every worker done: the last one may not have heard its reply (the
+            # server was killed after it saved the 'done') and will send it again
+            answer_late_dones(self.sock, quiet=16 * (self.cfg.retry or 0.5), reply=self.reply)
+        close_server(linger=2000)  # the last replies still go out
+        theta = None if self.shard is None else self.shard.theta
+        self.stats.update(self.policy.counts(), elapsed=time.monotonic() - t0,
+                          version=self.version, theta=theta)
+        return self.stats
+
+    def check_deadlines(self) -> None:
+        """Fail past the run's time limit or a sync step's; mark silent workers lost where the
+        policy can go on without them."""
+        now, timeout = time.monotonic(), self.cfg.timeout
+        if now > self.deadline:
+            self.fail(f"server rank {self.rank}: time limit {self.cfg.time_limit:g}s passed with "
+                      f"workers {sorted(set(self.workers) - self.done)} still running")
+        if self.held and now - self.step_started > timeout:
+            missing = sorted(set(self.workers) - self.done - set(self.held))
+            self.fail(f"server rank {self.rank}, sync step {self.version}: no gradient from "
+                      f"worker rank(s) {missing} within {timeout:g}s (got {sorted(self.held)})")
+        if self.policy.can_lose_workers:  # a worker silent past the deadline is lost
+            self.stats["lost"] += [w for w in self.workers if w not in self.done and
+                                   w not in self.stats["lost"] and now - self.heard[w] > timeout]
+
+    def handle(self, identity: bytes, header: bytes, payload: bytes) -> None:
         header = json.loads(header)
         _arrived(header, payload)
         w, op = header["worker"], header["op"]
-        heard[w] = time.monotonic()
-        if w in stats["lost"]:  # only slow, not dead
-            stats["lost"].remove(w)
-        stats["bytes_in"] += len(payload)
+        self.heard[w] = time.monotonic()
+        if w in self.stats["lost"]:  # only slow, not dead
+            self.stats["lost"].remove(w)
+        self.stats["bytes_in"] += len(payload)
         if op == "init":
-            if theta is None:  # a restarted server keeps what it restored
-                theta = np.frombuffer(payload, np.float64).copy()
-                save()
-            for ident in waiting_init:
-                reply(ident)
-            reply(identity)
+            if self.shard is None:  # a restarted server keeps what it restored
+                self.shard = Shard(np.frombuffer(payload, np.float64).copy())
+                self.save()
+            for waiting in self.waiting_init + [identity]:
+                self.reply(waiting)
+            self.waiting_init = []
         elif op == "pull":
-            stats["pulls"] += 1
-            if theta is None:
-                waiting_init.append(identity)
+            self.stats["pulls"] += 1
+            if self.shard is None:
+                self.waiting_init.append(identity)
             else:
-                reply(identity)
+                self.reply(identity)
         elif op == "done":
-            done.add(w)
-            save()  # a restarted server must not wait for a worker that has finished
+            self.done.add(w)
+            self.save()  # a restarted server must not wait for a worker that has finished
             if header.get("ack"):
-                reply(identity)
+                self.reply(identity)
         elif op == "push":
-            grad, count = np.frombuffer(payload, np.float64), header["count"]
-            if "seq" in header and applied.get(w) == header["seq"]:
-                # sent again by a worker that heard no reply in time (its socket, and the reply,
-                # are gone): applying it twice would count one gradient twice
-                stats["duplicates"] += 1
-                reply(identity)
-                continue
-            applied[w] = header.get("seq")
-            stats["pushes"] += 1
-            stats["per_worker"][w] += 1
-            if sync and backup and header["version"] != version:  # late: the step went on
-                stats["dropped"].append((w, header["version"]))
-                reply(identity, dropped=True)
-                continue
-            if sync:
-                if not pending:
-                    step_started = time.monotonic()
-                pending[w] = (identity, grad, count)
-            else:
-                pulled = header["version"]
-                if pulled > version:  # computed on versions a killed server lost: fresh now
-                    stats["from_lost"] += 1
-                    pulled = version
-                staleness = version - pulled
-                if cfg["max_staleness"] is not None and staleness > cfg["max_staleness"]:
-                    stats["rejected"] += 1
-                    reply(identity, rejected=True)
-                    continue
-                if count:
-                    theta, version, staleness = apply_push(
-                        theta, version, grad / count, pulled, cfg["lr"], cfg["staleness_aware"])
-                    stats["staleness"].append(staleness)
-                    if every and version % every == 0:
-                        save()
-                reply(identity)
-                faults.point("ps-server-update")  # e.g. killed after its n-th update
-        running = set(workers) - done
-        if sync and pending and (len(pending) >= min(len(workers) - backup, len(running))
-                                 if backup else set(pending) >= running):
-            total = sum(c for _, _, c in pending.values())
-            if total:
-                grad = sum(g for _, g, _ in pending.values())
-                theta, version = theta - cfg["lr"] * (grad / total), version + 1
-                stats["staleness"] += [0] * len(pending)
-            elif backup:  # the first gradients held no sample: an empty step, still a step
-                version += 1
-            if every and version % every == 0:
-                save()
-            stats["used"].append(sorted(pending))
-            stats["step_ends"].append(time.monotonic() - t0)
-            for identity, _, _ in pending.values():
-                reply(identity)
-            pending = {}
-            step_started = time.monotonic()
-    if finished_before:
-        # restored with every worker done: the last one may not have heard its reply (the
-        # server was killed after it saved the 'done') and will send it again
-        answer_late_dones(sock, quiet=16 * cfg["retry"], reply=reply)
-    close_server(linger=2000)  # the last replies still go out
-    stats["elapsed"] = time.monotonic() - t0
-    stats["version"], stats["theta"] = version, theta
-    return stats
+            self.push(identity, w, header, np.frombuffer(payload, np.float64))
+
+    def push(self, identity: bytes, w: int, header: dict, grad_sum: np.ndarray) -> None:
+        if "seq" in header and self.applied.get(w) == header["seq"]:
+            # sent again by a worker that heard no reply in time (its socket, and the reply,
+            # are gone): applying it twice would count one gradient twice
+            self.stats["duplicates"] += 1
+            self.reply(identity)
+            return
+        self.applied[w] = header.get("seq")
+        self.stats["pushes"] += 1
+        self.stats["per_worker"][w] += 1
+        if not self.held:
+            self.step_started = time.monotonic()
+        before = self.version
+        decision = self.policy.push(self.shard, w, grad_sum, header["count"], header["version"])
+        if decision == "held":  # answered when the step is taken
+            self.held[w] = identity
+            return
+        every = self.cfg.checkpoint_every
+        if every and self.version != before and self.version % every == 0:
+            self.save()
+        self.reply(identity, **({decision: True} if decision != "applied" else {}))
+        if decision == "applied":
+            faults.point("ps-server-update")  # e.g. killed after its n-th update
 
 
 def answer_late_dones(sock, quiet, reply):
@@ -270,7 +281,6 @@ def answer_late_dones(sock, quiet, reply):
 def _restore(directory, stats):
     """(theta, version, done, applied) of the server's last good checkpoint, or
     (None, 0, set(), {})."""
-    from course_lib import checkpoint
     state, _ = checkpoint.load_latest(directory, report=stats["skipped"].append)
     if state is None:
         return None, 0, set(), {}
@@ -280,17 +290,14 @@ def _restore(directory, stats):
 
 
 def _save(directory, theta, version, done, applied):
-    import torch
-
-    from course_lib import checkpoint
     checkpoint.save({"theta": torch.from_numpy(theta), "version": version, "done": sorted(done),
                      "applied": sorted((w, seq) for w, seq in applied.items() if seq is not None)},
                     directory, version, keep=2)
 
 
-def serve_restarting(spec, n_params, cfg, apply_push):
+def serve_restarting(spec: dict, n_params: int, cfg, policy) -> dict:
     """:func:`serve` in a child process that is started again, on the same address, each time
-    it is killed (at most ``cfg["server_restarts"]`` times); the new one resumes from the
+    it is killed (at most ``cfg.server_restarts`` times); the new one resumes from the
     shard's last checkpoint. Returns the last child's statistics (``ready``: when it began to
     serve) with ``restarts``: one record (attempt, signal, time it was seen dead) per restart;
     times are ``time.monotonic()``, the clock of the workers' ``t0``.
@@ -298,11 +305,11 @@ def serve_restarting(spec, n_params, cfg, apply_push):
     rank, address = ENGINE["rank"], _BOUND["address"]
     close_server()  # the child binds the address
     job = dict(rank=rank, link=netem.current(), address=address, spec=spec, n_params=n_params,
-               cfg=cfg, apply_push=apply_push)
-    deadline, restarts = time.monotonic() + cfg["time_limit"] + 10, []
+               cfg=cfg, policy=policy)
+    deadline, restarts = time.monotonic() + cfg.time_limit + 10, []
     with tempfile.TemporaryDirectory(prefix="course_lib-ps-") as tmp:
         out, err = Path(tmp, "stats.pkl"), Path(tmp, "stderr.txt")
-        for attempt in range(cfg["server_restarts"] + 1):
+        for attempt in range(cfg.server_restarts + 1):
             with open(err, "wb") as stderr:
                 child = subprocess.Popen([sys.executable, "-m", "course_lib.ps_server", str(out)],
                                          stdin=subprocess.PIPE, stderr=stderr)
@@ -314,7 +321,7 @@ def serve_restarting(spec, n_params, cfg, apply_push):
                     child.kill()
                     child.wait()
                     raise PSError(f"server rank {rank}: no end within the time limit "
-                                  f"{cfg['time_limit']:g}s (attempt {attempt})") from None
+                                  f"{cfg.time_limit:g}s (attempt {attempt})") from None
             if code == 0:
                 return dict(pickle.loads(out.read_bytes()), restarts=restarts)
             if code > 0:  # an error, not a kill: restarting would fail again
@@ -322,7 +329,7 @@ def serve_restarting(spec, n_params, cfg, apply_push):
                 raise PSError(f"server rank {rank} failed (exit status {code}): {tail}")
             restarts.append(dict(attempt=attempt, signal=-code, time=time.monotonic()))
     raise PSError(f"server rank {rank} was killed {len(restarts)} times, more than "
-                  f"server_restarts = {cfg['server_restarts']}")
+                  f"server_restarts = {cfg.server_restarts}")
 
 
 def _serve_child(out):
@@ -332,8 +339,7 @@ def _serve_child(out):
     ENGINE.update(rank=job["rank"])
     netem.set_link(job["link"])
     cfg = job["cfg"]
-    faults.arm_once(cfg["faults"], cfg["checkpoint_dir"], job["rank"])
-    import zmq
+    faults.arm_once(cfg.faults, cfg.checkpoint_dir, job["rank"])
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.linger = 0
     for _ in range(50):  # the killed server's port can take a moment to be free again
@@ -345,7 +351,7 @@ def _serve_child(out):
     else:
         sock.bind(job["address"])  # raises, naming the address
     _BOUND.update(sock=sock, address=job["address"])
-    stats = serve(job["spec"], job["n_params"], cfg, job["apply_push"])
+    stats = serve(job["spec"], job["n_params"], cfg, job["policy"])
     Path(out).write_bytes(pickle.dumps(dict(stats, attempt=job["attempt"])))
 
 
@@ -356,7 +362,6 @@ class ServerConnections:
     Introduced in notebooks/04_parameter_server.ipynb."""
 
     def __init__(self, addresses, n_params, timeout, retry=None):
-        from course_lib.data import shard_bounds
         self.rank, self.timeout, self.retry = ENGINE["rank"], timeout, retry
         self.addresses = list(addresses)
         self.socks = [self._connect(address) for address in addresses]
@@ -366,7 +371,6 @@ class ServerConnections:
 
     @staticmethod
     def _connect(address):
-        import zmq
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.linger = 2000  # a closing worker still delivers its 'done'
         sock.connect(address)

@@ -37,6 +37,34 @@ def test_apply_push_staleness_and_aware_step():
     assert tau == 0 and np.allclose(new, [0.6, 1.6])  # fresh gradient: full step
 
 
+def test_the_policies_alone_sync_backup_and_async():
+    """The server's decisions, without a server: a sync step waits for every running worker (the
+    first N - b with backup workers, dropping a late push), an async push is applied at once,
+    rejected when too stale, and taken as fresh when computed on versions a restart lost."""
+    shard = ps.Shard(np.zeros(2))
+    sync = ps.Synchronous(lr=0.5, num_workers=3)
+    assert sync.push(shard, 1, np.array([2.0, 0.0]), 2, pulled=0) == "held"
+    assert not sync.ready({1, 2, 3})
+    assert sync.push(shard, 2, np.array([0.0, 4.0]), 2, pulled=0) == "held"
+    assert not sync.ready({1, 2, 3}) and sync.ready({1, 2})  # worker 3 said done
+    assert sync.step(shard) == [1, 2] and shard.version == 1
+    assert shard.theta.tolist() == [-0.25, -0.5]  # lr * (sum of sums) / (sum of counts)
+
+    shard, backup = ps.Shard(np.zeros(1)), ps.Synchronous(lr=1.0, num_workers=3, backup_workers=1)
+    backup.push(shard, 1, np.array([1.0]), 1, pulled=0)
+    backup.push(shard, 3, np.array([3.0]), 1, pulled=0)
+    assert backup.ready({1, 2, 3}) and backup.step(shard) == [1, 3]
+    assert backup.push(shard, 2, np.array([9.0]), 1, pulled=0) == "dropped"  # late
+    assert backup.dropped == [(2, 0)] and shard.theta.tolist() == [-2.0]
+
+    shard, asyn = ps.Shard(np.zeros(1), version=5), ps.Asynchronous(lr=1.0, max_staleness=2)
+    assert asyn.push(shard, 1, np.array([2.0]), 2, pulled=4) == "applied"  # staleness 1
+    assert asyn.push(shard, 2, np.array([1.0]), 1, pulled=3) == "rejected"  # 6 - 3 > 2
+    assert asyn.push(shard, 3, np.array([1.0]), 1, pulled=9) == "applied"   # after a restart
+    assert shard.version == 7 and shard.theta.tolist() == [-2.0]
+    assert asyn.counts() == dict(staleness=[1, 0], rejected=1, dropped=[], from_lost=1)
+
+
 @pytest.mark.parametrize("num_servers,num_workers", [(1, 1), (1, 3), (2, 2), (3, 1)])
 def test_sync_equals_single_process_minibatch_sgd(cluster, linear, num_servers, num_workers):
     problem, X, y, theta0 = linear
@@ -94,7 +122,7 @@ def test_async_survives_a_silent_worker(cluster, linear):
     problem, X, y, theta0 = linear
     spec = ps.make_spec(1, 3, world_size=4)
     result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=4, batch_size=30,
-                      mode="async", stop_after={2: 3}, timeout=2)
+                      mode="async", faults=["ps-worker-step:stop@4:rank=2"], timeout=2)
     assert result.lost_workers == [2]
     assert [w["steps"] for w in result.workers] == [40, 3, 40]
     assert problem.loss(result.theta, X, y) < problem.loss(theta0, X, y) / 2
@@ -104,7 +132,7 @@ def test_async_survives_a_worker_whose_process_dies(cluster, linear):
     problem, X, y, theta0 = linear
     spec = ps.make_spec(1, 3, world_size=4)
     result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=4, batch_size=30,
-                      mode="async", crash_after={3: 3}, timeout=2)
+                      mode="async", faults=["ps-worker-step:kill@4:rank=3"], timeout=2)
     assert result.lost_workers == [3]
     assert [w.get("died", False) for w in result.workers] == [False, False, True]
     assert [w["steps"] for w in result.workers[:2]] == [40, 40]
@@ -120,7 +148,7 @@ def test_sync_names_the_missing_worker_within_the_deadline(cluster, linear):
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match=r"no gradient from worker rank\(s\) \[3\]"):
         ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, num_epochs=1, batch_size=30,
-                 stop_after={3: 2}, timeout=2)
+                 faults=["ps-worker-step:stop@3:rank=3"], timeout=2)
     assert time.monotonic() - t0 < 20
     again = ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, num_epochs=1, batch_size=30)
     assert np.isfinite(again.theta).all()  # the cluster recovers
@@ -253,12 +281,10 @@ def test_the_server_applies_a_push_sent_twice_once(monkeypatch):
     from course_lib.engine import ENGINE
     monkeypatch.setitem(ENGINE, "rank", 0)
     sock, address = _raw_server()
-    monkeypatch.setitem(ps_server._BOUND, "sock", sock)
-    cfg = dict(mode="async", timeout=5, time_limit=20, lr=1.0, max_staleness=None,
-               staleness_aware=False, retry=0.5)
+    cfg = ps.PSConfig(lr=1.0, mode="async", timeout=5, time_limit=20)
     result = {}
     thread = threading.Thread(target=lambda: result.update(
-        ps_server.serve({"ps": [0], "worker": [1]}, 2, cfg, ps.apply_push)))
+        ps_server.serve({"ps": [0], "worker": [1]}, 2, cfg, cfg.policy(1), sock=sock)))
     thread.start()
     worker = zmq.Context.instance().socket(zmq.DEALER)
     worker.linger = 0

@@ -112,7 +112,8 @@ def test_backup_worker_rows_and_a_silent_worker(cluster, digits):
     # silent after a few steps could, descheduled on a loaded machine, find all the steps done
     # by the others when it wakes (a late worker skips ahead), finish, and never be silent
     result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.5, num_epochs=2,
-                      batch_size=100, backup_workers=1, stop_after={1: 0}, timeout=2)
+                      batch_size=100, backup_workers=1,
+                      faults=["ps-worker-step:stop@1:rank=1"], timeout=2)
     assert result.lost_workers == [1] and result.servers[0]["version"] == 12
     assert result.servers[0]["used"] == [[2, 3]] * 12
 

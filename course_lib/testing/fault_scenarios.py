@@ -308,15 +308,16 @@ def _ps_train(ctx, **kwargs):
           "named within the deadline", SHORT)
 def ps_sync_worker_killed(ctx):
     from course_lib.cluster import EngineDied, RemoteError
-    return expect_error(_ps_train, ctx, mode="sync", crash_after={2: 3}, timeout=SHORT,
-                        error=(RemoteError, EngineDied), names=["rank"])
+    return expect_error(_ps_train, ctx, mode="sync", faults=["ps-worker-step:kill@4:rank=2"],
+                        timeout=SHORT, error=(RemoteError, EngineDied), names=["rank"])
 
 
 @scenario("ps-async-worker-killed", "under the asynchronous parameter server the others "
           "finish and the lost worker is reported", SHORT)
 def ps_async_worker_killed(ctx):
     start = time.monotonic()
-    result = _ps_train(ctx, mode="async", crash_after={2: 3}, timeout=SHORT, num_epochs=3)
+    result = _ps_train(ctx, mode="async", faults=["ps-worker-step:kill@4:rank=2"],
+                       timeout=SHORT, num_epochs=3)
     check(result.lost_workers == [2], f"lost workers {result.lost_workers}, expected [2]")
     return None, f"lost workers {result.lost_workers}, finished in " \
                  f"{time.monotonic() - start:.1f} s"
