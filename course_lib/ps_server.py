@@ -131,7 +131,8 @@ def serve(spec: dict, n_params: int, cfg, policy, sock=None) -> dict:
 
 class ShardServer:
     """One server's loop: messages in, the policy's decisions, replies out, every wait with a
-    deadline; checkpoints, restores and statistics around it."""
+    deadline; checkpoints, restores and statistics around it.
+    Introduced in notebooks/04_parameter_server.ipynb."""
 
     def __init__(self, spec: dict, n_params: int, cfg, policy, sock) -> None:
         self.sock, self.cfg, self.policy, self.rank = sock, cfg, policy, ENGINE["rank"]
@@ -143,7 +144,7 @@ class ShardServer:
                           used=[], step_ends=[], restored_from=None, skipped=[], duplicates=0)
         self.shard, self.waiting_init = None, []
         self.done, self.heard = set(), {w: time.monotonic() for w in self.workers}
-        self.applied = {}  # worker -> number of its last push applied: a resend is answered only
+        self.applied = {}  # worker -> highest number of its pushes applied: a resend is answered
         self.held = {}     # sync: worker -> identity to answer once the step is taken
         self.directory = cfg.checkpoint_dir and Path(cfg.checkpoint_dir) / f"server-{s}"
         if self.directory:
@@ -244,13 +245,16 @@ class ShardServer:
             self.push(identity, w, header, np.frombuffer(payload, np.float64))
 
     def push(self, identity: bytes, w: int, header: dict, grad_sum: np.ndarray) -> None:
-        if "seq" in header and self.applied.get(w) == header["seq"]:
+        seq = header.get("seq")
+        if seq is not None and seq <= self.applied.get(w, 0):
             # sent again by a worker that heard no reply in time (its socket, and the reply,
-            # are gone): applying it twice would count one gradient twice
+            # are gone): applying it twice would count one gradient twice. A copy can even
+            # come after the worker's next push (ZeroMQ reads its sockets in turn, and the
+            # closed socket's copy was still queued), hence <=, not ==
             self.stats["duplicates"] += 1
             self.reply(identity)
             return
-        self.applied[w] = header.get("seq")
+        self.applied[w] = seq
         self.stats["pushes"] += 1
         self.stats["per_worker"][w] += 1
         if not self.held:
@@ -269,7 +273,8 @@ class ShardServer:
 
 
 def answer_late_dones(sock, quiet, reply):
-    """Answer every ``done`` that comes until none came for ``quiet`` s."""
+    """Answer every ``done`` that comes until none came for ``quiet`` s (a restored server whose
+    workers had all finished). Introduced in notebooks/11_fault_tolerance.ipynb."""
     while sock.poll(int(quiet * 1000)):
         identity, header, payload = sock.recv_multipart(copy=True)
         header = json.loads(header)
