@@ -8,7 +8,7 @@ rank that never calls is named by the others' ``CommTimeout``. It costs one mess
 
 Why two agreement checks in the course: this one travels over :mod:`course_lib.comm`
 (point-to-point, torch or MPI, numpy or torch buffers) and guards the from-scratch collectives,
-which may run where no process group exists (under mpiexec). :func:`course_lib.buckets.agree`
+which may run where no process group exists (under mpiexec). :func:`course_lib.dist_checks.agree`
 uses one native ``all_gather`` of a few integers and guards torch.distributed's own collectives
 (DDP's broadcasts and gradient buckets, on the buffers' device, so it works on NCCL too).
 """

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from course_lib import faults
+from course_lib import fault_points
 
 MAGIC = b"course-checkpoint sha256="
 LATEST = "latest"
@@ -60,7 +60,7 @@ def naive_save(state, path):
     with open(path, "wb") as f:
         f.write(data[:len(data) // 2])
         f.flush()
-        faults.point("checkpoint-mid-write")
+        fault_points.point("checkpoint-mid-write")
         f.write(data[len(data) // 2:])
 
 
@@ -74,7 +74,7 @@ def _fsync_directory(directory):
 
 def atomic_write(path, data, fault_point="checkpoint-mid-write"):
     """Write ``data`` (bytes) to ``path`` so that ``path`` holds either its old contents or all
-    of ``data``, whenever the process dies (``fault_point``: where :mod:`faults` can kill it,
+    of ``data``, whenever the process dies (``fault_point``: where :mod:`fault_points` can kill it,
     half-way). Introduced in notebooks/11_fault_tolerance.ipynb."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -83,7 +83,7 @@ def atomic_write(path, data, fault_point="checkpoint-mid-write"):
             half = len(data) // 2
             f.write(data[:half])
             f.flush()
-            faults.point(fault_point)  # a crash here must cost nothing
+            fault_points.point(fault_point)  # a crash here must cost nothing
             f.write(data[half:])
             f.flush()
             os.fsync(f.fileno())

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from course_lib import checkpoint, faults
+from course_lib import checkpoint, fault_points
 
 LOG = "train.jsonl"
 
@@ -91,7 +91,7 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
     checkpoint of ``directory``. The chief loads or initialises, broadcasts, logs every step
     (JSONL, and TensorBoard's event files in ``directory/tensorboard`` unless
     ``tensorboard=False``) and checkpoints every ``checkpoint_every`` steps. ``fault_specs``:
-    fault points to arm (:func:`faults.parse`), each firing once in the life of ``directory``
+    fault points to arm (:func:`fault_points.parse`), each firing once in the life of ``directory``
     (unless it says ``once=`` itself). Returns this rank's parameters, flat.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     import torch.distributed as dist
@@ -99,7 +99,7 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
     from course_lib.comm import get_comm
     comm = get_comm("torch", timeout=timeout)
     rank, N = comm.rank, comm.world_size
-    faults.arm_once(fault_specs, directory, rank)  # not again in the restarted process
+    fault_points.arm_once(fault_specs, directory, rank)  # not again in the restarted process
     model = make_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     start, board = torch.zeros(1, dtype=torch.int64), None
@@ -115,7 +115,7 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
     dist.broadcast(start, src=0, group=getattr(comm, "group", None))
     _broadcast_state(model, optimizer, comm, momentum=start.item() > 0)
     for step in range(int(start), steps):
-        faults.point("train-step")
+        fault_points.point("train-step")
         X, y = batch(step, rank, N, seed)
         loss = nn.functional.mse_loss(model(X), y)
         optimizer.zero_grad()
@@ -176,8 +176,8 @@ def supervise(cluster, directory, steps=40, checkpoint_every=5, faults=(), max_r
     """Run :func:`train` on ``cluster``; when an engine dies or a rank stops answering, restart
     and resume from the last checkpoint, at most ``max_restarts`` times.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
+    from course_lib.arguments import check_count
     from course_lib.cluster import ClusterTimeout, EngineDied
-    from course_lib.gd import check_count
     check_count("steps", steps)
     check_count("checkpoint_every", checkpoint_every)
     check_count("max_restarts", max_restarts, least=0)
@@ -216,7 +216,7 @@ def main(argv=None):
     init_torch_from_launcher("gloo", timeout=20)
     torch.set_num_threads(1)  # as on the cluster's engines: the same sums, in the same order
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    specs = [s for s in os.environ.get(faults.ENV, "").split(",") if s.strip()]
+    specs = [s for s in os.environ.get(fault_points.ENV, "").split(",") if s.strip()]
     params = train(args.dir, args.steps, args.every, attempt, specs)
     import torch.distributed as dist
     if dist.get_rank() == 0 and args.out:

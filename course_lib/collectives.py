@@ -26,12 +26,18 @@ own tag; NCCL ignores tags, which is fine because messages between two ranks arr
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
 from course_lib.agreement import OPS, check_agreement
-from course_lib.comm import is_numpy, wait_all
-from course_lib.data import shard_bounds
+from course_lib.comm import Comm, is_numpy, wait_all
+from course_lib.sharding import shard_bounds
+
+if TYPE_CHECKING:  # for the annotations only: torch takes seconds to import
+    import torch
+
+Buffer = Union[np.ndarray, "torch.Tensor"]  # what every collective reduces in place
 
 TAG_NAIVE, TAG_TREE_UP, TAG_TREE_DOWN, TAG_RS, TAG_AG = 12, 13, 14, 15, 16
 _NUMPY_OPS = {"sum": np.add, "average": np.add, "max": np.maximum, "min": np.minimum}
@@ -64,7 +70,7 @@ def _reduce_into(a, b, op):
     return {"max": torch.maximum, "min": torch.minimum}.get(op, torch.add)(a, b, out=a)
 
 
-def divide(a, world_size):
+def divide(a: Buffer, world_size: int) -> None:
     """The second half of "average": divide in place; integer dtypes round down (floor).
 
     Introduced in notebooks/05_allreduce.ipynb."""
@@ -87,7 +93,7 @@ def _begin(buf, comm, what, op, check, extra=0):
 
 
 # ---------------------------------------------------------------- naive and tree
-def naive_allreduce(buf, comm, op="sum", check=True):
+def naive_allreduce(buf: Buffer, comm: Comm, op: str = "sum", check: bool = True) -> Buffer:
     """Every rank sends its buffer to rank 0, which reduces and sends the result to every rank.
 
     The root receives and sends N-1 full buffers one after another: 2(N-1) steps of n elements
@@ -111,7 +117,7 @@ def naive_allreduce(buf, comm, op="sum", check=True):
     return buf
 
 
-def tree_allreduce(buf, comm, op="sum", check=True):
+def tree_allreduce(buf: Buffer, comm: Comm, op: str = "sum", check: bool = True) -> Buffer:
     """Binomial-tree reduce to rank 0, then binomial-tree broadcast back.
 
     In round k (k = 0, 1, ...) rank r with bit k set sends its partial result to r - 2^k and
@@ -169,19 +175,44 @@ def _pipelined_step(flat, comm, op, send, recv, seg, tmp):
     wait_all(sends)
 
 
-def _ring_reduce_scatter(flat, comm, op, segment=0):
-    """N-1 steps: send chunk (r - step - 1) right, add chunk (r - step - 2) from the left into
-    place. ``segment`` > 0: in messages of that many elements (pipelined). Returns chunk r."""
-    rank, world_size = comm.rank, comm.world_size
+def ring_reduce_scatter(buf: Buffer, comm: Comm, op: str = "sum", check: bool = True,
+                        segment_bytes: int = 0) -> tuple[int, int]:
+    """Ring reduce-scatter: N-1 steps; in each, send one chunk right and add the one from the left.
+
+    Returns ``(start, stop)``: on exit rank r holds the fully reduced chunk r, i.e.
+    ``buf.reshape(-1)[start:stop]`` with chunks from ``sharding.shard_bounds``; the other chunks
+    hold partial sums. Each step sends n/N elements; ``segment_bytes`` > 0 sends them as
+    messages of that many bytes, each reduced as soon as it lands (the pipelined ring).
+    Introduced in notebooks/05_allreduce.ipynb.
+    """
+    if not (isinstance(segment_bytes, (int, np.integer)) and segment_bytes >= 0):
+        raise ValueError(f"segment_bytes must be an integer >= 0, not {segment_bytes!r}")
+    _begin(buf, comm, "ring_reduce_scatter", op, check)
+    rank, world_size, flat = comm.rank, comm.world_size, _flat(buf)
+    # chunk c is flat[chunks[c][0]:chunks[c][1]]: N contiguous pieces, sizes differing by <= 1
     chunks = [shard_bounds(flat.shape[0], c, world_size) for c in range(world_size)]
+    if world_size == 1 or flat.shape[0] == 0:
+        return chunks[rank]
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    tmp = _scratch(flat, chunks[0][1] - chunks[0][0])  # one chunk (chunk 0 is a largest)
+    # An arriving chunk is added to this rank's own copy of it, so it cannot land in place: it
+    # lands in tmp, one chunk's worth (chunk 0 is a largest) reused at every step.
+    tmp = _scratch(flat, chunks[0][1] - chunks[0][0])
+    segment = max(1, segment_bytes // flat.itemsize) if segment_bytes else 0
     for step in range(world_size - 1):
-        send, recv = chunks[(rank - step - 1) % world_size], chunks[(rank - step - 2) % world_size]
+        # Send the chunk this rank added into at the previous step (at step 0, chunk r-1: its
+        # own data only); receive the one its left neighbour added into, chunk r-step-2, and
+        # add it into place. So each chunk moves one hop right per step, one rank's data richer
+        # each time; the chunk added into at the last step, r-(N-2)-2 = r-N = r (mod N), then
+        # holds all N ranks' data: rank r ends with chunk r reduced.
+        send = chunks[(rank - step - 1) % world_size]
+        recv = chunks[(rank - step - 2) % world_size]
         if segment:
             _pipelined_step(flat, comm, op, send, recv, segment, tmp)
             continue
         (s0, s1), (r0, r1) = send, recv
+        # Receive and send at once. Were every rank to send first with a blocking send (which
+        # may wait until its receiver receives), each would wait on its right neighbour, all
+        # the way round the ring: a deadlock. sendrecv posts the receive before the send.
         comm.sendrecv(flat[s0:s1], right, tmp[:r1 - r0], left, tag=TAG_RS, check_size=False)
         _reduce_into(flat[r0:r1], tmp[:r1 - r0], op)
     start, stop = chunks[rank]
@@ -190,43 +221,30 @@ def _ring_reduce_scatter(flat, comm, op, segment=0):
     return start, stop
 
 
-def _ring_allgather(flat, comm):
-    """N-1 steps: send chunk (r - step) right, receive chunk (r - step - 1) in place."""
-    rank, world_size = comm.rank, comm.world_size
-    chunks = [shard_bounds(flat.shape[0], c, world_size) for c in range(world_size)]
-    right, left = (rank + 1) % world_size, (rank - 1) % world_size
-    for step in range(world_size - 1):
-        (s0, s1), (r0, r1) = chunks[(rank - step) % world_size], chunks[(left - step) % world_size]
-        comm.sendrecv(flat[s0:s1], right, flat[r0:r1], left, tag=TAG_AG, check_size=False)
-
-
-def ring_reduce_scatter(buf, comm, op="sum", check=True):
-    """Ring reduce-scatter: N-1 steps; in each, send one chunk right and add the one from the left.
-
-    Returns ``(start, stop)``: on exit rank r holds the fully reduced chunk r, i.e.
-    ``buf.reshape(-1)[start:stop]`` with chunks from ``data.shard_bounds``; the other chunks
-    hold partial sums. Each step sends n/N elements. Introduced in notebooks/05_allreduce.ipynb.
-    """
-    _begin(buf, comm, "ring_reduce_scatter", op, check)
-    flat = _flat(buf)
-    if comm.world_size == 1 or flat.shape[0] == 0:
-        return shard_bounds(flat.shape[0], comm.rank, comm.world_size)
-    return _ring_reduce_scatter(flat, comm, op)
-
-
-def ring_allgather(buf, comm, check=True):
+def ring_allgather(buf: Buffer, comm: Comm, check: bool = True) -> Buffer:
     """Ring all-gather: N-1 steps; in each, pass the chunk received last step on to the right.
 
-    On entry rank r's chunk r (``data.shard_bounds``) is valid; on exit every chunk is on every
+    On entry rank r's chunk r (``sharding.shard_bounds``) is valid; on exit every chunk is on every
     rank. Each step sends n/N elements. Introduced in notebooks/05_allreduce.ipynb.
     """
     _begin(buf, comm, "ring_allgather", None, check)
-    if comm.world_size > 1:
-        _ring_allgather(_flat(buf), comm)
+    rank, world_size = comm.rank, comm.world_size
+    if world_size == 1:
+        return buf
+    flat = _flat(buf)
+    chunks = [shard_bounds(flat.shape[0], c, world_size) for c in range(world_size)]
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for step in range(world_size - 1):
+        # Send chunk r-step: its own at step 0, then the one that arrived at the previous step.
+        # Receive chunk r-step-1 straight into place: this phase only copies, and the chunk
+        # arriving is never the one being sent, so nothing in flight is overwritten.
+        s0, s1 = chunks[(rank - step) % world_size]
+        r0, r1 = chunks[(rank - step - 1) % world_size]
+        comm.sendrecv(flat[s0:s1], right, flat[r0:r1], left, tag=TAG_AG, check_size=False)
     return buf
 
 
-def ring_allreduce(buf, comm, op="sum", check=True):
+def ring_allreduce(buf: Buffer, comm: Comm, op: str = "sum", check: bool = True) -> Buffer:
     """Ring allreduce = ring reduce-scatter + ring all-gather (Baidu; Patarasuk & Yuan 2009).
 
     2(N-1) steps, each sending n/N elements to the right neighbour and receiving n/N from the
@@ -234,14 +252,14 @@ def ring_allreduce(buf, comm, op="sum", check=True):
     Introduced in notebooks/05_allreduce.ipynb.
     """
     _begin(buf, comm, "ring_allreduce", op, check)
-    flat = _flat(buf)
-    if comm.world_size > 1 and flat.shape[0] > 0:
-        _ring_reduce_scatter(flat, comm, op)
-        _ring_allgather(flat, comm)
+    if comm.world_size > 1 and _flat(buf).shape[0] > 0:
+        ring_reduce_scatter(buf, comm, op, check=False)  # agreed above: no second round
+        ring_allgather(buf, comm, check=False)
     return buf
 
 
-def ring_allreduce_pipelined(buf, comm, op="sum", segment_bytes=1 << 20, check=True):
+def ring_allreduce_pipelined(buf: Buffer, comm: Comm, op: str = "sum",
+                             segment_bytes: int = 1 << 20, check: bool = True) -> Buffer:
     """The ring allreduce with each reduce-scatter step cut into segments of ``segment_bytes``.
 
     The plain ring receives a whole chunk and only then reduces it, while the link sits idle.
@@ -252,10 +270,9 @@ def ring_allreduce_pipelined(buf, comm, op="sum", segment_bytes=1 << 20, check=T
     if not (isinstance(segment_bytes, (int, np.integer)) and segment_bytes > 0):
         raise ValueError(f"segment_bytes must be a positive integer, not {segment_bytes!r}")
     _begin(buf, comm, "ring_allreduce_pipelined", op, check, extra=segment_bytes)
-    flat = _flat(buf)
-    if comm.world_size > 1 and flat.shape[0] > 0:
-        _ring_reduce_scatter(flat, comm, op, segment=max(1, segment_bytes // flat.itemsize))
-        _ring_allgather(flat, comm)
+    if comm.world_size > 1 and _flat(buf).shape[0] > 0:
+        ring_reduce_scatter(buf, comm, op, check=False, segment_bytes=segment_bytes)
+        ring_allgather(buf, comm, check=False)
     return buf
 
 
@@ -263,7 +280,8 @@ ALGORITHMS = {"naive": naive_allreduce, "tree": tree_allreduce, "ring": ring_all
               "ring_pipelined": ring_allreduce_pipelined}
 
 
-def allreduce(buf, comm, algorithm="ring", op="sum", check=True):
+def allreduce(buf: Buffer, comm: Comm, algorithm: str = "ring", op: str = "sum",
+              check: bool = True) -> Buffer:
     """Allreduce ``buf`` in place with one of ``ALGORITHMS``; returns ``buf``.
 
     ``check=False`` skips the agreement round (shapes, dtypes, op) that guards every call.

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from course_lib.sharding import shard_bounds
+
 
 def make_linear(n_samples=200, n_features=1, noise=0.5, seed=0, bias=True):
     """Synthetic linear-regression data ``y = X @ theta_true + noise``.
@@ -88,23 +90,6 @@ def load_digits(standardize=True, seed=0, test_size=0.25):
     else:
         X_train, X_test = X_train / 16.0, X_test / 16.0
     return X_train, y_train, X_test, y_test
-
-
-def shard_bounds(n, rank, world_size):
-    """``(start, stop)`` of rank's contiguous slice of ``n`` items.
-
-    The first ``n % world_size`` ranks get one extra item (as ``np.array_split`` does), so sizes
-    differ by at most one; with ``n < world_size`` the last ranks get empty slices.
-
-    Introduced in notebooks/01_gradient_descent.ipynb.
-    """
-    if not isinstance(world_size, (int, np.integer)) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an integer in [0, {world_size - 1}], got {rank!r}")
-    base, extra = divmod(n, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def shard(X, y, rank, world_size):

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from course_lib.arguments import check_count, check_lr
+
 # A run counts as diverged once the full loss is non-finite or this many times the start.
 DIVERGENCE_FACTOR = 1e10
 
@@ -82,23 +84,9 @@ class History:
 
 
 # ---------------------------------------------------------------- learning-rate schedules
-def _check_lr(lr):
-    if not (isinstance(lr, (int, float, np.number)) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr (the learning rate) must be a finite number > 0, got {lr!r}")
-    return float(lr)
-
-
-def check_count(name, value, least=1):
-    """``value`` as an int, or a ValueError naming ``name`` unless it is an integer >= ``least``.
-    Introduced in notebooks/01_gradient_descent.ipynb."""
-    if not isinstance(value, (int, np.integer)) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    return int(value)
-
-
 def constant(lr):
     """Schedule ``epoch -> lr``. Introduced in notebooks/01_gradient_descent.ipynb."""
-    lr = _check_lr(lr)
+    lr = check_lr(lr)
     return lambda epoch: lr
 
 
@@ -107,7 +95,7 @@ def step_decay(lr, drop=0.5, epochs_per_drop=10):
 
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
-    lr = _check_lr(lr)
+    lr = check_lr(lr)
     if not 0 < drop <= 1 or epochs_per_drop < 1:
         raise ValueError(f"need 0 < drop <= 1 and epochs_per_drop >= 1, got {drop}, "
                          f"{epochs_per_drop}")
@@ -117,7 +105,7 @@ def step_decay(lr, drop=0.5, epochs_per_drop=10):
 def exponential_decay(lr, k):
     """Schedule ``epoch -> lr * exp(-k * epoch)``. Introduced in
     notebooks/01_gradient_descent.ipynb."""
-    lr = _check_lr(lr)
+    lr = check_lr(lr)
     if k < 0:
         raise ValueError(f"decay rate k must be >= 0, got {k}")
     return lambda epoch: lr * math.exp(-k * epoch)
@@ -128,7 +116,7 @@ def inverse_time_decay(lr, k):
 
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
-    lr = _check_lr(lr)
+    lr = check_lr(lr)
     if k < 0:
         raise ValueError(f"decay rate k must be >= 0, got {k}")
     return lambda epoch: lr / (1.0 + k * epoch)
@@ -147,39 +135,6 @@ def updates_per_epoch(n_samples, batch_size, drop_last=False):
     return -(-int(n_samples) // int(batch_size))
 
 
-def linear_scaling_warmup(base_lr, batch_size, base_batch_size, warmup_epochs,
-                          updates_per_epoch):
-    """Per-update schedule ``update -> lr`` of Goyal et al. (2017): linear scaling + warmup.
-
-    The target rate follows the linear scaling rule, ``target = base_lr * batch_size /
-    base_batch_size``. Over the first ``W = warmup_epochs * updates_per_epoch`` updates
-    (counted from 0 over the whole run) the rate rises linearly from ``base_lr`` to it:
-    ``lr(u) = base_lr + (target - base_lr) * min(u / W, 1)``; ``warmup_epochs=0`` gives
-    ``target`` from the first update (linear scaling alone). ``W`` need not be an integer.
-    Use it as ``minibatch_sgd(..., update_schedule=...)``.
-
-    Introduced in notebooks/07_large_minibatch.ipynb.
-    """
-    base_lr = _check_lr(base_lr)
-    for name, value in (("batch_size", batch_size), ("base_batch_size", base_batch_size),
-                        ("updates_per_epoch", updates_per_epoch)):
-        check_count(name, value)
-    if not (isinstance(warmup_epochs, (int, float, np.number)) and math.isfinite(warmup_epochs)
-            and warmup_epochs >= 0):
-        raise ValueError(f"warmup_epochs must be a finite number >= 0, got {warmup_epochs!r}")
-    target = base_lr * batch_size / base_batch_size
-    warmup_updates = float(warmup_epochs) * int(updates_per_epoch)
-
-    def schedule(update):
-        check_count("the update index", update, least=0)
-        if update >= warmup_updates:
-            return target
-        return base_lr + (target - base_lr) * (update / warmup_updates)
-
-    return schedule
-
-
-# ---------------------------------------------------------------- update rules
 class SGD:
     """The plain step ``theta - lr * grad`` (no state). Introduced in
     notebooks/01_gradient_descent.ipynb."""
@@ -246,9 +201,11 @@ class Adagrad:
 
 
 # ---------------------------------------------------------------- the three methods
+
+
 def _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas):
     """Validate arguments, reset the optimizer, record the initial loss."""
-    _check_lr(lr)
+    check_lr(lr)
     check_count("num_epochs", num_epochs, least=0)
     if X is not None and len(X) != len(y):
         raise ValueError(f"X and y disagree on the number of samples: {len(X)} vs {len(y)}")
@@ -261,7 +218,7 @@ def _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas):
 
 
 def _lr_for(epoch, lr, schedule):
-    return _check_lr(schedule(epoch)) if schedule is not None else lr
+    return check_lr(schedule(epoch)) if schedule is not None else lr
 
 
 def _step(theta, g, lr, optimizer):
@@ -330,7 +287,7 @@ def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=Non
 
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
-    lr = _check_lr(lr)
+    lr = check_lr(lr)
     check_count("batch_size", batch_size)
     if len(X) != len(y):
         raise ValueError(f"X and y disagree on the number of samples: {len(X)} vs {len(y)}")
@@ -340,7 +297,7 @@ def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=Non
     for i, start in enumerate(range(0, len(X), batch_size)):
         idx = order[start:start + batch_size]
         batch_losses.append(problem.loss(theta, X[idx], y[idx]))
-        lr_i = lr if lr_at is None else _check_lr(lr_at(i))
+        lr_i = lr if lr_at is None else check_lr(lr_at(i))
         theta = _step(theta, problem.grad(theta, X[idx], y[idx]), lr_i, optimizer)
         if callback is not None and callback(theta):
             break

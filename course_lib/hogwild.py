@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from course_lib.gd import check_count
+from course_lib.arguments import check_count
 from course_lib.launch import supervise
 from course_lib.race import RaceError
 from course_lib.sparse_problem import sparse_loss
@@ -211,7 +211,7 @@ def _run(problem, spec, arrays, w0, n_counters, num_workers, lock, num_epochs, t
 
 
 def _bounds(n, wid, num_workers):
-    from course_lib.data import shard_bounds
+    from course_lib.sharding import shard_bounds
     return shard_bounds(n, wid, num_workers)
 
 
@@ -225,7 +225,7 @@ def run_sparse(data, num_workers=2, lock=False, lr=0.5, num_epochs=3, seed=0, ti
                fail_worker=None):
     """Hogwild (``lock=False``) or its locked twin on sparse logistic regression.
 
-    Worker ``k`` takes shard ``k`` of the rows (``data.shard_bounds``) and visits it in the
+    Worker ``k`` takes shard ``k`` of the rows (``sharding.shard_bounds``) and visits it in the
     order of ``np.random.default_rng([seed, k])``, one permutation per epoch; so one worker
     repeats :func:`sparse_problem.serial_sgd` exactly. Returns a :class:`HogwildResult`.
     Notebook 03. Introduced in notebooks/03_hogwild.ipynb.

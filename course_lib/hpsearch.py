@@ -33,7 +33,7 @@ import math
 
 import numpy as np
 
-from course_lib.gd import check_count
+from course_lib.arguments import check_count
 from course_lib.hpsearch_loop import Job, run
 
 SPACE = {"lr": ("log", 0.003, 3.0), "batch_size": ("choice", (16, 32, 64, 128)),

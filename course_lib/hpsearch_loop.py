@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from course_lib import faults
+from course_lib import fault_points
 
 ENGINE_FILE = ".engine"  # a trial's directory: the pid of the engine running it
 
@@ -64,7 +64,7 @@ def train_trial(config, epochs, directory, seed=0):
     per_epoch = math.ceil(len(X) / batch_size)
     warmup_steps = config.get("warmup", 0) * per_epoch
     for epoch in range(first, epochs):
-        faults.point("trial-epoch")
+        fault_points.point("trial-epoch")
         order = torch.randperm(len(X), generator=torch.Generator().manual_seed(seed + epoch))
         for i in range(per_epoch):
             step = epoch * per_epoch + i
@@ -107,7 +107,7 @@ def sleep_trial(config, epochs, directory, seed=0, epoch_s=0.05):
     accs = json.loads(path.read_text()) if path.exists() else []
     first = len(accs)
     for epoch in range(first, epochs):
-        faults.point("trial-epoch")
+        fault_points.point("trial-epoch")
         accuracy, seconds = surrogate(config, epoch + 1, epoch_s)
         time.sleep(seconds)
         accs.append(accuracy)
@@ -183,7 +183,7 @@ class SearchResult:
 # ---------------------------------------------------------------- the loop
 def _arm(specs, directory):
     from course_lib.engine import ENGINE
-    faults.arm_once(specs, directory, ENGINE["rank"])
+    fault_points.arm_once(specs, directory, ENGINE["rank"])
 
 
 def run(cluster, policy, trial=train_trial, directory=None, ranks=None, name=None,
@@ -210,7 +210,7 @@ def run(cluster, policy, trial=train_trial, directory=None, ranks=None, name=Non
 
 
 def _disarm():
-    faults.disarm()
+    fault_points.disarm()
 
 
 def _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result, trial_kwargs,

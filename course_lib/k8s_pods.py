@@ -1,10 +1,10 @@
-"""What a Kubernetes operator writes into each pod of a training job, and the job run here.
+"""What a Kubernetes operator writes into each pod of a training job.
 
 Introduced in notebooks/12_scaling_out.ipynb. The operators' Go source decides each pod's name and
 environment (the file and function are named in comments): :func:`pod_environments` computes
-them for a checked manifest of :mod:`course_lib.k8s`, :func:`run_locally` runs a two-pod
-PyTorchJob on two network namespaces named like its pods (:mod:`course_lib.k8s_watch` watches
-it as ``kubectl`` would), and :func:`kubectl_dry_run` asks a real cluster when one answers.
+them for a checked manifest of :mod:`course_lib.k8s` (:mod:`course_lib.k8s_watch` runs a two-pod
+PyTorchJob with them on two network namespaces named like its pods, watched as ``kubectl``
+would), and :func:`kubectl_dry_run` asks a real cluster when one answers.
 """
 
 from __future__ import annotations
@@ -279,22 +279,6 @@ def pod_environments(manifest):
     job = check(manifest)
     return {"PyTorchJob": _pytorch_envs, "TFJob": _tf_envs, "MPIJob": _mpi_envs,
             "TrainJob": _trainjob_envs}[job["kind"]](job)
-
-
-def run_locally(manifest, timeout=180.0):
-    """Run a two-pod PyTorchJob here as the cluster would: each pod a host of its own named like
-    the pod (:func:`course_lib.hosts.make_hosts`, so ``MASTER_ADDR=<job>-master-0`` resolves),
-    its container's command, and exactly the environment :func:`pod_environments` gives it.
-    Returns each pod's output (rank 0's last line is the script's JSON result); raises
-    RuntimeError naming the first pod that failed or ran late. Needs root.
-    Introduced in notebooks/12_scaling_out.ipynb."""
-    from course_lib.k8s_watch import run_watched
-    run = run_watched(manifest, timeout)
-    for pod in run.pods.values():
-        if pod.phase != "Succeeded":
-            raise RuntimeError(f"{pod.name} failed ({pod.reason}, exit code {pod.exit_code}): "
-                               f"{pod.log.strip()[-1500:]}")
-    return {name: pod.log for name, pod in run.pods.items()}
 
 
 # --------------------------------------------------------------------------- kubectl

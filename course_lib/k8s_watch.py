@@ -15,6 +15,8 @@ derives them. The ``kubectl_*`` functions print what was observed in kubectl's f
     print(k8s_watch.kubectl_get_pods_watch(run))
     print(k8s_watch.kubectl_describe_job(run))
     print(k8s_watch.kubectl_logs(run, "digits-master-0"))
+
+:func:`run_locally` runs the job the same way and returns each pod's output.
 """
 
 from __future__ import annotations
@@ -115,9 +117,9 @@ class JobRun:
 
 
 def run_watched(manifest, timeout=180.0, poll=0.05):
-    """Run a two-pod PyTorchJob here as :func:`course_lib.k8s_pods.run_locally` does, watching
-    it: every ``poll`` seconds each pod's process is looked at (not started yet: Pending, while
-    its host is made; alive: Running; exited 0: Succeeded, else Failed) and the job's
+    """Run a two-pod PyTorchJob here as :func:`run_locally` does, watching it: every ``poll``
+    seconds each pod's process is looked at (not started yet: Pending, while its host is made;
+    alive: Running; exited 0: Succeeded, else Failed) and the job's
     conditions follow as the training-operator sets them. Past ``timeout`` the processes still
     alive are killed (Failed, DeadlineExceeded). No Kubernetes API server is involved: these are
     local processes named as the operator names its pods. Returns a :class:`JobRun`. Needs root.
@@ -185,6 +187,21 @@ def run_watched(manifest, timeout=180.0, poll=0.05):
 # --------------------------------------------------------------------------- kubectl's formats
 NOT_A_CLUSTER = ("# no Kubernetes API server runs here: these are the job's local processes, "
                  "named as the operator names its pods, printed as kubectl prints pods and jobs")
+
+
+def run_locally(manifest, timeout=180.0):
+    """Run a two-pod PyTorchJob here as the cluster would: each pod a host of its own named like
+    the pod (:func:`course_lib.hosts.make_hosts`, so ``MASTER_ADDR=<job>-master-0`` resolves),
+    its container's command, and exactly the environment :func:`pod_environments` gives it.
+    Returns each pod's output (rank 0's last line is the script's JSON result); raises
+    RuntimeError naming the first pod that failed or ran late. Needs root.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    run = run_watched(manifest, timeout)
+    for pod in run.pods.values():
+        if pod.phase != "Succeeded":
+            raise RuntimeError(f"{pod.name} failed ({pod.reason}, exit code {pod.exit_code}): "
+                               f"{pod.log.strip()[-1500:]}")
+    return {name: pod.log for name, pod in run.pods.items()}
 
 
 def kubectl_age(seconds):

@@ -77,8 +77,9 @@ def exercise_name(markdown: str, current: str | None = None) -> str | None:
     return current
 
 
-def _default_root(root: str | Path | None) -> Path:
-    """The repository root: ``root`` if given, else the folder that holds ``course_lib``."""
+def default_root(root: str | Path | None) -> Path:
+    """The repository root: ``root`` if given, else the folder that holds ``course_lib``.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     return Path(root) if root is not None else Path(__file__).resolve().parents[1]
 
 
@@ -195,7 +196,7 @@ def build_all(root: str | Path | None = None) -> list[Path]:
     Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     built = []
-    for solution, student in _pairs(_default_root(root)):
+    for solution, student in _pairs(default_root(root)):
         text = render(solution)
         if not student.exists() or student.read_text(encoding="utf-8") != text:
             student.write_text(text, encoding="utf-8")
@@ -207,7 +208,7 @@ def stale(root: str | Path | None = None) -> list[Path]:
     """Student notebooks that are missing, out of date, or left without a solution source.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    root = _default_root(root)
+    root = default_root(root)
     pairs = _pairs(root)
     out = [student for solution, student in pairs
            if not student.exists() or student.read_text(encoding="utf-8") != render(solution)]

@@ -4,7 +4,7 @@ Introduced in notebooks/07_large_minibatch.ipynb. With N workers of b samples ea
 synchronous step uses a global batch of B = N b samples, so an epoch has N times fewer updates.
 Goyal et al. (2017) keep the accuracy of small batches by scaling the learning rate with B
 (``lr = base_lr * B / base_B``) and by ramping it up from ``base_lr`` over the first epochs
-(``gd.linear_scaling_warmup``). This module measures that on real data, the 8x8 digits::
+(``scaling_rule.linear_scaling_warmup``). This module measures that on real data, the 8x8 digits::
 
     from course_lib import large_batch
     from course_lib.figures import large_minibatch as figures
@@ -24,7 +24,7 @@ import functools
 
 import numpy as np
 
-from course_lib import data, gd
+from course_lib import data, gd, scaling_rule
 
 VARIANTS = ("fixed", "scaled", "warmup")
 SETUP = dict(base_batch_size=32, base_lr=0.1, num_epochs=10, warmup_epochs=3,
@@ -143,8 +143,8 @@ def schedule_for(variant, batch_size, base_lr, base_batch_size, warmup_epochs, n
                                   "warmup": (base_batch_size, warmup_epochs)}
     if variant not in reference_batch_and_warmup:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
-    return gd.linear_scaling_warmup(base_lr, batch_size, *reference_batch_and_warmup[variant],
-                                    per_epoch)
+    return scaling_rule.linear_scaling_warmup(base_lr, batch_size,
+                                              *reference_batch_and_warmup[variant], per_epoch)
 
 
 def train_and_test(batch_size, update_schedule, num_epochs=10, seed=0, hidden=(64, 64),

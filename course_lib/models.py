@@ -146,6 +146,22 @@ class SoftmaxRegression:
         return float(np.mean(self.predict(theta, X) == np.asarray(y)))
 
 
+class Quadratic:
+    """``loss = |theta - 1|^2 / 2`` per sample, whatever the data: a gradient as cheap as
+    reading theta once, so that a run times the communication, not the computation.
+
+    Introduced in notebooks/12_scaling_out.ipynb (the parameter server against the ring)."""
+
+    def loss_sum(self, theta, X, y):
+        return len(X) * 0.5 * float(np.dot(theta - 1.0, theta - 1.0))
+
+    def grad_sum(self, theta, X, y):
+        return len(X) * (theta - 1.0)
+
+    def loss(self, theta, X, y):
+        return self.loss_sum(theta, X, y) / max(len(X), 1)
+
+
 class DoubleWell:
     """A non-convex toy: ``f(w) = (w^2 - 1)^2 + tilt * w``, summed over the entries of theta.
 

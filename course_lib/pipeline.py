@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from course_lib.comm import CommError, wait_all
-from course_lib.data import shard_bounds
+from course_lib.sharding import shard_bounds
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 TAG_SHAPE, TAG_ACTIVATION, TAG_GRADIENT = 90, 91, 92

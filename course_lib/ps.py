@@ -2,7 +2,7 @@
 
 Introduced in notebooks/04_parameter_server.ipynb. Roles are given to a cluster's ranks by a
 mapping like TensorFlow's ClusterSpec; the flat float64 parameter vector is split into
-contiguous shards, one per server (``data.shard_bounds``)::
+contiguous shards, one per server (``sharding.shard_bounds``)::
 
     from course_lib import ps
     spec = ps.make_spec(num_servers=1, num_workers=3)   # {"ps": [0], "worker": [1, 2, 3]}
@@ -34,8 +34,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from course_lib import faults
-from course_lib.data import shard_bounds
+from course_lib import fault_points
 from course_lib.engine import ENGINE
 from course_lib.ps_server import (
     PSError,
@@ -45,6 +44,7 @@ from course_lib.ps_server import (
     serve,
     serve_restarting,
 )
+from course_lib.sharding import shard_bounds
 
 __all__ = ["Asynchronous", "PSConfig", "PSError", "PSResult", "Policy", "Shard", "Synchronous",
            "apply_push", "make_spec", "run_role", "simulate_async", "train", "worker_step"]
@@ -93,7 +93,8 @@ def apply_push(theta: np.ndarray, version: int, grad: np.ndarray, pulled_version
 class Policy:
     """What a server decides for each push. ``push`` answers ``"held"`` (answer after the step),
     ``"applied"``, ``"dropped"`` or ``"rejected"``; a synchronous policy steps when ``ready``.
-    The counters are the server's statistics of its decisions."""
+    The counters are the server's statistics of its decisions.
+    Introduced in notebooks/04_parameter_server.ipynb."""
 
     can_lose_workers = True  # may a worker go silent while the others go on?
 
@@ -201,7 +202,7 @@ class PSConfig:
     every ``checkpoint_every`` updates and when a worker finishes. ``server_restarts=r``
     (async; notebook 11): a server that is killed is started again, at most r times, on the
     same address, from its last checkpoint; the workers resend what went unanswered.
-    ``faults``: fault points (:mod:`course_lib.faults` syntax) armed on every rank they name:
+    ``faults``: fault points (:mod:`course_lib.fault_points` syntax) armed on every rank they name:
     ``"ps-worker-step:stop@6:rank=2"`` (worker rank 2 goes silent at its 6th step; ``kill``: its
     process dies), ``"ps-server-update:kill@60"`` (a server dies at its 60th update); with a
     ``checkpoint_dir`` each fires once in its life. Introduced in
@@ -286,8 +287,8 @@ def _work(spec: dict, addresses: list[str], problem, X, y, theta0, cfg: PSConfig
             batch = order[start:start + cfg.batch_size]
             a, b = shard_bounds(len(batch), w, num_workers)
             try:
-                faults.point("ps-worker-step")  # armed: this worker dies or goes silent here
-            except faults.FaultStop:
+                fault_points.point("ps-worker-step")  # armed: this worker dies or goes silent here
+            except fault_points.FaultStop:
                 conn.close(linger=0)  # silent, as a crashed worker would be
                 return dict(log, stopped=True, bytes=conn.bytes)
             loss = worker_step(problem, pull, push, X[batch[a:b]], y[batch[a:b]])
@@ -314,13 +315,13 @@ def run_role(spec: dict, addresses: list[str], problem, X, y, theta0, cfg: PSCon
         return dict(serve_restarting(spec, len(theta0), cfg, policy), role="ps")
     if role == "idle":
         return {"role": "idle"}
-    faults.arm_once(cfg.faults, cfg.checkpoint_dir, ENGINE["rank"])
+    fault_points.arm_once(cfg.faults, cfg.checkpoint_dir, ENGINE["rank"])
     try:
         if role == "ps":
             return dict(serve(spec, len(theta0), cfg, policy), role="ps")
         return dict(_work(spec, addresses, problem, X, y, theta0, cfg), role="worker")
     finally:
-        faults.disarm()
+        fault_points.disarm()
 
 
 @dataclass

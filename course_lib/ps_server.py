@@ -45,9 +45,9 @@ import numpy as np
 import torch
 import zmq
 
-from course_lib import checkpoint, faults, netem
-from course_lib.data import shard_bounds
+from course_lib import checkpoint, fault_points, netem
 from course_lib.engine import ENGINE
+from course_lib.sharding import shard_bounds
 
 
 class PSError(RuntimeError):
@@ -269,7 +269,7 @@ class ShardServer:
             self.save()
         self.reply(identity, **({decision: True} if decision != "applied" else {}))
         if decision == "applied":
-            faults.point("ps-server-update")  # e.g. killed after its n-th update
+            fault_points.point("ps-server-update")  # e.g. killed after its n-th update
 
 
 def answer_late_dones(sock, quiet, reply):
@@ -344,7 +344,7 @@ def _serve_child(out):
     ENGINE.update(rank=job["rank"])
     netem.set_link(job["link"])
     cfg = job["cfg"]
-    faults.arm_once(cfg.faults, cfg.checkpoint_dir, job["rank"])
+    fault_points.arm_once(cfg.faults, cfg.checkpoint_dir, job["rank"])
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.linger = 0
     for _ in range(50):  # the killed server's port can take a moment to be free again

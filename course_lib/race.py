@@ -60,9 +60,10 @@ class RaceResult:
 
 
 # ---------------------------------------------------------------- in each worker process
-def _add_worker(worker, total, partials, seconds, lock, barrier, start, stop, ones, mode,
+def add_worker(worker, total, partials, seconds, lock, barrier, start, stop, ones, mode,
                 window):
-    """Add ``1`` (ones) or ``a`` for every ``a`` in ``range(start, stop)`` into ``total``."""
+    """Add ``1`` (ones) or ``a`` for every ``a`` in ``range(start, stop)`` into ``total``: what
+    each worker process runs. Introduced in notebooks/02_parallel_computing.ipynb."""
     barrier.wait(timeout=60)  # all workers start together (spawning takes a while)
     began = time.perf_counter()
     if mode == "reduction":
@@ -85,8 +86,9 @@ def _add_worker(worker, total, partials, seconds, lock, barrier, start, stop, on
 
 
 # ---------------------------------------------------------------- from the notebook
-def _run(kind, ranges, ones, mode, window, timeout):
-    """Spawn one process per range, wait with a deadline, and collect the total."""
+def run_workers(kind, ranges, ones, mode, window, timeout):
+    """Spawn one process per range (``add_worker``), wait with a deadline, collect the total.
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
     ctx = mp.get_context("spawn")  # no fork of a process with threads (Jupyter, torch)
@@ -95,7 +97,7 @@ def _run(kind, ranges, ones, mode, window, timeout):
     partials = ctx.RawArray("q", n)
     seconds = ctx.RawArray("d", n)
     lock, barrier = ctx.Lock(), ctx.Barrier(n)
-    procs = [ctx.Process(target=_add_worker, daemon=True, name=f"race-worker-{w}",
+    procs = [ctx.Process(target=add_worker, daemon=True, name=f"race-worker-{w}",
                          args=(w, total, partials, seconds, lock, barrier, start, stop, ones,
                                mode, window))
              for w, (start, stop) in enumerate(ranges)]
@@ -115,20 +117,20 @@ def shared_counter(num_workers=4, increments=20_000, mode="unlocked", window=Fal
     if num_workers < 1 or increments < 0:
         raise ValueError(f"need num_workers >= 1 and increments >= 0, got {num_workers}, "
                          f"{increments}")
-    return _run("counter", [(0, increments)] * num_workers, True, mode, window, timeout)
+    return run_workers("counter", [(0, increments)] * num_workers, True, mode, window, timeout)
 
 
 def parallel_for_sum(n=200_000, num_workers=4, mode="reduction", window=False, timeout=60.0):
     """A parallel for loop: ``total += a`` for ``a in range(n)``, iterations split by worker.
 
-    Each worker takes a contiguous block (``data.shard_bounds``); expected ``n (n - 1) / 2``.
+    Each worker takes a contiguous block (``sharding.shard_bounds``); expected ``n (n - 1) / 2``.
     Introduced in notebooks/02_parallel_computing.ipynb.
     """
-    from course_lib.data import shard_bounds  # imported here: workers start without numpy
+    from course_lib.sharding import shard_bounds  # imported here: workers start without numpy
     if num_workers < 1 or n < 0:
         raise ValueError(f"need num_workers >= 1 and n >= 0, got {num_workers}, {n}")
     ranges = [shard_bounds(n, w, num_workers) for w in range(num_workers)]
-    return _run("sum", ranges, False, mode, window, timeout)
+    return run_workers("sum", ranges, False, mode, window, timeout)
 
 
 # ---------------------------------------------------------------- this machine

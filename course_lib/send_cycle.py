@@ -142,8 +142,9 @@ class SendCycleError(RuntimeError):
     Introduced in notebooks/02_parallel_computing.ipynb."""
 
 
-def _json_objects(text):
-    """Every JSON object in ``text`` (the ranks' reports), whatever else is around them."""
+def json_objects(text: str):
+    """Every JSON object in ``text`` (the ranks' reports), whatever else is around them.
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     decoder, pos = json.JSONDecoder(), text.find("{")
     while pos >= 0:
         try:
@@ -189,7 +190,7 @@ def run_cycle(sizes, mode="send", world_size=2, deadline=2.0, timeout=None, repe
         raise SendCycleError(f"mpiexec -n {world_size} ({mode}) did not finish within "
                              f"{limit:g}s and was killed\n{err[-2000:]}")
     done, stuck = {}, None
-    for report in _json_objects(out):
+    for report in json_objects(out):
         if report["status"] == "completed":
             if not report["correct"]:
                 raise SendCycleError(f"{mode}, {report['nbytes']} bytes: wrong data arrived")

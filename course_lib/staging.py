@@ -31,6 +31,9 @@ import time
 import numpy as np
 
 from course_lib import costmodel, netem
+from course_lib.comm import wait_all
+from course_lib.comm.subgroups import subgroup_comm
+from course_lib.tables import format_size, text_table
 
 WAYS = ("direct", "staged", "pipelined")
 
@@ -69,7 +72,6 @@ def send_pipelined(comm, buf, staging, chunk_bytes):
     copied while the previous one travels (Gloo sends in its own thread). Each chunk has its own
     place in ``staging``; real pipelines reuse two or three slots. Introduced in
     notebooks/12_scaling_out.ipynb."""
-    from course_lib.comm import wait_all
     requests = []
     for i, (lo, hi) in enumerate(_chunks(len(buf), chunk_bytes)):
         np.copyto(staging[lo:hi], buf[lo:hi])
@@ -105,7 +107,6 @@ def _rank(sizes, chunk_bytes, repeats, timeout):
     interleaved), all other ranks return None. On rank 1: {size: {way: [seconds...]}, the
     data's check, memcpy seconds}. Times run from an instant both ranks agreed on to the last
     byte in ``dst``."""
-    from course_lib.testing.subgroups import subgroup_comm
     comm = subgroup_comm(2, timeout=timeout)  # every rank must call it
     if comm is None:
         return None
@@ -185,7 +186,6 @@ def format_rows(rows):
     """The rows of :func:`measure` as text: each way's time, what staging added to the direct
     send (measured: staged - direct) and what the model says it adds.
     Introduced in notebooks/12_scaling_out.ipynb."""
-    from course_lib.bench.common import format_size, text_table
     out = []
     for link in dict.fromkeys(r["link"] for r in rows):
         mine = [r for r in rows if r["link"] == link]

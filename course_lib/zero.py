@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from course_lib.arguments import check_count
 from course_lib.collectives import allreduce, ring_allgather, ring_reduce_scatter
-from course_lib.data import shard_bounds
-from course_lib.gd import check_count
+from course_lib.sharding import shard_bounds
 
 STAGES = (0, 1, 2, 3)  # 0: plain data parallelism (an allreduce), for comparison
 

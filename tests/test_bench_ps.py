@@ -8,19 +8,20 @@ import numpy as np
 import pytest
 
 from course_lib.bench import ps as bench_ps
+from course_lib.models import Quadratic
 
 
 def test_quadratic_gradient_is_the_sum_over_samples():
-    q, theta = bench_ps.Quadratic(), np.array([0.0, 3.0])
+    q, theta = Quadratic(), np.array([0.0, 3.0])
     assert np.allclose(q.grad_sum(theta, np.zeros((4, 1)), None), [-4.0, 8.0])
     assert q.loss(theta, np.zeros((2, 1)), None) == pytest.approx(2.5)
 
 
 def test_options_are_checked():
-    assert bench_ps._ints("1,2,3") == [1, 2, 3]
+    assert bench_ps.ints("1,2,3") == [1, 2, 3]
     for bad in ["", "0", "1,-2"]:
         with pytest.raises(ValueError):
-            bench_ps._ints(bad)
+            bench_ps.ints(bad)
     out = subprocess.run([sys.executable, "-m", "course_lib", "bench", "ps", "--modes", "fast"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "--modes" in out.stderr

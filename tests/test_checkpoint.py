@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from course_lib import checkpoint as C
-from course_lib import faults
+from course_lib import fault_points
 from course_lib.testing.checkpoint import save_killed_mid_write
 
 CLUSTER_SIZE = 2
@@ -124,27 +124,27 @@ def test_a_sharded_checkpoint_counts_only_once_committed(cluster, tmp_path):
 
 def test_fault_points_fire_at_the_count_once_and_for_their_rank(tmp_path):
     out = _run("""
-        from course_lib import faults
-        faults.arm_from_environment()
+        from course_lib import fault_points
+        fault_points.arm_from_environment()
         for step in range(1, 10):
             print(step, flush=True)
-            faults.point("train-step")
+            fault_points.point("train-step")
     """, COURSE_LIB_FAULTS=f"train-step:kill@4:rank=1:once={tmp_path / 'fired'}", RANK="1")
     assert out.returncode == -signal.SIGKILL and out.stdout.split() == ["1", "2", "3", "4"]
     again = _run("""
-        from course_lib import faults
-        faults.arm_from_environment()
+        from course_lib import fault_points
+        fault_points.arm_from_environment()
         for step in range(1, 10):
-            faults.point("train-step")
+            fault_points.point("train-step")
         print("finished")
     """, COURSE_LIB_FAULTS=f"train-step:kill@4:rank=1:once={tmp_path / 'fired'}", RANK="1")
     assert again.returncode == 0 and "finished" in again.stdout  # once: not again
-    assert faults.parse("train-step:kill@4:rank=1", rank=0) == []
-    with pytest.raises(faults.FaultSpecError, match="at and rank must be integers"):
-        faults.parse("train-step:kill@x")
-    with pytest.raises(faults.FaultSpecError, match="action must be one of"):
-        faults.parse("train-step:explode@2")
-    faults.disarm()
+    assert fault_points.parse("train-step:kill@4:rank=1", rank=0) == []
+    with pytest.raises(fault_points.FaultSpecError, match="at and rank must be integers"):
+        fault_points.parse("train-step:kill@x")
+    with pytest.raises(fault_points.FaultSpecError, match="action must be one of"):
+        fault_points.parse("train-step:explode@2")
+    fault_points.disarm()
 
 
 def test_the_simulated_best_interval_is_youngs():

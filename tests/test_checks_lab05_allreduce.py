@@ -13,7 +13,7 @@ import torch
 from course_lib import cluster as C
 from course_lib.checks import CheckFailed
 from course_lib.checks import lab05_allreduce as CA
-from course_lib.data import shard_bounds
+from course_lib.sharding import shard_bounds
 
 # the engines cannot import this test module: send its functions by value, as in a notebook
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

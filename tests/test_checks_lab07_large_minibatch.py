@@ -4,17 +4,18 @@ mistakes fail with their hint."""
 import numpy as np
 import pytest
 
-from course_lib import data, gd, large_batch
+from course_lib import data, gd, large_batch, scaling_rule
 from course_lib.checks import CheckFailed
 from course_lib.checks import lab07_large_minibatch as checks_large_batch
 
 
 def test_check_warmup_schedule_passes_reference_and_catches_mistakes():
-    assert checks_large_batch.check_warmup_schedule(gd.linear_scaling_warmup) is True
+    assert checks_large_batch.check_warmup_schedule(scaling_rule.linear_scaling_warmup) is True
 
     def per_epoch(base_lr, batch, base_batch, warmup_epochs, per_epoch_):
         target = base_lr * batch / base_batch
-        ref = gd.linear_scaling_warmup(base_lr, batch, base_batch, warmup_epochs, per_epoch_)
+        ref = scaling_rule.linear_scaling_warmup(base_lr, batch, base_batch, warmup_epochs,
+                                                 per_epoch_)
         return lambda u: ref((u // per_epoch_) * per_epoch_) if warmup_epochs else target
 
     def from_zero(base_lr, batch, base_batch, warmup_epochs, per_epoch_):

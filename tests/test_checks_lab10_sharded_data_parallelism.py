@@ -7,7 +7,7 @@ import torch
 from course_lib import collectives
 from course_lib.checks import CheckFailed
 from course_lib.checks import lab10_sharded_data_parallelism as checks
-from course_lib.data import shard_bounds
+from course_lib.sharding import shard_bounds
 
 CLUSTER_SIZE = 4  # world sizes 2, 3 and 4 on the first ranks of one cluster
 CLUSTER_BACKEND = "gloo"  # CPU tensors, as in the lab

@@ -213,7 +213,7 @@ def test_the_killed_save_in_place_leaves_half_a_file(tmp_path):
     path = tmp_path / "c.pt"
     torch.save(checks.case_state(1), path)
     calls = [("killed", make_save("in place"), (checks.case_state(2), path), 1000, path)]
-    code, events, _ = checks._run_watched(calls, tmp_path)
+    code, events, _ = checks.run_calls_watched(calls, tmp_path)
     assert code == -9
     killed = [e for e in events if e["ev"] == "killed"]
     assert killed and killed[0]["written"] == 1000 and Path(killed[0]["path"]) == path

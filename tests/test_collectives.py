@@ -37,7 +37,7 @@ class OneRank:
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 def test_world_size_one_sends_nothing_and_keeps_the_values(kind):
     for dtype in K.DTYPES:
-        x = K._input(0, 0, (4, 5), dtype)
+        x = K.rank_input(0, 0, (4, 5), dtype)
         for op in C.OPS:
             for algorithm in K.ALL:
                 buf = x.copy() if kind == "numpy" else torch.from_numpy(x.copy())

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from course_lib import ddp, timeline
-from course_lib.buckets import assign_buckets, bucket_groups
 from course_lib.cluster import RemoteError
+from course_lib.ddp import assign_buckets, bucket_groups
 from course_lib.testing import ddp as ddp_check
 
 WRAPPED = [(s, w, a) for s in ddp.STRATEGIES for w in ("ddp", "optimizer", "functional")

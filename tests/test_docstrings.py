@@ -1,7 +1,8 @@
 """The README's promise: every public function's docstring names the notebook that introduces it.
 
 Checked on the top-level modules ``course_lib/*.py`` (not ``__init__``/``__main__``, not the
-subpackages): each public module-level function and class must name a notebook as
+subpackages) and on the ``comm`` package (infrastructure a notebook calls, like the top level):
+each public module-level function and class must name a notebook as
 ``notebooks/NN_name.ipynb``, and that notebook must exist. Pure ``ast``: nothing is imported.
 """
 import ast
@@ -13,13 +14,14 @@ NOTEBOOK = re.compile(r"notebooks/\d\d_\w+\.ipynb")
 
 
 def _public_definitions():
-    for path in sorted((ROOT / "course_lib").glob("*.py")):
-        if path.name in ("__init__.py", "__main__.py"):
-            continue
+    top = [p for p in sorted((ROOT / "course_lib").glob("*.py"))
+           if p.name not in ("__init__.py", "__main__.py")]
+    for path in top + sorted((ROOT / "course_lib" / "comm").glob("*.py")):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
                     and not node.name.startswith("_"):
-                yield f"{path.name}:{node.name}", ast.get_docstring(node) or ""
+                name = path.relative_to(ROOT / "course_lib")
+                yield f"{name}:{node.name}", ast.get_docstring(node) or ""
 
 
 def test_every_public_definition_names_an_existing_notebook():

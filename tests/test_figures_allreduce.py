@@ -1,4 +1,4 @@
-"""Notebook 05's figures: the ring schedule simulated on arrays, the message patterns, the PNGs."""
+"""Notebook 05's figures: the library's ring recorded step by step, message patterns, PNGs."""
 
 import matplotlib
 
@@ -7,15 +7,15 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from course_lib.data import shard_bounds  # noqa: E402
 from course_lib.figures import allreduce as fa  # noqa: E402
+from course_lib.sharding import shard_bounds  # noqa: E402
 
 
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_ring_ends_with_the_full_sum_on_every_rank(world_size):
     rng = np.random.default_rng(world_size)
     data = rng.standard_normal((world_size, 5 * world_size + 3))   # chunks of unequal size
-    states = fa.simulate_ring(world_size, data=data)
+    states = fa.record_ring(world_size, data=data)
     assert len(states) == 1 + 2 * (world_size - 1)
     assert states[0].phase == "start" and np.array_equal(states[0].buffers, data)
     final = states[-1]
@@ -28,7 +28,7 @@ def test_ring_ends_with_the_full_sum_on_every_rank(world_size):
 
 @pytest.mark.parametrize("world_size", range(2, 9))
 def test_every_step_sends_one_chunk_per_rank_to_its_right_neighbour(world_size):
-    for state in fa.simulate_ring(world_size)[1:]:
+    for state in fa.record_ring(world_size)[1:]:
         assert sorted(src for src, _, _ in state.sends) == list(range(world_size))
         assert all(dst == (src + 1) % world_size for src, dst, _ in state.sends)
         chunks = [c for _, _, c in state.sends]
@@ -42,7 +42,7 @@ def test_every_step_sends_one_chunk_per_rank_to_its_right_neighbour(world_size):
 @pytest.mark.parametrize("world_size", [2, 3, 4, 7])
 def test_after_reduce_scatter_rank_r_owns_the_reduced_chunk_r(world_size):
     data = np.arange(world_size * 2 * world_size, dtype=float).reshape(world_size, -1) ** 2
-    states = fa.simulate_ring(world_size, data=data)
+    states = fa.record_ring(world_size, data=data)
     after = states[world_size - 1]
     assert after.phase == "reduce-scatter" and after.step == world_size - 1
     total = data.sum(0)
@@ -54,9 +54,9 @@ def test_after_reduce_scatter_rank_r_owns_the_reduced_chunk_r(world_size):
         assert all(after.counts[r, c] < world_size for c in range(world_size) if c != r)
 
 
-def test_simulate_ring_refuses_data_of_the_wrong_shape():
+def test_record_ring_refuses_data_of_the_wrong_shape():
     with pytest.raises(ValueError, match="must be"):
-        fa.simulate_ring(3, data=np.zeros((2, 6)))
+        fa.record_ring(3, data=np.zeros((2, 6)))
 
 
 def _reach(messages, world_size, phase):

@@ -9,13 +9,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from course_lib import costmodel, scaling  # noqa: E402
+from course_lib import costmodel, ps_vs_ring  # noqa: E402
 from course_lib.figures import scaling_out as figures  # noqa: E402
 from course_lib.k8s_watch import JobRun, PodRun  # noqa: E402
 
 
 def _rows():
-    """Rows shaped like scaling.measure's, at N = 2 and 4: ring 2x the PS with 2 servers."""
+    """Rows shaped like ps_vs_ring.measure's, at N = 2 and 4: ring 2x the PS with 2 servers."""
     rows = []
     for n in (2, 4):
         for method, servers, rate in (("ps1", 1, 1.0), ("ps", 2, 2.0), ("ring", 0, 4.0)):
@@ -25,22 +25,22 @@ def _rows():
 
 
 def test_uber_numbers_carry_their_sources():
-    for r in scaling.UBER_128:
+    for r in ps_vs_ring.UBER_128:
         assert r["source"] and 0 < r["efficiency"] <= 1 and r["gpus"] == 128
-    approx = [r for r in scaling.UBER_128 if r["approx"]]
+    approx = [r for r in ps_vs_ring.UBER_128 if r["approx"]]
     assert [r["system"] for r in approx] == ["standard distributed TensorFlow"]
-    assert scaling.RDMA_SPEEDUP["VGG-16"] == (0.30, 0.30)
-    assert scaling.PARAMETERS["VGG-16"] > 5 * scaling.PARAMETERS["ResNet-50"]
+    assert ps_vs_ring.RDMA_SPEEDUP["VGG-16"] == (0.30, 0.30)
+    assert ps_vs_ring.PARAMETERS["VGG-16"] > 5 * ps_vs_ring.PARAMETERS["ResNet-50"]
 
 
 def test_ring_over_ps_at_the_largest_n():
-    ratio = scaling.ring_over_ps(_rows())
+    ratio = ps_vs_ring.ring_over_ps(_rows())
     assert ratio["workers"] == 4 and ratio["servers"] == 2
     assert ratio["ps"] == pytest.approx(2.0) and ratio["ps1"] == pytest.approx(4.0)
     assert ratio["model_ps"] == pytest.approx(2.0)
-    assert scaling.ring_over_ps(_rows(), workers=2)["workers"] == 2
+    assert ps_vs_ring.ring_over_ps(_rows(), workers=2)["workers"] == 2
     with pytest.raises(ValueError, match="no ring row"):
-        scaling.ring_over_ps(_rows(), workers=8)
+        ps_vs_ring.ring_over_ps(_rows(), workers=8)
 
 
 def test_horovod_figure_draws_uber_then_this_machine():
@@ -49,7 +49,7 @@ def test_horovod_figure_draws_uber_then_this_machine():
     assert widths == pytest.approx([50, 88, 90, 79, 10, 20, 40])
     assert [p.get_height() for p in right.patches] == pytest.approx([4, 4, 30])
     alone, _ = figures.horovod_vs_tensorflow()
-    assert len(alone.patches) == len(scaling.UBER_128)
+    assert len(alone.patches) == len(ps_vs_ring.UBER_128)
     plt.close("all")
 
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from course_lib import data, gd, models
+from course_lib import data, gd, models, scaling_rule
 
 
 @pytest.fixture
@@ -163,7 +163,8 @@ def test_momentum_with_correction_equals_torch_sgd_under_warmup(linear):
     the correction it does not."""
     problem, X, y, theta0 = linear
     per_epoch = gd.updates_per_epoch(len(X), 8)                  # 5
-    warmup = gd.linear_scaling_warmup(0.01, 256, 8, warmup_epochs=2, updates_per_epoch=per_epoch)
+    warmup = scaling_rule.linear_scaling_warmup(0.01, 256, 8, warmup_epochs=2,
+                                                updates_per_epoch=per_epoch)
     rates = [warmup(u) for u in range(4 * per_epoch)]            # 0.01 -> 0.32 in 10 updates
     assert rates[1] / rates[0] > 4 and rates[-1] == rates[10]    # a ramp, then a constant rate
     want = _torch_sgd_steps(problem, X, y, theta0, rates, beta=0.9)
@@ -252,7 +253,7 @@ def test_bad_input_raises(linear):
 
 # ------------------------------------------------- linear scaling + warmup (notebook 07)
 def test_warmup_schedule_exact_values():
-    sched = gd.linear_scaling_warmup(0.1, 1024, 32, warmup_epochs=3, updates_per_epoch=10)
+    sched = scaling_rule.linear_scaling_warmup(0.1, 1024, 32, warmup_epochs=3, updates_per_epoch=10)
     assert sched(0) == 0.1                                 # starts at the base rate
     assert sched(15) == pytest.approx(0.1 + 3.1 * 15 / 30, rel=1e-12)   # halfway: linear
     assert sched(29) == pytest.approx(0.1 + 3.1 * 29 / 30, rel=1e-12)
@@ -262,12 +263,12 @@ def test_warmup_schedule_exact_values():
 
 
 def test_warmup_schedule_edge_cases():
-    assert [gd.linear_scaling_warmup(0.2, 64, 32, 0, 5)(u) for u in (0, 7)] == [0.4, 0.4]
-    flat = gd.linear_scaling_warmup(0.05, 256, 256, 2, 7)
+    assert [scaling_rule.linear_scaling_warmup(0.2, 64, 32, 0, 5)(u) for u in (0, 7)] == [0.4, 0.4]
+    flat = scaling_rule.linear_scaling_warmup(0.05, 256, 256, 2, 7)
     assert {flat(u) for u in range(20)} == {0.05}
-    frac = gd.linear_scaling_warmup(0.1, 512, 32, 0.5, 7)  # W = 3.5 updates
+    frac = scaling_rule.linear_scaling_warmup(0.1, 512, 32, 0.5, 7)  # W = 3.5 updates
     assert frac(3) == pytest.approx(0.1 + 1.5 * 3 / 3.5) and frac(4) == pytest.approx(1.6)
-    down = gd.linear_scaling_warmup(0.4, 16, 64, 1, 4)     # k = 1/4 ramps down
+    down = scaling_rule.linear_scaling_warmup(0.4, 16, 64, 1, 4)     # k = 1/4 ramps down
     assert down(0) == 0.4 and down(2) == pytest.approx(0.25) and down(4) == pytest.approx(0.1)
 
 
@@ -276,12 +277,12 @@ def test_warmup_schedule_edge_cases():
                                   (float("nan"), 64, 32, 1, 5)])
 def test_warmup_schedule_rejects_bad_input(args):
     with pytest.raises(ValueError):
-        gd.linear_scaling_warmup(*args)
+        scaling_rule.linear_scaling_warmup(*args)
 
 
 def test_schedule_rejects_bad_update_and_updates_per_epoch():
     with pytest.raises(ValueError, match="update index"):
-        gd.linear_scaling_warmup(0.1, 64, 32, 1, 5)(-1)
+        scaling_rule.linear_scaling_warmup(0.1, 64, 32, 1, 5)(-1)
     assert gd.updates_per_epoch(1347, 32) == 43
     assert gd.updates_per_epoch(1347, 32, drop_last=True) == 42
     assert gd.updates_per_epoch(100, 1000, drop_last=True) == 1
@@ -301,7 +302,7 @@ def test_constant_update_schedule_is_bit_for_bit_plain_minibatch(linear):
 
 def test_update_schedule_is_applied_update_by_update(linear):
     problem, X, y, theta0 = linear
-    sched = gd.linear_scaling_warmup(0.01, 20, 10, warmup_epochs=1.5, updates_per_epoch=2)
+    sched = scaling_rule.linear_scaling_warmup(0.01, 20, 10, warmup_epochs=1.5, updates_per_epoch=2)
     hist = gd.minibatch_sgd(problem, X, y, theta0, 0.01, 3, batch_size=20, seed=1,
                             update_schedule=sched)
     assert hist.lrs == [sched(u) for u in range(6)] and hist.epochs == [0, 0, 1, 1, 2, 2]

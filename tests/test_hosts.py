@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from course_lib import hosts, train
+from course_lib.bench import allreduce as bench_allreduce
 
 CLUSTER_SIZE = 2
 STEPS = 6
@@ -46,8 +47,8 @@ def test_the_course_cluster_runs_on_two_hosts(cluster):
 
         shown = io.StringIO()
         with contextlib.redirect_stderr(shown):  # the progress bar: text on stderr here
-            rows = hosts.tc_versus_emulated(machines, wide, cluster, world_sizes=(2,),
-                                            progress=True)
+            rows = bench_allreduce.tc_versus_emulated(machines, wide, cluster,
+                                                      world_sizes=(2,), progress=True)
         assert 0 < shown.getvalue().find("tc, N = 2") < shown.getvalue().find("emulated, N = 2")
         for row in rows:  # the kernel's tbf and netem's model agree with the alpha-beta model
             assert 0.85 < row["tc"] / row["model"] < 1.2, row

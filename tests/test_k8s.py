@@ -380,7 +380,8 @@ def test_a_pytorchjob_s_pods_train_here_with_the_operator_s_environment():
         pytest.skip(f"two hosts: {reason}")
     spec = k8s.JobSpec("digits", image="pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime",
                        command=["-m", "course_lib.train", "--steps", "4"], nodes=2)
-    outputs = k8s_pods.run_locally(k8s.pytorch_job(spec), timeout=120)
+    from course_lib import k8s_watch
+    outputs = k8s_watch.run_locally(k8s.pytorch_job(spec), timeout=120)
     result = json.loads(outputs["digits-master-0"].strip().splitlines()[-1])
     assert result["hosts"] == ["digits-master-0", "digits-worker-0"]
     assert result["launcher"] == "torchrun" and result["world_size"] == 2

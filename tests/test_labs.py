@@ -138,7 +138,7 @@ def test_a_stub_names_the_exercise_and_the_function_to_fill_in():
 
 def test_every_committed_stub_names_its_exercise_and_function():
     stubs = []
-    for path in sorted((labs._default_root(None) / "labs").glob(labs.PATTERN)):
+    for path in sorted((labs.default_root(None) / "labs").glob(labs.PATTERN)):
         for cell in nbformat.read(path, as_version=4).cells:
             if cell.cell_type == "code":
                 stubs += [(path.name, line.strip()) for line in cell.source.splitlines()
@@ -232,8 +232,8 @@ def test_build_is_idempotent_and_stale_tracks_changes(tmp_path):
 
 
 def test_default_root_is_the_repository():
-    assert labs._default_root(None) == labs.Path(labs.__file__).resolve().parents[1]
-    assert (labs._default_root(None) / "labs" / "solutions").is_dir()
+    assert labs.default_root(None) == labs.Path(labs.__file__).resolve().parents[1]
+    assert (labs.default_root(None) / "labs" / "solutions").is_dir()
 
 
 def test_committed_student_notebooks_are_up_to_date():

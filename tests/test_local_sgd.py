@@ -6,6 +6,7 @@ import pytest
 
 from course_lib import compression, local_sgd
 from course_lib.checks import lab08_local_sgd_and_compression as checks_compression
+from course_lib.testing import local_sgd as torch_hooks
 
 SHORT = dict(steps=40, eval_every=10)
 
@@ -50,7 +51,7 @@ def test_topk_with_error_feedback_trains_and_without_it_does_not(cluster):
 
 
 def test_fp16_matches_float32_and_torch_fp16_hook(cluster):
-    for res in cluster.run(local_sgd.fp16_against_torch_hook_on_rank):
+    for res in cluster.run(torch_hooks.fp16_against_torch_hook_on_rank):
         scale = np.abs(res["float32"]).max()
         assert np.abs(res["ours"] - res["float32"]).max() <= 2 ** -10 * scale
         assert np.abs(res["ours"] - res["float32"]).max() > 0  # it did round
@@ -62,10 +63,10 @@ def test_torch_hooks_send_what_their_shapes_say(cluster):
     assert local_sgd.powersgd_elements(shapes, 1) == 128 + 64 + 74 + 10
     assert local_sgd.powersgd_elements(shapes, 2) == 256 + 64 + 148 + 10
     ours = local_sgd.run_compressed(cluster, "fp16", **SHORT)
-    fp16 = local_sgd.run_torch_ddp(cluster, "fp16", **SHORT)
+    fp16 = torch_hooks.run_torch_ddp(cluster, "fp16", **SHORT)
     assert fp16["bytes_per_step"] == ours["bytes_per_step"] == 4810 * 2
     assert abs(fp16["loss"][-1] - ours["loss"][-1]) < 1e-3 * ours["loss"][-1]
-    power = local_sgd.run_torch_ddp(cluster, "powersgd", 1, **SHORT)
+    power = torch_hooks.run_torch_ddp(cluster, "powersgd", 1, **SHORT)
     assert power["hook_elements_per_step"] == 276  # the hook's own count
     assert power["bytes_total"] == 2 * 4810 * 4 + 38 * 276 * 4  # 2 plain steps, then PowerSGD
     assert power["loss"][-1] < 0.5 * power["loss"][0]

@@ -46,7 +46,7 @@ def test_parallel_for_sum():
 
 def test_a_worker_that_dies_is_named():
     with pytest.raises(race.RaceError, match=r"worker 1 \(pid \d+\) exited with code 1"):
-        race._run("counter", [(0, 10), (None, 5)], True, "unlocked", False, 30)
+        race.run_workers("counter", [(0, 10), (None, 5)], True, "unlocked", False, 30)
     assert _race_workers() == []
 
 

@@ -74,7 +74,7 @@ def test_a_launch_past_its_timeout_is_killed_with_all_its_ranks():
 def test_reports_are_read_even_when_lines_of_ranks_run_together():
     text = ('noise {"status": "deadlocked", "nbytes": 8}{"status": "deadlocked", "nbytes": 8}\n'
             '{"status": "completed", "nbytes": 4, "seconds": 0.1, "correct": true} {bad\n')
-    reports = list(S._json_objects(text))
+    reports = list(S.json_objects(text))
     assert [r["status"] for r in reports] == ["deadlocked", "deadlocked", "completed"]
 
 

@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from course_lib import netem
+from course_lib import hosts, netem
 from course_lib.bench import common
 from course_lib.bench.common import (
     BenchError,
@@ -126,8 +126,7 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
     so one cluster measures several world sizes); the other ranks return None.
     """
     from course_lib.collectives import allreduce
-    from course_lib.comm import get_comm
-    from course_lib.comm_torch import TorchComm
+    from course_lib.comm import TorchComm, get_comm
     comm = get_comm(transport, timeout=timeout, link=link,
                     check_sizes="always" if check == "messages" else True)
     if world_size is not None and world_size != comm.world_size:
@@ -179,6 +178,42 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
         del src, buf, expected
     return rows
 
+
+
+def tc_versus_emulated(machines, cluster, local, rate="200Mbit/s", size=2 << 20,
+                       world_sizes=(2, 4), algorithms=("naive", "ring"), iters=2, progress=False):
+    """The same allreduces of ``size`` bytes timed three ways: on ``cluster``, whose ranks live
+    on ``machines`` (one each) with their cables slowed by tc to ``rate`` (the real kernel: TCP,
+    queues, Gloo); on ``local``, one machine's cluster, on the emulated link of that rate
+    (:mod:`course_lib.netem`); and by the alpha-beta model of that link. Returns one dict per
+    world size and algorithm: seconds "tc", "emulated" and "model". ``progress=True`` shows a
+    bar (``tqdm.auto``) naming the run under way, removed when done.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    from tqdm.auto import tqdm  # only when timing: a progress bar
+    link, before = netem.make_link(rate, "50us"), local.link
+    times = {}
+    bar = tqdm(total=2 * len(world_sizes), desc="timing allreduces", disable=not progress,
+               leave=False)
+    try:
+        for h in machines:
+            hosts.shape(h, rate=rate)
+        local.set_link(link)
+        for way, on in (("tc", cluster), ("emulated", local)):
+            for n in world_sizes:
+                bar.set_postfix_str(f"{way}, N = {n}")
+                rows = on.run(allreduce_rank_bench, "torch", list(algorithms), [size],
+                              iters=iters, warmup=1, check=False, world_size=n)[0]
+                times.update({(way, n, r["algorithm"]): r["time_us"] / 1e6 for r in rows})
+                bar.update()
+    finally:
+        bar.close()
+        for h in machines:
+            hosts.shape(h)
+        local.set_link(before)
+    return [{"world_size": n, "algorithm": a, "bytes": size, "rate": rate,
+             "model": netem.predict_allreduce(a, size, n, link, check=False),
+             "tc": float(times["tc", n, a]), "emulated": float(times["emulated", n, a])}
+            for n in world_sizes for a in algorithms]
 
 def fusion_rank_bench(transport, algorithm="native", count=256, tensor_bytes=4096, iters=5,
                       warmup=1, timeout=30.0):

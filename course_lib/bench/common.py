@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+from course_lib.tables import UNITS, format_size, text_table  # noqa: F401  (the benchmarks' too)
 
 
 class BenchError(RuntimeError):
@@ -72,14 +72,6 @@ def argtype(parse):
 
 
 # ---------------------------------------------------------------- measurements and output
-def format_size(n_bytes):
-    """4194304 -> '4 MiB', 1536 -> '1536 B': the largest binary unit that divides it exactly."""
-    for unit in ("GiB", "MiB", "KiB"):
-        if n_bytes >= UNITS[unit[0]] and n_bytes % UNITS[unit[0]] == 0:
-            return f"{n_bytes // UNITS[unit[0]]} {unit}"
-    return f"{n_bytes} B"
-
-
 def memcpy_bandwidth(n_bytes=64 * 2**20, repeats=9):
     """Single-core memcpy bandwidth in GB/s: bytes copied per second, median of ``repeats``.
     Every benchmark prints it as the machine's ceiling."""
@@ -91,25 +83,6 @@ def memcpy_bandwidth(n_bytes=64 * 2**20, repeats=9):
         np.copyto(dst, src)
         times.append(time.perf_counter() - t)
     return n_bytes / float(np.median(times[1:])) / 1e9
-
-
-def text_table(header, rows, align=None):
-    """Lines of a fixed-width table: ``header`` is one or more rows of column titles (printed
-    as comments, starting with '#'), ``rows`` lists of cells; ``None`` in ``rows`` is a blank
-    line. ``align`` holds '<' or '>' per column (default: first left, the rest right)."""
-    header = [header] if header and isinstance(header[0], str) else header
-    n = len(header[0])
-    align = align or "<" + ">" * (n - 1)
-    cells = [[str(c) for c in r] for r in rows if r is not None]
-    widths = [max(len(r[i]) for r in header + cells) for i in range(n)]
-
-    def line(r):
-        return " ".join(f"{c:{a}{w}}" for c, a, w in zip(r, align, widths, strict=True))
-
-    titles = [line(h) for h in header]
-    out = ["#" + (t[1:] if t.startswith(" ") else t) for t in titles]  # '#' marks comments
-    out += ["" if r is None else line([str(c) for c in r]) for r in rows]
-    return out
 
 
 def write_csv(rows, path, columns=None, extra=None):

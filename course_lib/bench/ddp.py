@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from course_lib.bench.common import parse_list, text_table, write_csv
-from course_lib.buckets import wait_work
+from course_lib.dist_checks import wait_work
 
 HELP = "data-parallel step time: each strategy vs torch DDP"
 
@@ -233,7 +233,8 @@ def parse_hidden(text):
     return sizes
 
 
-def _floats(text):
+def parse_buckets(text: str) -> list[float]:
+    """``--buckets``: bucket caps in MB, each > 0 (``"1,5,25,100"``)."""
     return parse_list(text, float, 0, what="--buckets", example="1,5,25,100 (MB)")
 
 
@@ -262,7 +263,7 @@ def main(args):
     from course_lib import ddp
     from course_lib.cluster import start_cluster
     try:
-        hidden, buckets = parse_hidden(args.hidden), _floats(args.buckets)
+        hidden, buckets = parse_hidden(args.hidden), parse_buckets(args.buckets)
         if args.world_size < 2:
             raise ValueError("--world-size must be >= 2: data parallelism needs 2 ranks")
         configs = make_configs(ddp.STRATEGIES, [b if b % 1 else int(b) for b in buckets],

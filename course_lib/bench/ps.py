@@ -24,21 +24,9 @@ import numpy as np
 
 from course_lib import netem
 from course_lib.bench.common import argtype, parse_list, parse_size, text_table, write_csv
+from course_lib.models import Quadratic
 
 HELP = "parameter-server throughput vs servers, workers, sync/async"
-
-
-class Quadratic:
-    """``loss = |theta - 1|^2 / 2`` per sample: a gradient as cheap as reading theta once."""
-
-    def loss_sum(self, theta, X, y):
-        return len(X) * 0.5 * float(np.dot(theta - 1.0, theta - 1.0))
-
-    def grad_sum(self, theta, X, y):
-        return len(X) * (theta - 1.0)
-
-    def loss(self, theta, X, y):
-        return self.loss_sum(theta, X, y) / max(len(X), 1)
 
 
 def predicted_sync_steps(n_params, servers, workers, link, steps=8):
@@ -124,15 +112,16 @@ def format_ps_table(rows):
           rate(r.get("predicted_steps_per_s"))] for r in rows], ">" * 11))
 
 
-def _ints(text):
+def ints(text):
+    """'1,2' -> [1, 2]: a comma list of server or worker counts."""
     return parse_list(text, what="servers and workers", example="1,2")
 
 
 def arguments(parser):
     """The options of ``python -m course_lib bench ps``."""
     a = parser.add_argument
-    a("--servers", type=argtype(_ints), default=[1, 2], help="comma list (default 1,2)")
-    a("--workers", type=argtype(_ints), default=[1, 2, 3], help="comma list (default 1,2,3)")
+    a("--servers", type=argtype(ints), default=[1, 2], help="comma list (default 1,2)")
+    a("--workers", type=argtype(ints), default=[1, 2, 3], help="comma list (default 1,2,3)")
     a("--modes", default="sync,async", help="sync, async or both (default sync,async)")
     a("--params", default="2M", help="number of float64 parameters, like 500K or 4M (default 2M)")
     a("--steps", type=int, default=16, help="pushes per worker (default 16)")

@@ -1,14 +1,14 @@
 """``python -m course_lib bench scaling``: the parameter server against ring-allreduce, measured on
 an emulated link beside the alpha-beta model, then the model to thousands of workers.
 
-Introduced in notebooks/12_scaling_out.ipynb (:mod:`course_lib.scaling`). One local cluster of
+Introduced in notebooks/12_scaling_out.ipynb (:mod:`course_lib.ps_vs_ring`). One local cluster of
 ``max N + max S`` engines is started once; every configuration trains the same model (a float64
 vector, 1 MiB by default) synchronously, each step a sleep of ``--compute-ms`` (the compute)
 then the exchange: the PS with 1 server, the PS with S servers (``--servers 4``, ``N`` or
 ``N/2``) and the from-scratch ring allreduce, for each N of ``--workers``::
 
     python -m course_lib bench scaling                      # N = 2, 4, 8; S = 4; ~40 s
-    python -m course_lib bench scaling --servers N --workers 2,4 --csv scaling.csv
+    python -m course_lib bench scaling --servers N --workers 2,4 --csv ps_vs_ring.csv
     python -m course_lib bench scaling --model-only         # the model table alone, no cluster
 
 Columns: steps/s, samples/s, the bytes (in + out) through the busiest interface per step (a
@@ -17,7 +17,7 @@ PS server's, else a worker's) and the scaling efficiency as Horovod reports it (
 emulated link never delivers early, so that ratio is at most about 1; what the machine adds
 (ranks share its cores) pulls it below: printed as the ceiling, with the single-core memcpy
 bandwidth, is the ring's step on bare loopback. Then the model for ResNet-50 (25.6M fp32
-parameters, 0.256 s of compute per step: ``scaling.RESNET50``) on each network preset, N up to
+parameters, 0.256 s of compute per step: ``ps_vs_ring.RESNET50``) on each network preset, N up to
 4096. About 40 s on 2 busy cores, half of it starting 12 engines.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from course_lib import netem, scaling
+from course_lib import netem, ps_vs_ring
 from course_lib.bench.common import (
     argtype,
     memcpy_bandwidth,
@@ -42,7 +42,7 @@ def _workers(text):
 
 
 def _servers(text):
-    scaling.num_servers(text, 8)  # raises ValueError on bad text
+    ps_vs_ring.num_servers(text, 8)  # raises ValueError on bad text
     return int(text) if text.strip().isdigit() else text.strip()
 
 
@@ -56,17 +56,17 @@ def arguments(parser):
     a("--compute-ms", type=float, default=50.0, help="compute per step, a sleep (default 50)")
     a("--steps", type=int, default=6, help="timed steps per configuration (default 6)")
     a("--batch", type=int, default=32, help="samples per worker step (default 32)")
-    a("--link", type=argtype(netem.make_link), default=netem.make_link(scaling.LINK),
-      help=f"the emulated network (default {scaling.LINK})")
+    a("--link", type=argtype(netem.make_link), default=netem.make_link(ps_vs_ring.LINK),
+      help=f"the emulated network (default {ps_vs_ring.LINK})")
     a("--model-only", action="store_true", help="print the model table only (no cluster)")
     a("--csv", help="also write the measured rows to this CSV file")
 
 
 def _model_table():
-    w = scaling.RESNET50
+    w = ps_vs_ring.RESNET50
     lines = [f"# the model to thousands: {w.name}, {w.source}; PS with 1 server, with N/4 "
              "servers, ring; no overlap of communication with compute"]
-    return "\n".join(lines + [scaling.format_model(scaling.model_rows(w))])
+    return "\n".join(lines + [ps_vs_ring.format_model(ps_vs_ring.model_rows(w))])
 
 
 def main(args):
@@ -78,17 +78,17 @@ def main(args):
         n_params = parse_size(args.params)
         if args.steps < 2:
             raise ValueError("--steps must be at least 2 (a rate needs two step ends)")
-        engines = max(max(args.workers) + scaling.num_servers(args.servers, n)
+        engines = max(max(args.workers) + ps_vs_ring.num_servers(args.servers, n)
                       for n in args.workers)
         print(f"# starting {engines} engines", file=sys.stderr)
         with start_cluster(n=engines, timeout=300) as cluster:
-            rows = scaling.measure(cluster, args.workers, args.servers, n_params,
+            rows = ps_vs_ring.measure(cluster, args.workers, args.servers, n_params,
                                    args.compute_ms / 1e3, args.steps, args.batch, args.link)
-            floor = scaling.machine_floor(cluster, n_params, max(args.workers))
+            floor = ps_vs_ring.machine_floor(cluster, n_params, max(args.workers))
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"bench scaling: {e}", file=sys.stderr)
         return 1
-    print(scaling.format_measured(rows))
+    print(ps_vs_ring.format_measured(rows))
     print(f"# link: {args.link} (per message alpha + n/bw on each rank's interface, full "
           f"duplex); the model is the formula on it")
     print(f"# ceiling: memcpy {memcpy_bandwidth():.1f} GB/s on one core; the ring of "

@@ -117,7 +117,7 @@ def zero_rank_bench(what, implementations=IMPLEMENTATIONS, world_size=None, laye
     import torch.distributed as dist
     from torch import nn
 
-    from course_lib.testing.subgroups import subgroup, subgroup_comm
+    from course_lib.comm.subgroups import subgroup, subgroup_comm
     comm = subgroup_comm(world_size, timeout)
     if comm is None:
         return None

@@ -72,7 +72,7 @@ def _call_student(fn_bytes, world_size, kind, params, timeout):
     import cloudpickle
     import torch.distributed as dist
 
-    from course_lib.comm_torch import TorchComm
+    from course_lib.comm import TorchComm
     from course_lib.engine import ENGINE
     rank = dist.get_rank()
     # one group per size, made once by every rank and kept until the process group is made
@@ -285,7 +285,7 @@ def check_global_gradient(student_fn: Callable, cluster, seed: int = 0,
 
 
 def _sizes(m, k):
-    from course_lib.data import shard_bounds
+    from course_lib.sharding import shard_bounds
     return [b - a for a, b in (shard_bounds(m, r, k) for r in range(k))]
 
 

@@ -36,7 +36,7 @@ from course_lib.checks.framework import (
     not_implemented,
     pack_function,
 )
-from course_lib.data import shard_bounds
+from course_lib.sharding import shard_bounds
 
 # seconds each point-to-point wait of the student's code may take: a short deadline, so that a
 # blocking send cycle comes back as a hint within seconds (the library's waits default to 30 s)

@@ -175,13 +175,13 @@ def run_averager(payload, steps=STEPS, cap_bytes=CAP_BYTES, hidden=HIDDEN, batch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from course_lib import data, models, timeline
+    from course_lib import data, models, sharding, timeline
     cls = cloudpickle.loads(payload)
     rank, world = dist.get_rank(), dist.get_world_size()
     X, y, _, _ = data.load_digits()
     X, y = torch.from_numpy(X).float(), torch.from_numpy(y).long()
     order = np.random.default_rng(seed).permutation(len(X))
-    lo, hi = data.shard_bounds(batch, rank, world)
+    lo, hi = sharding.shard_bounds(batch, rank, world)
     mine, ref = (models.mlp(64, list(hidden), 10, seed=seed) for _ in range(2))
     ref_net = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=cap_bytes / 2**20)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (mine, ref)]

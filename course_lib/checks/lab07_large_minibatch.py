@@ -7,8 +7,8 @@ Used in labs/07_large_minibatch.ipynb, on the framework of :mod:`course_lib.chec
     checks.check_warmup_schedule(linear_scaling_warmup)
     checks.check_largest_batch(largest_good_batch)
 
-The first compares a student's schedule with ``gd.linear_scaling_warmup`` update by update; the
-second calls the student's search with the reference schedule on the lab's setting
+The first compares a student's schedule with ``scaling_rule.linear_scaling_warmup`` update by
+update; the second calls the student's search with the reference schedule on the lab's setting
 (:data:`LAB`) and recomputes every accuracy with :mod:`course_lib.large_batch`.
 """
 
@@ -81,10 +81,10 @@ def _diagnose_schedule(expected: tuple, got: Any) -> str | None:
 def check_warmup_schedule(student_fn: Callable) -> bool:
     """Lab 07, exercise 1: ``linear_scaling_warmup(base_lr, batch_size, base_batch_size,
     warmup_epochs, updates_per_epoch)`` returns ``schedule(update) -> lr`` equal to
-    ``gd.linear_scaling_warmup``'s at every update around the warmup's start and end, on 7
+    ``scaling_rule.linear_scaling_warmup``'s at every update around the warmup's start and end, on 7
     cases (no warmup, fractional warmup, k = 1, k < 1, k = 32 ...)."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.gd import linear_scaling_warmup
+    from course_lib.scaling_rule import linear_scaling_warmup
     cases = [Case("base_lr={}, batch_size={}, base_batch_size={}, warmup_epochs={}, "
                   "updates_per_epoch={}".format(*params), lambda params=params: params)
              for params in _SCHEDULES]
@@ -118,10 +118,11 @@ def reference_largest_batch(lab=None) -> tuple[int, dict]:
 def check_largest_batch(student_fn: Callable) -> bool:
     """Lab 07, exercise 2: ``largest_good_batch(make_schedule, batch_sizes, base_lr,
     warmup_epochs, seeds, tolerance) -> (batch, {batch: mean accuracy})``, called with
-    ``gd.linear_scaling_warmup`` on the lab's setting, must give the reference's accuracies and
-    the largest batch whose accuracy is within ``tolerance`` of the first batch size's."""
+    ``scaling_rule.linear_scaling_warmup`` on the lab's setting, must give the reference's
+    accuracies and the largest batch whose accuracy is within ``tolerance`` of the first batch
+    size's."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.gd import linear_scaling_warmup
+    from course_lib.scaling_rule import linear_scaling_warmup
     lab = LAB
     try:
         got = student_fn(linear_scaling_warmup, lab["batch_sizes"], lab["base_lr"],

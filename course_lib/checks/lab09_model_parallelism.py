@@ -112,7 +112,7 @@ def row_parallel_on_rank(payload, batch=6, in_features=8, out_features=5, seed=0
     import torch
 
     from course_lib.comm import get_comm
-    from course_lib.data import shard_bounds
+    from course_lib.sharding import shard_bounds
     forward, backward = (cloudpickle.loads(p) for p in payload)
     comm = get_comm("torch", timeout=10.0)
     torch.manual_seed(seed)

@@ -10,7 +10,7 @@ Introduced in labs/10_sharded_data_parallelism.ipynb, on the framework of
     checks.check_zero_memory_per_rank(zero_memory_per_rank)                       # no cluster
 
 ``check_zero1_step`` runs the student's step on the first N ranks of the cluster (N = 2, 3, 4,
-``testing.subgroups``) on parameter vectors whose length N does not divide (and one shorter than
+``comm.subgroups``) on parameter vectors whose length N does not divide (and one shorter than
 N), for several steps with a different local gradient on every rank, and compares every rank's
 parameters after every step with DDP's (the mean gradient, then the same momentum update on the
 whole vector, computed in one process) to 1e-12. The reduce-scatter and all-gather it hands the
@@ -27,7 +27,7 @@ import numpy as np
 
 from course_lib.checks import lab05_allreduce
 from course_lib.checks.framework import Case, CheckFailed, not_implemented, pack_function, run_check
-from course_lib.data import shard_bounds
+from course_lib.sharding import shard_bounds
 
 STUDENT_TIMEOUT = 5.0  # seconds each wait of the student's ring may take: a deadlock is a hint
 ZERO1_CASES = [(2, 7), (3, 10), (4, 66), (4, 3)]  # (world size, parameters): ragged; n < N
@@ -97,7 +97,7 @@ def zero1_on_rank(payload, n, world_size, steps=STEPS, lr=LR, momentum=MOMENTUM,
     import cloudpickle
     import torch
 
-    from course_lib.testing.subgroups import subgroup_comm
+    from course_lib.comm.subgroups import subgroup_comm
     comm = subgroup_comm(world_size, timeout)
     if comm is None:
         return None

@@ -290,7 +290,7 @@ def run_watched(payload_path):
     os._exit(0)
 
 
-def _run_watched(calls, workdir):
+def run_calls_watched(calls, workdir):
     """Run ``calls`` (label, function, args, kill_at, target) in a watched process; returns its
     exit code, the journal's events and the tail of its stderr."""
     import cloudpickle
@@ -446,7 +446,7 @@ def _killed_half_way(name, atomic_save, states, tmp):
              ("killed", atomic_save, (states[3], path), size // 2, path)]
     where = f"{name}: a save over a checkpoint, then the next one SIGKILLed half-way"
     try:
-        code, events, stderr = _run_watched(calls, tmp)
+        code, events, stderr = run_calls_watched(calls, tmp)
     except subprocess.TimeoutExpired:
         raise CheckFailed(f"{where}\n  the process did not end in {CHILD_TIMEOUT} s\nHint: does "
                           f"your atomic_save wait for something?") from None
@@ -763,7 +763,7 @@ def _kill_save(where, save_checkpoint, directory, step, model, optimizer, workdi
     size = (directory / checkpoint_name(step - SAVE_EVERY)).stat().st_size
     calls = [("killed", save_checkpoint, (directory, step, model, optimizer), size // 2, None)]
     try:
-        code, events, stderr = _run_watched(calls, workdir)
+        code, events, stderr = run_calls_watched(calls, workdir)
     except subprocess.TimeoutExpired:
         raise CheckFailed(f"{where}\n  the process did not end in {CHILD_TIMEOUT} s") from None
     error = _raised(where, "save_checkpoint", events, code, stderr)

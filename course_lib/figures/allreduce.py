@@ -1,15 +1,13 @@
 """Figures of notebook 05 (allreduce): the ring step by step, naive vs tree, the cost model.
 
-The ring schedule used here and in the course (rank r's right neighbour is r+1 mod N; the
-buffer is cut into N chunks with ``data.shard_bounds``; steps s = 0 .. N-2 in each phase):
+The ring step by step is drawn from the library's own ring: :func:`record_ring` runs
+``collectives.ring_allreduce`` on :mod:`course_lib.comm.recording` (every rank a thread of this
+process, every message recorded with the sender's buffer as it was) and reads each step off the
+record: who sent which chunk to whom, and what every rank held after it. The schedule it shows
+(rank r's right neighbour is r+1 mod N; chunks from ``sharding.shard_bounds``; steps s = 0 .. N-2):
 
     reduce-scatter step s: rank r sends chunk (r - s - 1) mod N to rank r+1, which adds it
     all-gather     step s: rank r sends chunk (r - s)     mod N to rank r+1, which copies it
-
-Why: at step s rank r sends the chunk it received at step s-1, so a chunk travels once around
-the ring gathering one more rank's data per hop; the last hop of chunk r lands on rank r, so
-after N-1 steps rank r holds the fully reduced chunk r and starts the all-gather by sending it.
-``simulate_ring`` runs this schedule on numpy arrays; the figure and the tests both use it.
 
 Every function returns a matplotlib ``Figure`` (built without pyplot) and saves it when given
 ``path``. ``save_all(out_dir)`` regenerates the PNGs in ``images/``:
@@ -28,7 +26,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from course_lib import costmodel
-from course_lib.data import shard_bounds
+from course_lib.collectives import TAG_AG, TAG_RS, ring_allreduce
+from course_lib.comm import Message, run_ranks
 
 
 def _finish(fig, path):
@@ -38,12 +37,6 @@ def _finish(fig, path):
 
 
 # ----------------------------------------------------------------------------- the ring
-def ring_chunk(rank, s, world_size, phase):
-    """The chunk ``rank`` sends to its right neighbour at step ``s`` (0-based) of ``phase``."""
-    shift = 1 if phase == "reduce-scatter" else 0
-    return (rank - s - shift) % world_size
-
-
 @dataclass
 class RingStep:
     """The state of every rank after one step of the ring (notebook 05_allreduce).
@@ -54,46 +47,62 @@ class RingStep:
 
     phase: str
     step: int
-    sends: list
+    sends: list[tuple[int, int, int]]
     holds: np.ndarray
     buffers: np.ndarray
 
     @property
-    def counts(self):
+    def counts(self) -> np.ndarray:
         """counts[r, c]: how many ranks' data chunk c of rank r holds (N = fully reduced)."""
         return self.holds.sum(axis=-1)
 
 
-def simulate_ring(world_size, data=None, seed=0):
-    """Run ring allreduce on arrays in one process and return every state (notebook 05).
+def _ring_messages(messages: list[Message], world_size: int) -> list[list[Message]]:
+    """Each rank's ring messages (reduce-scatter, then all-gather) in the order it sent them."""
+    ring = [m for m in messages if m.tag in (TAG_RS, TAG_AG)]  # not the agreement round's
+    return [[m for m in ring if m.src == r] for r in range(world_size)]
+
+
+def record_ring(world_size: int, data: np.ndarray | None = None, seed: int = 0) -> list[RingStep]:
+    """Run the library's ring allreduce on ``world_size`` ranks in this process and return every
+    state it went through: ``[start, 2(N-1) steps...]`` as ``RingStep``s (notebook 05).
 
     ``data`` (world_size x length, default small random integers) is rank r's buffer in row r.
-    Returns ``[start, 2(N-1) steps...]`` as ``RingStep``s; within a step all ranks send first,
-    then all receive, as on a real network."""
+    The ranks are threads talking over :class:`course_lib.comm.RecordingComm`; a rank's state
+    after a step is its buffer as it was when it sent its next message (or at the end)."""
     n = world_size
     if data is None:
         data = np.random.default_rng(seed).integers(0, 10, size=(n, 3 * n)).astype(float)
-    buffers = np.array(data, dtype=float, copy=True)
-    if buffers.ndim != 2 or buffers.shape[0] != n:
-        raise ValueError(f"data must be ({world_size}, length), got shape {buffers.shape}")
-    bounds = [shard_bounds(buffers.shape[1], c, n) for c in range(n)]
-    holds = np.zeros((n, n, n), dtype=bool)
-    for r in range(n):
-        holds[r, :, r] = True
-    states = [RingStep("start", 0, [], holds.copy(), buffers.copy())]
-    for phase in ("reduce-scatter", "all-gather"):
-        for s in range(n - 1):
-            sends = [(r, (r + 1) % n, ring_chunk(r, s, n, phase)) for r in range(n)]
-            sent = [(buffers[src, slice(*bounds[c])].copy(), holds[src, c].copy())
-                    for src, _, c in sends]
-            for (_, dst, c), (values, who) in zip(sends, sent, strict=True):
-                if phase == "reduce-scatter":
-                    buffers[dst, slice(*bounds[c])] += values
-                    holds[dst, c] |= who
-                else:
-                    buffers[dst, slice(*bounds[c])] = values
-                    holds[dst, c] = who
-            states.append(RingStep(phase, s + 1, sends, holds.copy(), buffers.copy()))
+    start = np.array(data, dtype=float, copy=True)
+    if start.ndim != 2 or start.shape[0] != n:
+        raise ValueError(f"data must be ({world_size}, length), got shape {start.shape}")
+    if n > 62:
+        raise ValueError(f"at most 62 ranks (who holds what is one bit per rank), not {n}")
+    values = [row.copy() for row in start]
+    _, sent = run_ranks(ring_allreduce, values)
+    # Whose data each chunk holds, by the same ring on other buffers: rank q contributes the
+    # bit 2**q (one element per chunk), and a sum of distinct bits is their union.
+    who = [np.full(n, 1 << r, np.int64) for r in range(n)]
+    _, sent_who = run_ranks(ring_allreduce, who)
+    by_rank, who_by_rank = _ring_messages(sent, n), _ring_messages(sent_who, n)
+
+    def after(k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every rank's buffer and bits after k steps: as it sent message k, or at the end."""
+        if k == 2 * (n - 1):
+            return np.array(values), np.array(who)
+        return (np.array([by_rank[r][k].sender_state for r in range(n)]),
+                np.array([who_by_rank[r][k].sender_state for r in range(n)]))
+
+    def holds(bits: np.ndarray) -> np.ndarray:
+        return (bits[:, :, None] >> np.arange(n)) & 1 == 1  # [rank, chunk, contributor]
+
+    states = [RingStep("start", 0, [], np.eye(n, dtype=bool)[:, None, :].repeat(n, 1), start)]
+    for k in range(1, 2 * (n - 1) + 1):
+        phase, step = ("reduce-scatter", k) if k < n else ("all-gather", k - (n - 1))
+        # one element per chunk in the bits' run: a message's offset is its chunk
+        sends = [(m.src, m.dst, m.offset) for m in (who_by_rank[r][k - 1] for r in range(n))]
+        buffers, bits = after(k)
+        states.append(RingStep(phase, step, sends, holds(bits), buffers))
     return states
 
 
@@ -147,7 +156,7 @@ def ring_steps_figure(world_size=4, path=None):
     if world_size < 2:
         raise ValueError("the ring needs at least 2 ranks to draw")
     n = world_size
-    states = simulate_ring(n)
+    states = record_ring(n)
     colors = _count_colors(n)
     fig = Figure(figsize=(2.7 * (n - 1) + 0.8, 2 * (0.55 * n + 1.0) + 0.9), layout="constrained")
     axes = fig.subplots(2, n - 1, squeeze=False)
@@ -155,7 +164,8 @@ def ring_steps_figure(world_size=4, path=None):
         row = 0 if state.phase == "reduce-scatter" else 1
         ax = axes[row, state.step - 1]
         _draw_ring_step(ax, state, n, colors)
-        back = state.step if row == 0 else state.step - 1      # chunk (r - back) mod N
+        src, _, sent = state.sends[0]
+        back = (src - sent) % n       # what the library's ring sent: chunk (r - back) mod N
         chunk = f"r-{back}" if back else "r"
         ax.set_title(f"{state.phase} {state.step}/{n - 1}\nrank r sends chunk {chunk} to r+1",
                      fontsize=9)
@@ -171,9 +181,9 @@ def ring_steps_figure(world_size=4, path=None):
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6),
                fontsize=8, frameon=False)
     fig.suptitle(f"Ring allreduce on {n} ranks: {2 * (n - 1)} steps; in each, every rank sends "
-                 f"one chunk (1/{n} of the buffer) to its right neighbour\n(chunk and rank "
-                 f"numbers mod {n}; at the start every rank holds only its own data)",
-                 fontsize=10)
+                 f"one chunk (1/{n} of the buffer) to its right neighbour\n(as recorded from "
+                 f"collectives.ring_allreduce; chunk and rank numbers mod {n}; at the start "
+                 "every rank holds only its own data)", fontsize=10)
     return _finish(fig, path)
 
 

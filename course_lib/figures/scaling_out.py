@@ -1,9 +1,9 @@
 """The figures of notebooks/12_scaling_out.ipynb: the parameter server against ring-allreduce,
 measured on the emulated network, then modelled to thousands of workers.
 
-``measured_throughput`` draws the rows of :func:`course_lib.scaling.measure` (a running cluster,
+``measured_throughput`` draws the rows of :func:`course_lib.ps_vs_ring.measure` (a running cluster,
 so in the notebook only); ``efficiency_vs_workers`` is pure computation (the alpha-beta model of
-:mod:`course_lib.scaling`), so ``save_all(out_dir)`` writes it into ``images/`` as
+:mod:`course_lib.ps_vs_ring`), so ``save_all(out_dir)`` writes it into ``images/`` as
 ``12_ps_vs_ring.png`` (``python -m course_lib images``), with Uber's published numbers
 (``horovod_vs_tensorflow``) and the cost of staging a GPU's data through host memory
 (``gpu_transfer``); ``job_timeline`` draws a Kubernetes job's pods as they were observed::
@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from course_lib import costmodel, scaling
+from course_lib import costmodel, ps_vs_ring
 from course_lib.figures import save_figure
 
 COLORS = {"ps1": "C3", "ps": "C1", "ring": "C0"}
 
 
 def _names(servers):
-    return {**scaling.NAMES, "ps": f"PS, {servers} servers"}
+    return {**ps_vs_ring.NAMES, "ps": f"PS, {servers} servers"}
 
 
 def measured_throughput(rows, ax=None):
-    """Samples per second against N for each method (rows of ``scaling.measure``): measured as
+    """Samples per second against N for each method (rows of ``ps_vs_ring.measure``): measured as
     dots on solid lines, the formula dashed in the same colour, and ideal scaling (N times one
     worker alone) dotted. Introduced in notebooks/12_scaling_out.ipynb."""
     import matplotlib.pyplot as plt
@@ -38,10 +38,10 @@ def measured_throughput(rows, ax=None):
         ax = plt.subplots(figsize=(7, 4))[1]
     one = [r for r in rows if r["method"] == "one"]
     ns = sorted({r["workers"] for r in rows if r["method"] != "one"})
-    for method in [m for m in scaling.METHODS if any(r["method"] == m for r in rows)]:
+    for method in [m for m in ps_vs_ring.METHODS if any(r["method"] == m for r in rows)]:
         mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["workers"])
         servers = sorted({r["servers"] for r in mine})
-        label = scaling.NAMES[method] if method != "ps" else (
+        label = ps_vs_ring.NAMES[method] if method != "ps" else (
             f"PS, {servers[0]} servers" if len(servers) == 1 else "PS, S servers")
         xs = [r["workers"] for r in mine]
         ax.plot(xs, [r["samples_per_s"] for r in mine], "o-", color=COLORS[method],
@@ -62,8 +62,8 @@ def measured_throughput(rows, ax=None):
     return ax
 
 
-def efficiency_vs_workers(workload=scaling.RESNET50, links=tuple(costmodel.LINKS),
-                          servers="N/4", workers=scaling.WORKERS, axes=None):
+def efficiency_vs_workers(workload=ps_vs_ring.RESNET50, links=tuple(costmodel.LINKS),
+                          servers="N/4", workers=ps_vs_ring.WORKERS, axes=None):
     """The model's scaling efficiency against N (1 .. 4096) for the PS with 1 server, the PS
     with ``servers`` servers and the ring, one panel per link preset, with Horovod's reported
     90% at 512 GPUs (its README; 25 Gbit/s RoCE, Inception V3 and ResNet-101) as a reference
@@ -74,11 +74,11 @@ def efficiency_vs_workers(workload=scaling.RESNET50, links=tuple(costmodel.LINKS
         axes = plt.subplots(1, len(links), figsize=(3.3 * len(links), 4.1), sharey=True,
                             layout="constrained")[1]  # room for the suptitle and legend
     axes = np.atleast_1d(axes)
-    rows = scaling.model_rows(workload, links, workers, servers)
-    names, ref = _names(servers), scaling.HOROVOD_512
+    rows = ps_vs_ring.model_rows(workload, links, workers, servers)
+    names, ref = _names(servers), ps_vs_ring.HOROVOD_512
     for ax, link in zip(axes, links, strict=True):
-        model = scaling._cost_link(link)
-        for method in scaling.METHODS:
+        model = ps_vs_ring.cost_link(link)
+        for method in ps_vs_ring.METHODS:
             mine = [r for r in rows if r["link"] == model.name and r["method"] == method]
             ax.plot([r["workers"] for r in mine], [100 * r["efficiency"] for r in mine], "o-",
                     ms=2.5, color=COLORS[method], label=names[method])
@@ -104,8 +104,9 @@ def efficiency_vs_workers(workload=scaling.RESNET50, links=tuple(costmodel.LINKS
 
 def tc_versus_emulated(rows, ax=None):
     """Seconds per allreduce for each world size and algorithm (rows of
-    :func:`course_lib.hosts.tc_versus_emulated`): the alpha-beta model, the emulated link and the
-    kernel's tc-shaped cables side by side. Introduced in notebooks/12_scaling_out.ipynb."""
+    :func:`course_lib.bench.allreduce.tc_versus_emulated`): the alpha-beta model, the emulated
+    link and the kernel's tc-shaped cables side by side.
+    Introduced in notebooks/12_scaling_out.ipynb."""
     import matplotlib.pyplot as plt
     if ax is None:
         ax = plt.subplots(figsize=(7, 3.5))[1]
@@ -127,11 +128,12 @@ def tc_versus_emulated(rows, ax=None):
 
 
 def horovod_vs_tensorflow(rows=None, axes=None):
-    """Uber's published numbers, drawn here (:data:`course_lib.scaling.UBER_128`,
-    :data:`~course_lib.scaling.RDMA_SPEEDUP`; sources in their comments). Left: scaling
+    """Uber's published numbers, drawn here (:data:`course_lib.ps_vs_ring.UBER_128`,
+    :data:`~course_lib.ps_vs_ring.RDMA_SPEEDUP`; sources in their comments). Left: scaling
     efficiency at 128 GPUs of standard distributed TensorFlow (about half: said in words, drawn
-    hatched), Horovod over TCP and over RDMA; with ``rows`` of :func:`course_lib.scaling.measure`,
-    this machine's parameter server and ring at the largest N measured, on the emulated link.
+    hatched), Horovod over TCP and over RDMA; with ``rows`` of
+    :func:`course_lib.ps_vs_ring.measure`, this machine's parameter server and ring at the
+    largest N measured, on the emulated link.
     Right: what RDMA gained over TCP for each model against its gradient's size (fp32).
     Introduced in notebooks/12_scaling_out.ipynb."""
     import matplotlib.pyplot as plt
@@ -141,13 +143,13 @@ def horovod_vs_tensorflow(rows=None, axes=None):
     ax, right = axes
     bars = [(f"{r['system']}, {r['network']}\n{r['models']}, {r['gpus']} GPUs",
              100 * r["efficiency"], r["approx"], "C3" if "TensorFlow" in r["system"] else "C0")
-            for r in scaling.UBER_128]
+            for r in ps_vs_ring.UBER_128]
     title = "scaling efficiency: Uber at 128 GPUs"
     if rows:
-        ratio = scaling.ring_over_ps(rows)
+        ratio = ps_vs_ring.ring_over_ps(rows)
         n = ratio["workers"]
         mine = {r["method"]: r for r in rows if r["workers"] == n and r["method"] != "one"}
-        names = {**scaling.NAMES, "ps": f"PS, {ratio.get('servers', 'S')} servers"}
+        names = {**ps_vs_ring.NAMES, "ps": f"PS, {ratio.get('servers', 'S')} servers"}
         bars += [(f"here: {names[m]}\nemulated link, N = {n}", 100 * mine[m]["efficiency"],
                   False, COLORS[m]) for m in ("ps1", "ps", "ring") if m in mine]
         title += f"; this machine at N = {n}"
@@ -160,19 +162,19 @@ def horovod_vs_tensorflow(rows=None, axes=None):
     ax.axvline(100, color="0.5", ls=":", lw=1)
     ax.set_yticks(y, [b[0] for b in bars], fontsize=8.5)
     ax.set(xlabel="throughput / (N x one GPU's) (%)", xlim=(0, 112), title=title)
-    if len(bars) > len(scaling.UBER_128):
-        ax.axhline(y[len(scaling.UBER_128)] + 0.5, color="0.3", lw=0.8)
-    models = list(scaling.RDMA_SPEEDUP)
+    if len(bars) > len(ps_vs_ring.UBER_128):
+        ax.axhline(y[len(ps_vs_ring.UBER_128)] + 0.5, color="0.3", lw=0.8)
+    models = list(ps_vs_ring.RDMA_SPEEDUP)
     for i, m in enumerate(models):
-        low, high = scaling.RDMA_SPEEDUP[m]
+        low, high = ps_vs_ring.RDMA_SPEEDUP[m]
         right.bar(i, 100 * high, 0.6, color="C0" if high < 0.1 else "C3")
         if high > low:  # "three to four percent": the range, drawn as its two ends
             right.plot([i - 0.3, i + 0.3], [100 * low] * 2, color="k", lw=1)
         right.text(i, 100 * high + 0.8, f"{100 * low:.0f}-{100 * high:.0f}%" if high > low
                    else f"{100 * high:.0f}%", ha="center", fontsize=9)
     right.set_xticks(range(len(models)), [
-        f"{m}\n{scaling.PARAMETERS[m] / 1e6:.0f}M parameters\n"
-        f"{4 * scaling.PARAMETERS[m] / 1e6:.0f} MB gradient" for m in models], fontsize=8)
+        f"{m}\n{ps_vs_ring.PARAMETERS[m] / 1e6:.0f}M parameters\n"
+        f"{4 * ps_vs_ring.PARAMETERS[m] / 1e6:.0f} MB gradient" for m in models], fontsize=8)
     right.set(ylabel="RDMA over TCP: speed-up (%)", ylim=(0, 36),
               title="Horovod, 25 Gbit/s: RDMA against TCP")
     return axes

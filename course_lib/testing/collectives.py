@@ -26,14 +26,16 @@ import numpy as np
 
 from course_lib import collectives as C
 from course_lib.comm import get_comm, to_numpy
-from course_lib.data import shard_bounds
+from course_lib.sharding import shard_bounds
 
 DTYPES = ("float16", "float32", "float64", "int32", "int64")
 COMPOSED = "reduce_scatter+allgather"  # ring_reduce_scatter, then ring_allgather, by hand
 ALL = (*C.ALGORITHMS, "ring_pipelined:200", COMPOSED)  # 200-byte segments: several per chunk
 
 
-def _input(seed, rank, shape, dtype):
+def rank_input(seed, rank, shape, dtype):
+    """The input of ``rank`` in a check: seeded by everything that names the case, so every
+    rank (and the reference) can make anyone's."""
     n = int(np.prod(shape))
     rng = np.random.default_rng([seed, rank, n, DTYPES.index(dtype)])
     x = rng.integers(-1000, 1000, n) if dtype.startswith("int") else rng.standard_normal(n)
@@ -77,7 +79,7 @@ def _native(comm, x, op):
 def _tolerance(world_size, seed, shape, dtype, op):
     if op in ("max", "min") or dtype.startswith("int"):
         return 0.0  # exact
-    scale = sum(np.abs(_input(seed, r, shape, dtype).astype(np.float64))
+    scale = sum(np.abs(rank_input(seed, r, shape, dtype).astype(np.float64))
                 for r in range(world_size))
     scale = scale / world_size if op == "average" else scale
     return 2 * world_size * float(np.finfo(dtype).eps) * scale
@@ -146,7 +148,7 @@ def compare_with_native(algorithms, lengths=None, dtypes=DTYPES, ops=C.OPS, seed
     for dtype in dtypes:
         for op in ops:
             for k, shape in enumerate(shapes):
-                x = _input(seed, comm.rank, shape, dtype)
+                x = rank_input(seed, comm.rank, shape, dtype)
                 expected = _native(comm, x, op)
                 tol = _tolerance(comm.world_size, seed, shape, dtype, op)
                 for kind in containers if k == longest else containers[:1]:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import data, ddp, models, timeline
-from course_lib.data import shard_bounds
+from course_lib.sharding import shard_bounds
 
 VARIANTS = ("mlp", "tied", "frozen", "unused", "batchnorm")
 

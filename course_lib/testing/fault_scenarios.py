@@ -1,7 +1,8 @@
 """The scenarios of ``python -m course_lib faults`` (:mod:`course_lib.testing.fault_suite`):
-one fault each, in the order of the course. Each returns ``(seconds from the fault to the
-error, or None, what was seen)`` and raises ``Broken`` when a promise does not hold; the runner
-adds the checks every scenario shares (deadline, processes left, exposure, the next call).
+one fault each, in the order of the course, registered with ``@scenario`` (the registry and its
+small checks are at the top). Each returns ``(seconds from the fault to the error, or None, what
+was seen)`` and raises :class:`Broken` when a promise does not hold; the runner adds the checks
+every scenario shares (deadline, processes left, exposure, the next call).
 """
 
 from __future__ import annotations
@@ -15,13 +16,64 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from course_lib import launch
-from course_lib.testing.fault_suite import Broken, check, expect_error, scenario
 
 SHORT = 2.0  # the deadline of the scenarios' distributed waits, in seconds
+
+
+# ---------------------------------------------------------------- the registry
+class Broken(AssertionError):
+    """A promise a scenario found broken; the message says which."""
+
+
+@dataclass
+class Scenario:
+    """One fault: its ``name``, the ``promise`` it tries, the ``deadline`` (s) the error must
+    arrive within, the function that makes it happen (``run(context)`` returns ``(seconds to
+    the error or None, what was seen)`` and raises :class:`Broken`), and what it ``needs``
+    ("mpi", "root") to run at all."""
+    name: str
+    promise: str
+    deadline: float
+    run: object
+    needs: str = ""
+
+
+SCENARIOS: dict[str, Scenario] = {}
+
+
+def scenario(name, promise, deadline, needs=""):
+    """Register the decorated function as the scenario ``name``."""
+    def register(fn):
+        SCENARIOS[name] = Scenario(name, promise, deadline, fn, needs)
+        return fn
+    return register
+
+
+def expect_error(fn, *args, error=Exception, names=(), **kwargs):
+    """Call ``fn``; it must raise ``error`` whose text contains every string of ``names``.
+    Returns ``(seconds until it raised, its text)``; raises :class:`Broken` otherwise."""
+    start = time.monotonic()
+    try:
+        fn(*args, **kwargs)
+    except error as e:
+        seconds, text = time.monotonic() - start, f"{type(e).__name__}: {e}"
+    else:
+        raise Broken(f"{getattr(fn, '__name__', fn)} raised nothing")
+    missing = [n for n in names if n not in text]
+    if missing:
+        raise Broken(f"the error does not name {missing}: {text[:300]}")
+    return seconds, text
+
+
+def check(condition, message):
+    """Raise :class:`Broken` with ``message`` unless ``condition``."""
+    if not condition:
+        raise Broken(message)
 
 
 # ---------------------------------------------------------------- on the ranks

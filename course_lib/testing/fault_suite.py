@@ -29,60 +29,12 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course_lib.testing.fault_scenarios import SCENARIOS, Broken, Scenario  # noqa: F401
+
 MARK = "COURSE_LIB_FAULT_SCENARIO"
 MPICH_LAUNCHERS = ("mpiexec", "mpiexec.hydra", "hydra_pmi_proxy")
 GRACE = 3.0  # seconds an error may arrive after its deadline
 CLUSTER_SIZE = 3  # a server and two workers for the parameter server's scenarios
-
-
-class Broken(AssertionError):
-    """A promise a scenario found broken; the message says which."""
-
-
-@dataclass
-class Scenario:
-    """One fault: its ``name``, the ``promise`` it tries, the ``deadline`` (s) the error must
-    arrive within, the function that makes it happen (``run(context)`` returns ``(seconds to
-    the error or None, what was seen)`` and raises :class:`Broken`), and what it ``needs``
-    ("mpi", "root") to run at all."""
-    name: str
-    promise: str
-    deadline: float
-    run: object
-    needs: str = ""
-
-
-SCENARIOS: dict[str, Scenario] = {}
-
-
-def scenario(name, promise, deadline, needs=""):
-    """Register the decorated function as the scenario ``name``."""
-    def register(fn):
-        SCENARIOS[name] = Scenario(name, promise, deadline, fn, needs)
-        return fn
-    return register
-
-
-def expect_error(fn, *args, error=Exception, names=(), **kwargs):
-    """Call ``fn``; it must raise ``error`` whose text contains every string of ``names``.
-    Returns ``(seconds until it raised, its text)``; raises :class:`Broken` otherwise."""
-    start = time.monotonic()
-    try:
-        fn(*args, **kwargs)
-    except error as e:
-        seconds, text = time.monotonic() - start, f"{type(e).__name__}: {e}"
-    else:
-        raise Broken(f"{getattr(fn, '__name__', fn)} raised nothing")
-    missing = [n for n in names if n not in text]
-    if missing:
-        raise Broken(f"the error does not name {missing}: {text[:300]}")
-    return seconds, text
-
-
-def check(condition, message):
-    """Raise :class:`Broken` with ``message`` unless ``condition``."""
-    if not condition:
-        raise Broken(message)
 
 
 class Context:
@@ -274,7 +226,6 @@ def available(sc):
 def run_all(names=None, repeat=1, report=print):
     """Run the scenarios ``names`` (all by default) ``repeat`` times each; returns the rows
     (skipped ones have ``broken`` empty and ``error`` starting with "skipped")."""
-    from course_lib.testing import fault_scenarios  # noqa: F401 - registers the scenarios
     unknown = sorted(set(names or ()) - set(SCENARIOS))
     if unknown:
         raise ValueError(f"unknown scenario(s) {unknown}; the scenarios are: "
@@ -323,7 +274,6 @@ def arguments(parser):
 
 
 def main(args):
-    from course_lib.testing import fault_scenarios  # noqa: F401 - registers the scenarios
     if args.list:
         for sc in SCENARIOS.values():
             print(f"{sc.name:30} {sc.deadline:>5g}s  {sc.promise}")

@@ -129,7 +129,7 @@ def optimize_on_engine(directory, budget_epochs, max_epochs, settings, trial_fn,
     ``ranks`` return at once. Introduced in notebooks/13_hyperparameter_search.ipynb."""
     import optuna
 
-    from course_lib import faults as fault_points
+    from course_lib import fault_points
     from course_lib.engine import ENGINE
     rank = ENGINE.get("rank", 0)
     if ranks is not None and rank not in ranks:

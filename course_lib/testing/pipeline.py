@@ -12,7 +12,7 @@ from torch import nn
 
 from course_lib import pipeline
 from course_lib.comm import get_comm
-from course_lib.testing.subgroups import subgroup_comm
+from course_lib.comm.subgroups import subgroup_comm
 from course_lib.timeline import Timeline
 
 

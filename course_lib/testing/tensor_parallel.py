@@ -20,14 +20,14 @@ import copy
 import torch
 from torch import nn
 
-from course_lib.comm_torch import TorchComm
+from course_lib.comm import TorchComm
+from course_lib.comm.subgroups import subgroup
 from course_lib.tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,
     RowParallelLinear,
     TensorParallel,
 )
-from course_lib.testing.subgroups import subgroup
 
 ACTIVATIONS = {"gelu": nn.GELU, "relu": nn.ReLU}
 

@@ -387,7 +387,7 @@ def _replica_main(args):
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
     from torchft.checkpointing import HTTPTransport
 
-    from course_lib import chief, faults
+    from course_lib import chief, fault_points
 
     torch.set_num_threads(1)
     log = _Log(Path(args.dir) / f"replica-{args.replica}-{args.life}.jsonl")
@@ -447,9 +447,9 @@ def _replica_main(args):
                 raise TimeoutError(f"only {ready} after {3 * args.timeout:g} s")
             time.sleep(0.02)
     if args.kill_at:
-        faults.arm("train-step", "kill", at=args.kill_at)
+        fault_points.arm("train-step", "kill", at=args.kill_at)
     while True:
-        faults.point("train-step")
+        fault_points.point("train-step")
         began = time.perf_counter()
         _PHASE[0] = f"at step {manager.current_step()} waiting for a quorum (and healing)"
         optimizer.zero_grad()  # start_quorum: a new quorum reconfigures the PG, may heal us

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from course_lib.comm import get_comm
-from course_lib.data import shard_bounds
-from course_lib.testing.subgroups import subgroup_comm
+from course_lib.comm.subgroups import subgroup_comm
+from course_lib.sharding import shard_bounds
 from course_lib.zero import ZeroDataParallel, planned_memory
 
 OPTIMIZERS = {

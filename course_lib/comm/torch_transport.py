@@ -1,18 +1,21 @@
 """Messages over torch.distributed (:class:`TorchComm`): Gloo for CPU tensors, NCCL for CUDA
-tensors; the interface is :class:`course_lib.comm.Comm`'s.
+tensors; the interface is :class:`course_lib.comm.base.Comm`'s. Also the process group under a
+launcher (:func:`init_torch_from_launcher`).
 
 Introduced in notebooks/02_parallel_computing.ipynb.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 
 from course_lib import netem
-from course_lib.comm import (
+from course_lib.comm.base import (
     DEFAULT_TIMEOUT,
     HEADER_TAG,
     Comm,
@@ -22,6 +25,36 @@ from course_lib.comm import (
     nbytes,
     wait_all,
 )
+
+
+def init_torch_from_launcher(backend: str = "gloo", timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Create the default process group under ``torchrun`` (env://) or ``mpiexec`` (MPI ranks).
+
+    Under mpiexec, rank 0 picks a free loopback port and MPI tells the others; listeners bind
+    127.0.0.1 unless ``MASTER_ADDR`` names another address.
+    Introduced in notebooks/02_parallel_computing.ipynb.
+    """
+    import torch.distributed as dist  # torch takes seconds to import: only when a group is made
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "MASTER_PORT" in os.environ:  # torchrun
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        return
+    from mpi4py import MPI  # optional (the mpi extra): only under mpiexec
+    world = MPI.COMM_WORLD
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = None
+    if world.Get_rank() == 0:
+        import socket
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+    port = world.bcast(port, root=0)
+    if host == "127.0.0.1":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
+                            rank=world.Get_rank(), world_size=world.Get_size(),
+                            timeout=timedelta(seconds=timeout))
 
 
 class TorchComm(Comm):
@@ -36,8 +69,9 @@ class TorchComm(Comm):
 
     transport = "torch"
 
-    def __init__(self, group=None, timeout=DEFAULT_TIMEOUT, check_sizes=True, link=None):
-        import torch.distributed as dist
+    def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT,
+                 check_sizes: bool | str = True, link: Any = None) -> None:
+        import torch.distributed as dist  # torch takes seconds to import: only when one is made
         self.dist, self.group = dist, group
         super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout, check_sizes,
                          link)
@@ -54,14 +88,16 @@ class TorchComm(Comm):
             raise ValueError(f"buffers must be contiguous, got strides {tuple(t.stride())}")
         return t
 
-    def _checked(self, check_size):
-        # NCCL: sizes are the caller's to agree
-        return super()._checked(check_size) and self.backend != "nccl"
+    def size_checked(self, check_size: bool | None) -> bool:
+        """As :meth:`Comm.size_checked`; never on NCCL, where sizes are the caller's to agree."""
+        return super().size_checked(check_size) and self.backend != "nccl"
 
-    def isend(self, buf, dst, tag=0, check_size=None, _op="isend"):
-        dst = self._peer(dst, _op)
+    def isend(self, buf: Any, dst: int, tag: int = 0, check_size: bool | None = None,
+              op: str = "isend") -> Request:
+        """Post a send; a checked one (or one on an emulated link) sends its header first."""
+        dst = self.check_peer(dst, op)
         t = self._tensor(buf)
-        req = Request(self, _op, "send", dst, buf, None, tag, self._checked(check_size))
+        req = Request(self, op, "send", dst, buf, None, tag, self.size_checked(check_size))
         self.bytes_sent += nbytes(t)
         if req.checked or self.link is not None:  # header: [bytes, emulated link's stamp in ns]
             import torch
@@ -80,28 +116,30 @@ class TorchComm(Comm):
         try:
             return post(t, req.peer, group=self.group, tag=tag)
         except RuntimeError as e:
-            raise CommError(f"{req._what()} failed: {str(e).splitlines()[0]}") from e
+            raise CommError(f"{req.what()} failed: {str(e).splitlines()[0]}") from e
 
-    def irecv(self, buf, src, tag=0, check_size=None, _op="irecv"):
-        src = self._peer(src, _op)
+    def irecv(self, buf: Any, src: int, tag: int = 0, check_size: bool | None = None,
+              op: str = "irecv") -> Request:
+        """Post a receive; a checked one posts its header's receive and waits in line."""
+        src = self.check_peer(src, op)
         t = self._tensor(buf)
-        req = Request(self, _op, "recv", src, buf, None, tag, self._checked(check_size))
+        req = Request(self, op, "recv", src, buf, None, tag, self.size_checked(check_size))
         if req.checked or self.link is not None:
             import torch
             size = torch.zeros(2, dtype=torch.int64)
             req.header = (self._start(req, self.dist.irecv, size, tag + HEADER_TAG), size)
-        # checked: the data is received once its size is known to fit (``_post``); else it
+        # checked: the data is received once its size is known to fit (``post``); else it
         # is received at once (on an emulated link, side by side with its stamp)
         if not req.checked and t.numel():
             req.handle = self._start(req, self.dist.irecv, t, tag)
-        return self._queue(req)
+        return self.queue(req)
 
-    def _post(self, req, deadline):
+    def post(self, req: Request, deadline: float) -> bool:
         """Post the checked receives from ``req``'s peer and tag, in order, up to ``req``: each
         waits for its size; a mismatched message is received into scratch and dropped. False
-        when a size did not arrive before ``deadline``."""
+        when a size did not arrive before ``deadline`` (a ``time.monotonic()`` reading)."""
         import torch
-        line = self._unposted[(req.peer, req.tag)]
+        line = self.unposted[(req.peer, req.tag)]
         while not req.posted:
             r = line[0]
             work, size = r.header
@@ -111,7 +149,7 @@ class TorchComm(Comm):
             sent, t = int(size[0]), self._tensor(r.buf)
             r.stamp = int(size[1]) / 1e9
             if sent != nbytes(t):
-                r.error = r._size_error(sent)
+                r.error = r.size_error(sent)
                 r.handle = self.dist.irecv(torch.empty(sent, dtype=torch.uint8), r.peer,
                                            group=self.group, tag=r.tag) if sent else None
             elif sent:
@@ -119,9 +157,10 @@ class TorchComm(Comm):
             r.posted = True
         return True
 
-    def _complete(self, req, timeout):
+    def complete(self, req: Request, timeout: float) -> bool:
+        """Post ``req`` if it waits for its size, then wait for its header and its data."""
         deadline = time.monotonic() + timeout
-        if not req.posted and not self._post(req, deadline):
+        if not req.posted and not self.post(req, deadline):
             return False
         if req.header is not None and (req.kind == "send" or req.stamp is None):
             if not self._wait(req.header[0], deadline - time.monotonic()):
@@ -133,15 +172,16 @@ class TorchComm(Comm):
             raise req.error
         return True
 
-    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0, timeout=None, check_size=None):
+    def sendrecv(self, sendbuf: Any, dst: int, recvbuf: Any, src: int, tag: int = 0,
+                 timeout: float | None = None, check_size: bool | None = None) -> Any:
         """As :meth:`Comm.sendrecv`; on NCCL both go in one group (``batch_isend_irecv``), since
         NCCL runs a pair of ranks' separate operations in order and two receives first deadlock."""
         if self.backend != "nccl":
             return super().sendrecv(sendbuf, dst, recvbuf, src, tag, timeout, check_size)
-        pairs = [(self.dist.irecv, self._tensor(recvbuf), self._peer(src, "sendrecv"), "recv",
-                  recvbuf),
-                 (self.dist.isend, self._tensor(sendbuf), self._peer(dst, "sendrecv"), "send",
-                  sendbuf)]
+        pairs = [(self.dist.irecv, self._tensor(recvbuf), self.check_peer(src, "sendrecv"),
+                  "recv", recvbuf),
+                 (self.dist.isend, self._tensor(sendbuf), self.check_peer(dst, "sendrecv"),
+                  "send", sendbuf)]
         live = [self.dist.P2POp(op, t, peer, self.group, tag) for op, t, peer, _, _ in pairs
                 if t.numel()]
         works = iter(self.dist.batch_isend_irecv(live) if live else ())
@@ -161,7 +201,7 @@ class TorchComm(Comm):
             raise
         return True
 
-    def barrier(self, timeout=None):
+    def barrier(self, timeout: float | None = None) -> None:
         """Every rank waits here until all have arrived (native barrier, with a deadline)."""
         work = self.dist.barrier(group=self.group, async_op=True)
         timeout = self.timeout if timeout is None else timeout

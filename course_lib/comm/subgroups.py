@@ -3,8 +3,7 @@ cluster checks several world sizes. Introduced in notebooks/09_model_parallelism
 
 from __future__ import annotations
 
-from course_lib.comm import DEFAULT_TIMEOUT, get_comm
-from course_lib.comm_torch import TorchComm
+from course_lib.comm import DEFAULT_TIMEOUT, TorchComm, get_comm
 from course_lib.engine import ENGINE
 
 

@@ -16,59 +16,59 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from course_lib import costmodel, netem, scaling  # noqa: E402
+from course_lib import costmodel, netem, ps_vs_ring  # noqa: E402
 from course_lib.bench import ps as bench_ps  # noqa: E402
 
 CLUSTER_SIZE = 6  # the PS with 4 workers and 2 servers (tests/conftest.py's shared cluster)
 B = 8 * 2**17     # 1 MiB: the measured model
-LINK = netem.make_link(scaling.LINK)  # 200 Mbit/s, 50 us: 1 MiB takes 42 ms
+LINK = netem.make_link(ps_vs_ring.LINK)  # 200 Mbit/s, 50 us: 1 MiB takes 42 ms
 
 
 def test_num_servers_reads_a_count_all_or_one_per_k():
-    assert scaling.num_servers(3, 8) == 3 and scaling.num_servers("2", 8) == 2
-    assert scaling.num_servers("N", 8) == 8 and scaling.num_servers("n", 5) == 5
-    assert scaling.num_servers("N/4", 8) == 2 and scaling.num_servers("N/4", 2) == 1
-    assert scaling.num_servers("N/4", 9) == 3  # rounded up: no server takes more than 4
+    assert ps_vs_ring.num_servers(3, 8) == 3 and ps_vs_ring.num_servers("2", 8) == 2
+    assert ps_vs_ring.num_servers("N", 8) == 8 and ps_vs_ring.num_servers("n", 5) == 5
+    assert ps_vs_ring.num_servers("N/4", 8) == 2 and ps_vs_ring.num_servers("N/4", 2) == 1
+    assert ps_vs_ring.num_servers("N/4", 9) == 3  # rounded up: no server takes more than 4
     for bad in [0, "0", "many", "N/0", "N*2"]:
         with pytest.raises(ValueError, match="servers"):
-            scaling.num_servers(bad, 8)
+            ps_vs_ring.num_servers(bad, 8)
 
 
 def test_one_server_time_grows_linearly_in_the_workers():
     link = costmodel.LINKS["10GbE"]
     ns = np.arange(1, 65)
-    t = scaling.ps_step_time(B, ns, 1, link)
+    t = ps_vs_ring.ps_step_time(B, ns, 1, link)
     np.testing.assert_allclose(np.diff(t), link.alpha + B * link.beta)  # one message more per N
     assert t[0] == pytest.approx(2 * (link.alpha + B * link.beta))     # push, then the reply
     assert t[63] / t[31] == pytest.approx(2, rel=0.02)
     # its link carries N B in and N B out each step
-    assert scaling.busiest_bytes("ps1", B, 64) == 2 * 64 * B
+    assert ps_vs_ring.busiest_bytes("ps1", B, 64) == 2 * 64 * B
 
 
 def test_ring_time_is_flat_in_the_workers_up_to_the_latency_terms():
     link = costmodel.LINKS["100GbE"]
     ns = 2 ** np.arange(1, 13)
-    t = np.array([scaling.ring_step_time(B, n, link) for n in ns])
+    t = np.array([ps_vs_ring.ring_step_time(B, n, link) for n in ns])
     bandwidth_term = t - 2 * (ns - 1) * link.alpha
     np.testing.assert_allclose(bandwidth_term, 2 * (ns - 1) / ns * B * link.beta)
     assert np.all(np.diff(bandwidth_term) > 0) and bandwidth_term.max() < 2 * B * link.beta
-    assert scaling.ring_step_time(B, 1, link, compute_s=0.1) == 0.1  # nothing to send alone
-    assert scaling.busiest_bytes("ring", B, 4096) < 4 * B
-    assert scaling.ring_step_time(B, 8, link) == costmodel.allreduce_time("ring", B, 8, link)
+    assert ps_vs_ring.ring_step_time(B, 1, link, compute_s=0.1) == 0.1  # nothing to send alone
+    assert ps_vs_ring.busiest_bytes("ring", B, 4096) < 4 * B
+    assert ps_vs_ring.ring_step_time(B, 8, link) == costmodel.allreduce_time("ring", B, 8, link)
 
 
 def test_as_many_servers_as_workers_balance_the_server_links():
     link = costmodel.LINKS["10GbE"]
     for n in (2, 8, 64):
         # each server's link carries N B / S = B each way: as much as a worker's
-        assert scaling.busiest_bytes("ps", B, n, "N") == 2 * B
-        assert scaling.ps_step_time(B, n, n, link) == pytest.approx(
+        assert ps_vs_ring.busiest_bytes("ps", B, n, "N") == 2 * B
+        assert ps_vs_ring.ps_step_time(B, n, n, link) == pytest.approx(
             2 * B * link.beta + 2 * n * link.alpha)
         # fewer servers: the servers' links are the busiest, N/S times a worker's
-        assert scaling.busiest_bytes("ps", B, n, 1) == 2 * n * B
+        assert ps_vs_ring.busiest_bytes("ps", B, n, 1) == 2 * n * B
     # more servers than workers: the workers' links are the busiest (B out, B in)
-    assert scaling.busiest_bytes("ps", B, 2, 4) == 2 * B
-    fixed = [scaling.ps_step_time(B, n, 4, link) for n in (8, 16, 32)]
+    assert ps_vs_ring.busiest_bytes("ps", B, 2, 4) == 2 * B
+    fixed = [ps_vs_ring.ps_step_time(B, n, 4, link) for n in (8, 16, 32)]
     assert fixed[2] - fixed[1] == pytest.approx(2 * (fixed[1] - fixed[0]))  # linear in N
 
 
@@ -78,12 +78,12 @@ def test_the_ps_formula_is_the_protocol_played_through_the_link_model(workers, s
     """bench.ps.predicted_sync_steps plays every push and reply through netem.Interface."""
     n_params = 3 * 2**14
     played = 1 / bench_ps.predicted_sync_steps(n_params, servers, workers, LINK)
-    assert scaling.ps_step_time(8 * n_params, workers, servers, LINK) == pytest.approx(played)
+    assert ps_vs_ring.ps_step_time(8 * n_params, workers, servers, LINK) == pytest.approx(played)
 
 
 def test_the_model_to_thousands_against_horovod():
-    rows = scaling.model_rows(scaling.RESNET50)
-    assert scaling.RESNET50.n_bytes == pytest.approx(102.4e6)
+    rows = ps_vs_ring.model_rows(ps_vs_ring.RESNET50)
+    assert ps_vs_ring.RESNET50.n_bytes == pytest.approx(102.4e6)
 
     def eff(link, method, n):
         (row,) = [r for r in rows if r["link"] == link and r["method"] == method
@@ -96,7 +96,7 @@ def test_the_model_to_thousands_against_horovod():
         assert eff(link, "ps1", 512) < 0.12 < eff(link, "ring", 512)
         assert eff(link, "ps1", 512) < eff(link, "ps", 512) < eff(link, "ring", 512)
     assert eff("10GbE", "ring", 4096) < eff("10GbE", "ring", 64)  # 2(N-1) alpha takes over
-    text = scaling.format_model(rows)
+    text = ps_vs_ring.format_model(rows)
     assert all(f"# {link}" in text for link in costmodel.LINKS.values())
     assert "PS, N/4 servers" in text
     assert "4096" in text and "ms/step" in text
@@ -109,7 +109,7 @@ def measured_and_shown(cluster):
     assert cluster.link is None
     shown = io.StringIO()
     with contextlib.redirect_stderr(shown):
-        rows = scaling.measure(cluster, workers=(2, 4), servers=2, n_params=2**17,
+        rows = ps_vs_ring.measure(cluster, workers=(2, 4), servers=2, n_params=2**17,
                                compute_s=0.01, steps=4, progress=True)
     assert cluster.link is None  # put back
     return {(r["method"], r["workers"]): r for r in rows}, shown.getvalue()
@@ -165,7 +165,7 @@ def test_measured_one_server_slows_down_with_workers_and_the_ring_does_not(measu
 
 def test_measure_refuses_too_small_a_cluster(cluster):
     with pytest.raises(ValueError, match="start_cluster"):
-        scaling.measure(cluster, workers=(4,), servers="N")  # 8 ranks needed
+        ps_vs_ring.measure(cluster, workers=(4,), servers="N")  # 8 ranks needed
 
 
 # ---------------------------------------------------------------- bench and figures
@@ -183,7 +183,7 @@ def test_bench_model_only_prints_the_model_to_thousands():
 
 
 def test_bench_at_its_smallest_prints_measurement_model_and_ceiling(tmp_path):
-    path = tmp_path / "scaling.csv"
+    path = tmp_path / "ps_vs_ring.csv"
     out = _bench("--workers", "2", "--servers", "1", "--params", "16K", "--steps", "2",
                  "--compute-ms", "5", "--csv", str(path))
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,5 +1,5 @@
 """Messages over MPI (:class:`MpiComm`, with mpi4py): numpy arrays or CPU tensors, sent as
-bytes; the interface is :class:`course_lib.comm.Comm`'s.
+bytes; the interface is :class:`course_lib.comm.base.Comm`'s.
 
 Introduced in notebooks/02_parallel_computing.ipynb.
 """
@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from course_lib import netem
-from course_lib.comm import DEFAULT_TIMEOUT, STAMP_TAG, Comm, CommTimeout, Request, nbytes
+from course_lib.comm.base import (
+    DEFAULT_TIMEOUT,
+    STAMP_TAG,
+    Comm,
+    CommTimeout,
+    Request,
+    nbytes,
+)
 
 
 class MpiComm(Comm):
@@ -25,8 +34,9 @@ class MpiComm(Comm):
 
     transport = "mpi"
 
-    def __init__(self, mpi_comm=None, timeout=DEFAULT_TIMEOUT, check_sizes=True, link=None):
-        from mpi4py import MPI
+    def __init__(self, mpi_comm: Any = None, timeout: float = DEFAULT_TIMEOUT,
+                 check_sizes: bool | str = True, link: Any = None) -> None:
+        from mpi4py import MPI  # optional (the mpi extra): only when an MpiComm is made
         self.MPI = MPI
         self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout, check_sizes, link)
@@ -43,9 +53,11 @@ class MpiComm(Comm):
             return [np.empty(0, np.uint8), self.MPI.BYTE]
         return [buf.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE]
 
-    def isend(self, buf, dst, tag=0, check_size=None, _op="isend"):
-        dst = self._peer(dst, _op)  # an MPI message carries its size: nothing to add
-        req = Request(self, _op, "send", dst, buf, None, tag)
+    def isend(self, buf: Any, dst: int, tag: int = 0, check_size: bool | None = None,
+              op: str = "isend") -> Request:
+        """Post a send (``Isend``); on an emulated link its stamp goes first."""
+        dst = self.check_peer(dst, op)  # an MPI message carries its size: nothing to add
+        req = Request(self, op, "send", dst, buf, None, tag)
         self.bytes_sent += nbytes(buf)
         if self.link is not None:  # the stamp goes first, in a message of its own
             start, req.end = netem.send_stamp(self.link, nbytes(buf))
@@ -54,39 +66,42 @@ class MpiComm(Comm):
         req.handle = self.mpi.Isend(self._bytes(buf), dst, tag)
         return req
 
-    def irecv(self, buf, src, tag=0, check_size=None, _op="irecv"):
-        src = self._peer(src, _op)
+    def irecv(self, buf: Any, src: int, tag: int = 0, check_size: bool | None = None,
+              op: str = "irecv") -> Request:
+        """Post a receive (``Irecv``); a checked one waits in line until its size is probed."""
+        src = self.check_peer(src, op)
         data = self._bytes(buf)
-        check_size = self._checked(check_size)
-        req = Request(self, _op, "recv", src, buf, None, tag, check_size)
+        check_size = self.size_checked(check_size)
+        req = Request(self, op, "recv", src, buf, None, tag, check_size)
         if self.link is not None:
             stamp = np.zeros(1)
             req.stamp_msg = (self.mpi.Irecv(stamp, src, tag + STAMP_TAG), stamp)
         if not check_size:
             req.handle = self.mpi.Irecv(data, src, tag)
-        return self._queue(req)
+        return self.queue(req)
 
-    def _stamp(self, request):
+    def stamp(self, request: Request) -> float | None:
         """The stamp's message left before its data did: it is here, or arrives at once."""
         handle, stamp = request.stamp_msg
         deadline = time.monotonic() + self.timeout
         while not handle.Test():
             if time.monotonic() > deadline:
                 handle.Cancel()
-                raise request._timed_out(self.timeout)
+                raise request.timed_out(self.timeout)
             os.sched_yield()
         return float(stamp[0]) if request.kind == "recv" else None
 
-    def _emulate(self, request):
+    def emulate(self, request: Request) -> None:
+        """As :meth:`Comm.emulate`, after a send's stamp message has completed too."""
         if request.stamp_msg is not None and request.kind == "send":
-            self._stamp(request)  # the stamp's send buffer is free once it completed
-        super()._emulate(request)
+            self.stamp(request)  # the stamp's send buffer is free once it completed
+        super().emulate(request)
 
-    def _post(self, req):
+    def post(self, req: Request, deadline: float | None = None) -> bool:
         """Post the checked receives from ``req``'s peer and tag, in order, whose messages have
         arrived (``Iprobe`` tells their size); a mismatched one is received and dropped. True
-        once ``req`` is posted."""
-        line = self._unposted[(req.peer, req.tag)]
+        once ``req`` is posted. One probe each, whatever ``deadline``: the caller polls."""
+        line = self.unposted[(req.peer, req.tag)]
         status = self.MPI.Status()
         while not req.posted:
             r = line[0]
@@ -96,17 +111,19 @@ class MpiComm(Comm):
             sent = status.Get_count(self.MPI.BYTE)
             if sent != nbytes(r.buf):
                 self.mpi.Recv([np.empty(sent, np.uint8), self.MPI.BYTE], r.peer, r.tag)
-                r.error = r._size_error(sent)
+                r.error = r.size_error(sent)
             else:
                 r.handle = self.mpi.Irecv(self._bytes(r.buf), r.peer, r.tag)
             r.posted = True
         return True
 
-    def _complete(self, req, timeout):
+    def complete(self, req: Request, timeout: float) -> bool:
+        """Poll ``req`` (posting it first if it waits for its size) until done or past
+        ``timeout``; a request past its deadline is cancelled."""
         deadline = time.monotonic() + timeout
         spins = 0
         while True:
-            if req.posted or self._post(req):
+            if req.posted or self.post(req, deadline):
                 if req.error is not None:
                     raise req.error
                 if req.handle.Test():
@@ -119,12 +136,12 @@ class MpiComm(Comm):
                     return False
                 os.sched_yield()  # let a rank sharing this core run
 
-    def _wait_all(self, requests, timeout):
+    def wait_all(self, requests: Sequence[Request], timeout: float) -> None:
         """One polling loop over all requests (``Testall``): a ring step pays one loop, not two.
         Checked receives not posted yet are completed one by one instead."""
         pending = [r for r in requests if not r.done]
         if not all(r.posted and r.error is None for r in pending):
-            return super()._wait_all(requests, timeout)
+            return super().wait_all(requests, timeout)
         handles = [r.handle for r in pending]
         deadline = time.monotonic() + timeout
         spins = 0
@@ -135,13 +152,13 @@ class MpiComm(Comm):
                     for r in pending:
                         if not r.handle.Test():
                             r.handle.Cancel()
-                            raise r._timed_out(timeout)
+                            raise r.timed_out(timeout)
                 os.sched_yield()
         for r in pending:
             r.done = True
-            self._emulate(r)
+            self.emulate(r)
 
-    def barrier(self, timeout=None):
+    def barrier(self, timeout: float | None = None) -> None:
         """Every rank waits here until all have arrived (``Ibarrier``, with a deadline)."""
         timeout = self.timeout if timeout is None else timeout
         barrier, deadline = self.mpi.Ibarrier(), time.monotonic() + timeout

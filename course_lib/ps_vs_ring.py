@@ -25,10 +25,10 @@ in N (its link carries N B in and N B out; replies overlap the next pushes, full
 N + 1 and not 2N). S = N: 2 B / bw + 2N alpha, like the ring's 2 (N-1)/N B / bw + 2 (N-1) alpha,
 but with N more machines. A fixed S: (N/S + 1) B / bw, still linear in N::
 
-    from course_lib import scaling
-    rows = scaling.measure(cluster, workers=(2, 4, 8), servers=4)   # on 200 Mbit/s, 50 us
-    print(scaling.format_measured(rows))
-    print(scaling.format_model(scaling.model_rows(scaling.RESNET50)))
+    from course_lib import ps_vs_ring
+    rows = ps_vs_ring.measure(cluster, workers=(2, 4, 8), servers=4)   # on 200 Mbit/s, 50 us
+    print(ps_vs_ring.format_measured(rows))
+    print(ps_vs_ring.format_model(ps_vs_ring.model_rows(ps_vs_ring.RESNET50)))
 
 Scaling efficiency as Horovod reports it: throughput(N) / (N x throughput(1 worker)), the one
 worker computing alone with no network; here that is ``compute_s / step time``. The model goes
@@ -45,7 +45,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from course_lib import costmodel, netem
+from course_lib import costmodel, netem, ps
+from course_lib.collectives import allreduce
+from course_lib.comm.subgroups import subgroup_comm
+from course_lib.models import Quadratic
+from course_lib.tables import text_table
 
 METHODS = ("ps1", "ps", "ring")
 NAMES = {"ps1": "PS, 1 server", "ps": "PS, S servers", "ring": "ring-allreduce"}
@@ -117,9 +121,10 @@ PARAMETERS = {"Inception V3": 23.9e6, "ResNet-50": 25.6e6, "ResNet-101": 44.7e6,
 
 
 # ---------------------------------------------------------------- the formulas
-def _cost_link(link):
+def cost_link(link) -> costmodel.Link:
     """A :class:`costmodel.Link` from a costmodel or netem Link, a costmodel preset name
-    ("10GbE" ...: the real network) or link text ("1Gbit/s,50us")."""
+    ("10GbE" ...: the real network) or link text ("1Gbit/s,50us").
+    Introduced in notebooks/12_scaling_out.ipynb."""
     if isinstance(link, costmodel.Link):
         return link
     if isinstance(link, netem.Link):
@@ -158,7 +163,7 @@ def ps_step_time(n_bytes, workers, servers=1, link="10GbE", compute_s=0.0):
     Exact for the course's protocol on the emulated link (see the module docstring); one
     server gives (N + 1) message times of the whole model, linear in N.
     Introduced in notebooks/12_scaling_out.ipynb."""
-    model = _cost_link(link)
+    model = cost_link(link)
     n, s = np.asarray(workers, float), np.asarray(servers, float)
     t = compute_s + (n + s) * (model.alpha + np.asarray(n_bytes, float) / s * model.beta)
     return float(t) if np.ndim(t) == 0 else t
@@ -168,7 +173,7 @@ def ring_step_time(n_bytes, workers, link="10GbE", compute_s=0.0):
     """Seconds per data-parallel step with the ring: compute + 2(N-1)(alpha + B / (N bw))
     (``costmodel.allreduce_time("ring", ...)``; nothing to send for one worker).
     Introduced in notebooks/12_scaling_out.ipynb."""
-    t = compute_s + costmodel.allreduce_time("ring", n_bytes, workers, _cost_link(link))
+    t = compute_s + costmodel.allreduce_time("ring", n_bytes, workers, cost_link(link))
     return float(t) if np.ndim(t) == 0 else t
 
 
@@ -227,7 +232,7 @@ def model_rows(workload=RESNET50, links=tuple(costmodel.LINKS), workers=WORKERS,
     No overlap of communication with compute. Introduced in notebooks/12_scaling_out.ipynb."""
     rows = []
     for link in links:
-        model = _cost_link(link)
+        model = cost_link(link)
         for method in methods:
             for n in workers:
                 row = predict(method, n, workload.n_bytes, model, workload.compute_s,
@@ -239,7 +244,6 @@ def model_rows(workload=RESNET50, links=tuple(costmodel.LINKS), workers=WORKERS,
 def format_model(rows, at=(1, 8, 64, 512, 4096), servers="N/4"):
     """The rows of :func:`model_rows` as text: per link, step time and efficiency of each method
     at the N of ``at``. Introduced in notebooks/12_scaling_out.ipynb."""
-    from course_lib.bench.common import text_table
     methods = list(dict.fromkeys(r["method"] for r in rows))
     names = {**NAMES, "ps": f"PS, {servers} servers"}
     out = []
@@ -272,9 +276,6 @@ def _ring_rank(n_params, workers, compute_s, steps, batch, lr, timeout):
     """Runs on every rank: the first ``workers`` ranks train with the ring for ``steps`` timed
     steps after one warm-up (sleep ``compute_s``, gradient, ring allreduce, update); returns
     (seconds, payload bytes this rank sent in the timed steps), None on the other ranks."""
-    from course_lib.bench.ps import Quadratic
-    from course_lib.collectives import allreduce
-    from course_lib.testing.subgroups import subgroup_comm
     comm = subgroup_comm(workers, timeout=timeout)  # every rank must call it
     if comm is None:
         return None
@@ -305,8 +306,6 @@ def _measure_ring(cluster, n_params, workers, compute_s, steps, batch, timeout):
 
 
 def _measure_ps(cluster, n_params, workers, servers, compute_s, steps, batch, timeout):
-    from course_lib import ps
-    from course_lib.bench.ps import Quadratic
     spec = ps.make_spec(servers, workers, world_size=cluster.n)
     X = np.zeros((steps * batch * workers, 1))
     r = ps.train(cluster, spec, Quadratic(), X, np.zeros(len(X)), np.zeros(n_params), lr=0.1,
@@ -437,7 +436,6 @@ def _row(method, n, s, rate, busiest, one, batch, n_bytes, link, compute_s, n_pa
 def format_measured(rows):
     """The rows of :func:`measure` as text, the model beside every measurement.
     Introduced in notebooks/12_scaling_out.ipynb."""
-    from course_lib.bench.common import text_table
     if not rows:
         return "# no rows"
     r0 = rows[0]

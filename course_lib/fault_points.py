@@ -2,11 +2,11 @@
 process die or hang on purpose.
 
 Introduced in notebooks/11_fault_tolerance.ipynb. Code that can be interrupted calls
-``faults.point("name")`` where a failure would hurt (in the middle of a checkpoint write, at a
+``fault_points.point("name")`` where a failure would hurt (in the middle of a checkpoint write, at a
 training step); nothing happens unless that point is *armed* in this process::
 
-    faults.arm("train-step", "kill", at=7)           # this process dies at its 7th step
-    faults.arm("checkpoint-mid-write", "kill")       # ... or half-way through its next save
+    fault_points.arm("train-step", "kill", at=7)           # this process dies at its 7th step
+    fault_points.arm("checkpoint-mid-write", "kill")       # ... or half-way through its next save
 
 ``"kill"`` is SIGKILL, as the kernel's out-of-memory killer or a lost node: no ``finally``,
 no flush. ``"hang"`` sleeps (for ``hang_s`` seconds), as a process stuck in a collective whose

@@ -1,0 +1,24 @@
+"""Argument checks the lessons share: a clear ValueError that names the argument, before any work
+(or any message) starts. Introduced in notebooks/01_gradient_descent.ipynb."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def check_lr(lr) -> float:
+    """``lr`` as a float, or a ValueError unless it is a finite number > 0.
+    Introduced in notebooks/01_gradient_descent.ipynb."""
+    if not (isinstance(lr, (int, float, np.number)) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr (the learning rate) must be a finite number > 0, got {lr!r}")
+    return float(lr)
+
+
+def check_count(name: str, value, least: int = 1) -> int:
+    """``value`` as an int, or a ValueError naming ``name`` unless it is an integer >= ``least``.
+    Introduced in notebooks/01_gradient_descent.ipynb."""
+    if not isinstance(value, (int, np.integer)) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
