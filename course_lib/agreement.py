@@ -11,16 +11,23 @@ Why two agreement checks in the course: this one travels over :mod:`course_lib.c
 which may run where no process group exists (under mpiexec). :func:`course_lib.dist_checks.agree`
 uses one native ``all_gather`` of a few integers and guards torch.distributed's own collectives
 (DDP's broadcasts and gradient buckets, on the buffers' device, so it works on NCCL too).
+
+Like the collectives it guards, this module imports no torch at the top: they run under
+mpiexec on numpy buffers, where torch need not be loaded (it takes seconds).
 """
 
 from __future__ import annotations
 
 import functools
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from course_lib.comm import is_numpy, to_numpy, wait_all
+from course_lib.comm import Comm, is_numpy, to_numpy, wait_all
+
+if TYPE_CHECKING:  # for the annotations only (see the module docstring)
+    import torch
 
 OPS = ("sum", "average", "max", "min")
 TAG_CHECK = 11
@@ -29,6 +36,8 @@ _DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16"
 _NAMES = ("allreduce", "naive_allreduce", "tree_allreduce", "ring_allreduce",
           "ring_allreduce_pipelined", "ring_reduce_scatter", "ring_allgather")
 _META, _MAXDIM = 15, 8  # int64 slots exchanged; shape dims spelled out
+# a record: [0] ndim, [1] crc(dtype), [2] crc(what), [3] crc(op), [4] contiguous,
+# [5] crc(dims past _MAXDIM), [6] extra, [7:15] the first _MAXDIM dims (zero-padded)
 
 
 @functools.lru_cache(maxsize=256)
@@ -37,7 +46,7 @@ def _name(dtype):  # str() of a numpy dtype takes microseconds: cached
 
 
 @functools.lru_cache(maxsize=256)
-def _crc(text):
+def _crc(text):  # names travel as crc32s: every record is the same fixed number of int64s
     return zlib.crc32(text.encode())
 
 
@@ -53,7 +62,7 @@ def _meta(buf, what, op, extra):
 
 def _describe(row, fields):
     """'(1000,) float32' (and the op, collective, segment size when those differ)."""
-    decode = {_crc(str(v)): v for v in (*_DTYPES, *OPS, None, *_NAMES)}
+    decode = {_crc(str(v)): v for v in (*_DTYPES, *OPS, None, *_NAMES)}  # crc32 -> the name
     ndim = int(row[0])
     dims = [str(d) for d in row[7:7 + min(ndim, _MAXDIM)]] + ["..."] * (ndim > _MAXDIM)
     text = f"({', '.join(dims)}{',' if ndim == 1 else ''}) {decode.get(row[1], '?')}"
@@ -62,7 +71,8 @@ def _describe(row, fields):
     return text + "".join(extras[f] for f in fields if f in extras)
 
 
-def check_agreement(buf, comm, what="allreduce", op=None, extra=0):
+def check_agreement(buf: np.ndarray | torch.Tensor, comm: Comm, what: str = "allreduce",
+                    op: str | None = None, extra: int = 0) -> None:
     """Check, before any data moves, that every rank called ``what`` on a matching buffer.
 
     Every rank sends a fixed-size int64 record (shape, dtype, ``what``, ``op``, contiguity,
@@ -78,11 +88,13 @@ def check_agreement(buf, comm, what="allreduce", op=None, extra=0):
     if comm.world_size > 1:
         send, recv = mine, table
         if not is_numpy(buf):  # a tensor on the buffer's device: NCCL moves only CUDA tensors
-            import torch
+            import torch  # a tensor was passed, so torch is loaded (see the module docstring)
             send, recv = (torch.from_numpy(a).to(buf.device) for a in (mine, table))
         recvs, sends = [], []
         for p in (q for q in range(comm.world_size) if q != comm.rank):
-            if comm.rank < p:  # per pair the lower rank sends first (NCCL runs them in order)
+            # per pair the lower rank sends first, the higher receives first: NCCL runs a
+            # pair's operations in the order posted, and two receives first would deadlock
+            if comm.rank < p:
                 sends.append(comm.isend(send, p, tag=TAG_CHECK, check_size=False))
             recvs.append(comm.irecv(recv[p], p, tag=TAG_CHECK, check_size=False))
             if comm.rank > p:
@@ -96,11 +108,11 @@ def check_agreement(buf, comm, what="allreduce", op=None, extra=0):
         if (table[:, cols] != mine[cols]).any()]
     if differ:
         odd = [r for r in range(len(table)) if (table[r] != table[0]).any()]
-        shown = list(range(len(table))) if len(table) <= 8 else [0] + odd[:7]
+        shown = list(range(len(table))) if len(table) <= 8 else [0] + odd[:7]  # 8 at most
         ranks = ", ".join(f"rank {r}: {_describe(table[r], differ)}" for r in shown)
         more = f" (and {len(odd) - 7} more)" if len(shown) <= len(odd) else ""
         raise ValueError(f"{what}: {'/'.join(differ)} differ across ranks: {ranks}{more}")
-    if not (mine[4] if same else table[:, 4].all()):
+    if not (mine[4] if same else table[:, 4].all()):  # slot 4: contiguous
         raise ValueError(f"{what}: buffers must be contiguous, rank(s) "
                          f"{np.flatnonzero(table[:, 4] == 0).tolist()[:8]} passed a strided view: "
                          "pass x.contiguous() / np.ascontiguousarray(x)")

@@ -19,6 +19,9 @@ optimizer, step and epoch, the position in the data, and every random generator.
 state (one part per rank) is written as one directory per step, every rank's file first and a
 commit marker last (as ``torch.distributed.checkpoint`` writes its ``.metadata`` last): a
 directory without its marker is a crash between ranks' writes, and is never loaded.
+
+One file, read top to bottom: one file written safely, numbered checkpoints of it, what a resume
+puts in them, the same per rank with a commit marker, and how often to write them.
 """
 
 from __future__ import annotations
@@ -30,12 +33,18 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import psutil
 import torch
 
 from course_lib import fault_points
+
+if TYPE_CHECKING:
+    from course_lib.comm import Comm
 
 MAGIC = b"course-checkpoint sha256="
 LATEST = "latest"
@@ -50,7 +59,7 @@ class CheckpointError(RuntimeError):
 
 
 # ---------------------------------------------------------------- one file
-def naive_save(state, path):
+def naive_save(state: Any, path: str | Path) -> None:
     """What ``torch.save(state, path)`` does, for comparison: open ``path`` for writing (which
     empties the checkpoint that was there) and write into it; a crash half-way leaves half a
     file. Introduced in notebooks/11_fault_tolerance.ipynb."""
@@ -65,6 +74,7 @@ def naive_save(state, path):
 
 
 def _fsync_directory(directory):
+    # a rename is an entry of the directory: it is durable only once the directory is synced
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -72,11 +82,13 @@ def _fsync_directory(directory):
         os.close(fd)
 
 
-def atomic_write(path, data, fault_point="checkpoint-mid-write"):
+def atomic_write(path: str | Path, data: bytes, fault_point: str = "checkpoint-mid-write") -> None:
     """Write ``data`` (bytes) to ``path`` so that ``path`` holds either its old contents or all
     of ``data``, whenever the process dies (``fault_point``: where :mod:`fault_points` can kill it,
     half-way). Introduced in notebooks/11_fault_tolerance.ipynb."""
     path = Path(path)
+    # in the same directory (os.replace is atomic within one file system), hidden, named after
+    # its writer's pid: remove_orphans can tell a dead writer's leftover from a live one's file
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -86,15 +98,15 @@ def atomic_write(path, data, fault_point="checkpoint-mid-write"):
             fault_points.point(fault_point)  # a crash here must cost nothing
             f.write(data[half:])
             f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.fsync(f.fileno())  # the data on disk before the name points at it
+        os.replace(tmp, path)  # the atomic step: path is the old file or the new, never half
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_directory(path.parent)
 
 
-def to_bytes(state):
+def to_bytes(state: Any) -> bytes:
     """``state`` serialised by ``torch.save``, behind a header with the SHA-256 of the rest.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     buffer = io.BytesIO()
@@ -103,7 +115,7 @@ def to_bytes(state):
     return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
 
 
-def from_bytes(data, path="<bytes>"):
+def from_bytes(data: bytes, path: str | Path = "<bytes>") -> Any:
     """The state in ``data``, after checking its SHA-256 (``torch.load(weights_only=True)``:
     tensors, numbers, strings and containers only, never code). Raises
     :class:`CheckpointError` naming ``path``. Introduced in notebooks/11_fault_tolerance.ipynb."""
@@ -120,14 +132,14 @@ def from_bytes(data, path="<bytes>"):
     return torch.load(io.BytesIO(payload), weights_only=True)
 
 
-def save_file(state, path):
+def save_file(state: Any, path: str | Path) -> Path:
     """``state`` into ``path``, atomically, with its checksum. Introduced in
     notebooks/11_fault_tolerance.ipynb."""
     atomic_write(path, to_bytes(state))
     return Path(path)
 
 
-def load_file(path):
+def load_file(path: str | Path) -> Any:
     """The state saved in ``path`` by :func:`save_file`, checked. Introduced in
     notebooks/11_fault_tolerance.ipynb."""
     try:
@@ -147,7 +159,7 @@ def _steps(directory, pattern):
     return sorted(found)
 
 
-def save(state, directory, step, keep=3):
+def save(state: Any, directory: str | Path, step: int, keep: int = 3) -> Path:
     """``state`` as ``directory/step-{step:08d}.pt`` (atomic, checksummed), then the ``latest``
     pointer (atomic too), then all but the ``keep`` newest checkpoints removed. Returns the path.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
@@ -164,10 +176,9 @@ def save(state, directory, step, keep=3):
     return path
 
 
-def remove_orphans(directory):
+def remove_orphans(directory: str | Path) -> list[Path]:
     """Remove the temporary files of writers that died (their process is gone); returns them.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
-    import psutil
     removed = []
     for tmp in Path(directory).rglob(".*.tmp-*"):
         pid = tmp.name.rsplit("-", 1)[-1]
@@ -182,7 +193,8 @@ def _keep_newest(directory, keep, pattern):
         shutil.rmtree(old) if old.is_dir() else old.unlink()
 
 
-def load_latest(directory, report=print):
+def load_latest(directory: str | Path,
+                report: Callable[[str], object] = print) -> tuple[Any, Path | None]:
     """The newest checkpoint of ``directory`` that loads and checks: ``(state, path)``, or
     ``(None, None)`` when there is none. A damaged one is reported (``report``, one line naming
     its path and why) and the one before it is tried. Introduced in
@@ -196,16 +208,18 @@ def load_latest(directory, report=print):
 
 
 # ---------------------------------------------------------------- what a resume needs
-def rng_states():
+def rng_states() -> dict:
     """Every random generator's state: Python's, numpy's and torch's.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
+    # numpy's state as a tensor and plain numbers: torch.load(weights_only=True) reads no numpy
+    # arrays (its 624 uint32 keys become int64, which holds them without a sign flip)
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)),
                       "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}}
 
 
-def set_rng_states(states):
+def set_rng_states(states: dict) -> None:
     """Put back what :func:`rng_states` returned. Introduced in
     notebooks/11_fault_tolerance.ipynb."""
     version, internal, gauss = states["python"]
@@ -216,7 +230,8 @@ def set_rng_states(states):
                          n["has_gauss"], n["cached"]))
 
 
-def training_state(model, optimizer, step, epoch=0, position=0, **extra):
+def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                   epoch: int = 0, position: int = 0, **extra: Any) -> dict:
     """Everything a bit-exact resume needs: parameters and buffers, the optimizer's state, the
     step, the epoch and the position in it, the random generators, and ``extra``.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
@@ -224,7 +239,8 @@ def training_state(model, optimizer, step, epoch=0, position=0, **extra):
             "epoch": epoch, "position": position, "rng": rng_states(), "extra": extra}
 
 
-def restore(state, model, optimizer):
+def restore(state: dict, model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
     """Load a :func:`training_state` into ``model`` and ``optimizer`` and the generators;
     returns ``(step, epoch, position)``. Introduced in notebooks/11_fault_tolerance.ipynb."""
     model.load_state_dict(state["model"])
@@ -234,7 +250,8 @@ def restore(state, model, optimizer):
 
 
 # ---------------------------------------------------------------- one part per rank
-def save_sharded(part, directory, step, comm, keep=3, timeout=None):
+def save_sharded(part: Any, directory: str | Path, step: int, comm: Comm, keep: int = 3,
+                 timeout: float | None = None) -> Path:
     """This rank's ``part`` of a distributed state into ``directory/step-{step:08d}/rank-{r}.pt``;
     once every rank has written (a barrier with a deadline), rank 0 writes the commit marker
     (the ranks' checksums) and the ``latest`` pointer. Every rank must call it.
@@ -243,6 +260,7 @@ def save_sharded(part, directory, step, comm, keep=3, timeout=None):
     folder.mkdir(parents=True, exist_ok=True)
     data = to_bytes(part)
     atomic_write(folder / f"rank-{comm.rank}.pt", data)
+    # the digest travels as 32 uint8 values: what send/recv carry on either transport
     digest = torch.tensor(list(hashlib.sha256(data).digest()), dtype=torch.uint8)
     digests = _gather_digests(digest, comm, timeout)
     if comm.rank == 0:
@@ -269,7 +287,8 @@ def _gather_digests(digest, comm, timeout):
     return digests
 
 
-def load_sharded(directory, rank, world_size, report=print):
+def load_sharded(directory: str | Path, rank: int, world_size: int,
+                 report: Callable[[str], object] = print) -> tuple[Any, Path | None]:
     """This rank's part of the newest *committed* step of ``directory``: ``(part, folder)``, or
     ``(None, None)``. A step without its marker (a crash before every rank had written), saved
     by another world size, or with any rank's file failing its checksum is reported and skipped;
@@ -299,14 +318,15 @@ def load_sharded(directory, rank, world_size, report=print):
 
 
 # ---------------------------------------------------------------- how often
-def young_interval(cost, mtbf):
-    """Young's checkpoint interval sqrt(2 C M), in the unit of ``cost`` and ``mtbf``.
+def young_interval(cost: float, mtbf: float) -> float:
+    """Young's checkpoint interval sqrt(2 C M), in the unit of ``cost`` and ``mtbf`` (J. W.
+    Young 1974, "A first order approximation to the optimum checkpoint interval").
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     return (2 * cost * mtbf) ** 0.5
 
 
-def time_to_finish(interval, work=200.0, mtbf=3.0, cost=1 / 60, restart=5 / 60, runs=100,
-                   seed=0):
+def time_to_finish(interval: float, work: float = 200.0, mtbf: float = 3.0, cost: float = 1 / 60,
+                   restart: float = 5 / 60, runs: int = 100, seed: int = 0) -> float:
     """Mean time to finish ``work`` units of work, checkpointing every ``interval`` at ``cost``
     each, with failures at random (exponential, mean ``mtbf``), each costing ``restart`` and
     the work since the last checkpoint (a simulation, hours by default).
@@ -315,7 +335,7 @@ def time_to_finish(interval, work=200.0, mtbf=3.0, cost=1 / 60, restart=5 / 60, 
     totals = []
     for _ in range(runs):
         done = clock = 0.0
-        next_failure = rng.exponential(mtbf)
+        next_failure = rng.exponential(mtbf)  # failures as a Poisson process: memoryless gaps
         while done < work:
             segment = min(interval, work - done) + cost      # work, then save
             if clock + segment <= next_failure:

@@ -19,15 +19,25 @@ the allreduce are taken in the same order.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from course_lib import checkpoint, fault_points
+from course_lib.arguments import check_count
+from course_lib.comm import get_comm, init_torch_from_launcher
+
+if TYPE_CHECKING:
+    from course_lib.cluster import Cluster
 
 LOG = "train.jsonl"
 
@@ -37,14 +47,15 @@ class RecoveryFailed(RuntimeError):
     Introduced in notebooks/11_fault_tolerance.ipynb."""
 
 
-def make_model(seed=0):
+def make_model(seed: int = 0) -> nn.Sequential:
     """The model every run trains: a float64 MLP on 8 features. Introduced in
     notebooks/11_fault_tolerance.ipynb."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).double()
 
 
-def batch(step, rank, world_size, seed=0, size=32, pool=512):
+def batch(step: int, rank: int, world_size: int, seed: int = 0, size: int = 32,
+          pool: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of step ``step``'s global batch, drawn from a fixed data set of ``pool``
     rows (a teacher's targets) by a generator seeded with (seed, step): a function of the step
     alone, so a resumed run sees the data the uninterrupted one saw. Introduced in
@@ -52,20 +63,22 @@ def batch(step, rank, world_size, seed=0, size=32, pool=512):
     g = torch.Generator().manual_seed(seed)
     X = torch.randn(pool, 8, generator=g, dtype=torch.float64)
     y = torch.tanh(X @ torch.randn(8, 1, generator=g, dtype=torch.float64) / 8 ** 0.5)
+    # one seed per (seed, step) for any step below 1,000,002; + 1 keeps seed 0's step 0 apart
+    # from the data set's generator (seeded with seed)
     order = torch.Generator().manual_seed(seed * 1_000_003 + step + 1)
     rows = torch.randperm(pool, generator=order)[:size]
+    # rank r's slice of the global batch: the slices tile it whatever size % world_size is
     mine = rows[rank * size // world_size:(rank + 1) * size // world_size]
     return X[mine], y[mine]
 
 
 def _broadcast_state(model, optimizer, comm, momentum):
     """The chief's parameters (and, resuming, its momentum buffers) to every rank, in order."""
-    import torch.distributed as dist
     for p in model.parameters():
         dist.broadcast(p.data, src=0, group=getattr(comm, "group", None))
         if momentum:
             state = optimizer.state[p]
-            if comm.rank != 0 and "momentum_buffer" not in state:
+            if comm.rank != 0 and "momentum_buffer" not in state:  # a buffer to receive into
                 state["momentum_buffer"] = torch.zeros_like(p)
             dist.broadcast(state["momentum_buffer"], src=0, group=getattr(comm, "group", None))
 
@@ -74,7 +87,7 @@ def _summary_writer(directory, start):
     """The chief's TensorBoard writer. Resuming after step ``start``, ``purge_step`` tells
     TensorBoard to drop what an earlier attempt logged after it: the steps computed twice show
     once, with the values of the attempt that went on."""
-    from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard, on the chief only
     return SummaryWriter(str(Path(directory) / "tensorboard"),
                          purge_step=start + 1 if start else None, flush_secs=5)
 
@@ -85,8 +98,9 @@ def _log(directory, **record):
         f.flush()
 
 
-def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr=0.02,
-          seed=0, timeout=20.0, tensorboard=True):
+def train(directory: str | Path, steps: int = 40, checkpoint_every: int = 5, attempt: int = 0,
+          fault_specs: Sequence[str] = (), lr: float = 0.02, seed: int = 0, timeout: float = 20.0,
+          tensorboard: bool = True) -> torch.Tensor:
     """On every rank: data-parallel SGD with momentum for ``steps`` steps, resuming from the last
     checkpoint of ``directory``. The chief loads or initialises, broadcasts, logs every step
     (JSONL, and TensorBoard's event files in ``directory/tensorboard`` unless
@@ -94,9 +108,6 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
     fault points to arm (:func:`fault_points.parse`), each firing once in the life of ``directory``
     (unless it says ``once=`` itself). Returns this rank's parameters, flat.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
-    import torch.distributed as dist
-
-    from course_lib.comm import get_comm
     comm = get_comm("torch", timeout=timeout)
     rank, N = comm.rank, comm.world_size
     fault_points.arm_once(fault_specs, directory, rank)  # not again in the restarted process
@@ -113,6 +124,7 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
         if tensorboard:
             board = _summary_writer(directory, int(start))
     dist.broadcast(start, src=0, group=getattr(comm, "group", None))
+    # from step 0 only the parameters: the optimizer has no momentum yet on any rank
     _broadcast_state(model, optimizer, comm, momentum=start.item() > 0)
     for step in range(int(start), steps):
         fault_points.point("train-step")
@@ -144,16 +156,17 @@ def train(directory, steps=40, checkpoint_every=5, attempt=0, fault_specs=(), lr
 class Run:
     """What :func:`supervise` saw: the final parameters of every rank, the failures, and the
     log. Introduced in notebooks/11_fault_tolerance.ipynb."""
-    params: list
-    failures: list = field(default_factory=list)
-    log: list = field(default_factory=list)
+    params: list[torch.Tensor]
+    failures: list[str] = field(default_factory=list)
+    log: list[dict] = field(default_factory=list)
 
     @property
-    def restarts(self):
+    def restarts(self) -> int:
+        """How many times training was started again."""
         return len(self.failures)
 
     @property
-    def recomputed(self):
+    def recomputed(self) -> list[int]:
         """Steps computed twice at each restart: the last step logged before it, minus the
         step it resumed from."""
         out, last = [], 0
@@ -165,18 +178,20 @@ class Run:
         return out
 
 
-def read_log(directory):
+def read_log(directory: str | Path) -> list[dict]:
     """The chief's log, one dict per line. Introduced in notebooks/11_fault_tolerance.ipynb."""
     path = Path(directory) / LOG
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def supervise(cluster, directory, steps=40, checkpoint_every=5, faults=(), max_restarts=3,
-              report=print, **train_kwargs):
+def supervise(cluster: Cluster, directory: str | Path, steps: int = 40, checkpoint_every: int = 5,
+              faults: Sequence[str] = (), max_restarts: int = 3,
+              report: Callable[[str], object] = print, **train_kwargs: Any) -> Run:
     """Run :func:`train` on ``cluster``; when an engine dies or a rank stops answering, restart
     and resume from the last checkpoint, at most ``max_restarts`` times.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
-    from course_lib.arguments import check_count
+    # only the notebook's process supervises: the ranks that import this module (engines, and
+    # torchrun's ranks at every restart) need neither the cluster client nor ipyparallel
     from course_lib.cluster import ClusterTimeout, EngineDied
     check_count("steps", steps)
     check_count("checkpoint_every", checkpoint_every)
@@ -195,7 +210,7 @@ def supervise(cluster, directory, steps=40, checkpoint_every=5, faults=(), max_r
                          f"{max_restarts}: " + "; ".join(failures))
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> None:
     """``torchrun --nproc-per-node 2 --max-restarts 2 -m course_lib.chief --dir ckpt``: the same
     training under torchrun's elastic restarts (a rank that dies makes torchrun restart every
     rank, which resume from the last checkpoint). Faults come from ``$COURSE_LIB_FAULTS``; the
@@ -203,10 +218,6 @@ def main(argv=None):
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (as ``launch.run_ranks`` does): with the store
     shared, a restarted rank can read its peer's address from the failed attempt.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
-    import argparse
-    import os
-
-    from course_lib.comm import init_torch_from_launcher
     parser = argparse.ArgumentParser(prog="python -m course_lib.chief")
     parser.add_argument("--dir", required=True, help="checkpoint directory")
     parser.add_argument("--steps", type=int, default=40)
@@ -218,7 +229,6 @@ def main(argv=None):
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     specs = [s for s in os.environ.get(fault_points.ENV, "").split(",") if s.strip()]
     params = train(args.dir, args.steps, args.every, attempt, specs)
-    import torch.distributed as dist
     if dist.get_rank() == 0 and args.out:
         checkpoint.save_file({"params": params, "attempts": attempt + 1}, args.out)
     dist.destroy_process_group()

@@ -11,6 +11,11 @@ Every engine gets a rank 0..n-1 by position (engine ids change on restart, ranks
 with a short timeout. Nothing waits forever: a call past its deadline interrupts the engines and
 raises :class:`ClusterTimeout` naming the ranks that did not finish; an engine that dies raises
 :class:`EngineDied` naming its rank; either way the next call repairs the cluster first.
+
+One file, longer than a lesson: starting, running, repairing and stopping a cluster share the
+state of one :class:`Cluster` (engine ids, pids, what is broken), and splitting it would scatter
+that state; what runs on the engines is in :mod:`course_lib.engine`, the processes' launch and
+reaping in :mod:`course_lib.launch`.
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import ipyparallel as ipp
+from traitlets.config import Config
 
+from course_lib import netem
 from course_lib.engine import (  # noqa: F401 - re-exported: the rank demos sit beside the cluster
     allreduce_ranks,
     call_and_report,
@@ -78,7 +87,7 @@ class RemoteError(ClusterError):
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
-    def __init__(self, message, errors):
+    def __init__(self, message: str, errors: dict[int, str]) -> None:
         super().__init__(message)
         self.errors = errors
 
@@ -89,8 +98,9 @@ class Cluster:
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
-    def __init__(self, ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link=None,
-                 shared=False):
+    def __init__(self, ipp_cluster: ipp.Cluster, client: ipp.Client, n: int, backend: str,
+                 timeout: float, pg_timeout: float, threads: int, link: netem.Link | None = None,
+                 shared: bool = False) -> None:
         self._ipp, self.client, self.n = ipp_cluster, client, n
         self.shared = shared  # kept running for the next start_cluster (see SHARED_ENV)
         self.link = link  # the emulated network of every rank (course_lib.netem), or None
@@ -111,6 +121,8 @@ class Cluster:
         except ipp.error.TimeoutError:
             raise ClusterError(f"engines {ids} did not answer within {SETUP_TIMEOUT}s (is the "
                                "controller alive?): start a new cluster") from None
+        # rank = MPI rank when engines run under mpiexec (so mpi4py and torch agree), else the
+        # engine's position; engine ids are not ranks: a restarted engine gets a new id
         order = sorted(range(len(ids)), key=lambda i: (probes[i]["mpi_rank"] is None,
                                                        probes[i]["mpi_rank"], i))
         self.engine_ids = [ids[i] for i in order]
@@ -118,13 +130,15 @@ class Cluster:
         self.pids = [p["pid"] for p in self.probes]
         self.backend, self.backend_reason = choose_backend(self.probes, self.requested_backend)
         hosts = [p["host"] for p in self.probes]
-        local_ranks = [hosts[:r].count(h) for r, h in enumerate(hosts)]
+        local_ranks = [hosts[:r].count(h) for r, h in enumerate(hosts)]  # earlier ranks on h
         single_host = len(set(hosts)) == 1
         if self.link is not None and (not single_host or self.backend == "nccl"):
             raise ClusterError(f"an emulated link needs every rank on one machine, over gloo "
                                f"(hosts {sorted(set(hosts))}, backend {self.backend}); on a real "
                                "network or GPUs, measure the real thing: start_cluster(link=None)")
         if single_host:  # a file rendezvous: no listening socket at all
+            # a fresh file per group: a new group on an old FileStore's file can read the old
+            # group's keys (torch's docs warn against reusing one)
             init = f"file://{self._store_dir}/store-{uuid.uuid4().hex}"
         else:
             host, port = self.client[self.engine_ids[0]].apply_sync(free_port_and_host)
@@ -135,7 +149,7 @@ class Cluster:
                                             self.backend, init, self.pg_timeout, self.threads,
                                             single_host, self.link)
                  for r, e in enumerate(self.engine_ids)]
-        for ar in calls:
+        for ar in calls:  # init_process_group waits up to pg_timeout for its peers; 10 s spare
             ar.get(timeout=self.pg_timeout + 10)
         if _in_ipython():
             self.view.activate()  # %px / %%px now target the ranks in order
@@ -156,7 +170,8 @@ class Cluster:
             time.sleep(0.1)
 
     # -- running
-    def run(self, fn, *args, timeout=None, allow_dead=False, **kwargs):
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None,
+            allow_dead: bool = False, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
         ``allow_dead=True``: an engine that dies does not stop the others; its result is the
@@ -194,7 +209,7 @@ class Cluster:
             results.append(result)
         return results
 
-    def balanced_view(self, ranks=None):
+    def balanced_view(self, ranks: list[int] | None = None) -> ipp.LoadBalancedView:
         """An ipyparallel ``LoadBalancedView`` over ``ranks`` (default: every rank whose engine
         is alive): each task goes to whichever of them is free, results come back in any order.
         Independent tasks (the trials of a search) need no process group.
@@ -205,7 +220,7 @@ class Cluster:
             raise ClusterError(f"no live engine among ranks {wanted} (dead: {dead})")
         return self.client.load_balanced_view([self.engine_ids[r] for r in live])
 
-    def dead_ranks(self):
+    def dead_ranks(self) -> list[int]:
         """Ranks whose engine process has died (or that the controller has already dropped);
         the next :meth:`run` restarts them.
         Introduced in notebooks/13_hyperparameter_search.ipynb."""
@@ -236,10 +251,10 @@ class Cluster:
         deadline = time.monotonic() + timeout
         dead = []
         while not ar.ready():
-            ar.wait(0.05)
+            ar.wait(0.05)  # short waits: a dead engine or Ctrl-C is noticed within 50 ms
             dead = self.dead_ranks()  # marks the cluster broken ("engines") when one died
             if dead and allow_dead:
-                if set(self._pending(ar)) <= set(dead):
+                if set(self._pending(ar)) <= set(dead):  # every live rank has answered
                     return self._results_without(ar, dead, name)
             elif dead:
                 self._interrupt(ar, [r for r in self._pending(ar) if r not in dead],
@@ -331,11 +346,11 @@ class Cluster:
 
     # -- the end
     @property
-    def stopped(self):
+    def stopped(self) -> bool:
         """True once :meth:`stop` has run."""
         return self._ipp is None
 
-    def stop(self):
+    def stop(self) -> None:
         """Stop the controller and every engine; returns once no process of it is left.
         (A shared cluster, see :data:`SHARED_ENV`, is left running for the next notebook
         unless a call is still running on it or an engine died; its process group is
@@ -354,10 +369,10 @@ class Cluster:
             self._ipp = None
             shutil.rmtree(self._store_dir, ignore_errors=True)
 
-    def set_link(self, link=None, latency=None):
+    def set_link(self, link: str | netem.Link | None = None,
+                 latency: str | float | None = None) -> netem.Link | None:
         """Switch every rank's emulated network (:mod:`course_lib.netem`) on, e.g.
         ``set_link("1Gbit/s,50us")``, or off with ``set_link(None)``; returns the link."""
-        from course_lib import netem
         spec = netem.make_link(link, latency)
         if spec is not None and (len({p["host"] for p in self.probes}) > 1
                                  or self.backend == "nccl"):
@@ -366,13 +381,13 @@ class Cluster:
         self.link = spec
         return spec
 
-    def __enter__(self):
+    def __enter__(self) -> Cluster:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "stopped" if self.stopped else self.backend
         link = f", link {self.link}" if self.link and not self.stopped else ""
         return f"<Cluster n={self.n} {state}{link}>"
@@ -424,8 +439,9 @@ def _reuse(cluster_id, n, *args):
         return None
 
 
-def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=30, threads=1,
-                  link=None, latency=None, **slurm):
+def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", timeout: float = 60,
+                  pg_timeout: float = 30, threads: int = 1, link: str | netem.Link | None = None,
+                  latency: str | float | None = None, **slurm: Any) -> Cluster:
     """Start ``n`` engines and return a :class:`Cluster` whose ranks share a process group.
 
     engines: "local" (processes on this machine), "mpi" (under ``mpiexec``, so mpi4py works on
@@ -437,8 +453,7 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    from course_lib.netem import make_link
-    link = make_link(link, latency)  # bad text fails here, before any engine starts
+    link = netem.make_link(link, latency)  # bad text fails here, before any engine starts
     if engines not in ("local", "mpi", "slurm"):
         raise ValueError(f"engines must be 'local', 'mpi' or 'slurm', not {engines!r}")
     clean_clusters()  # clusters whose notebook kernel was killed
@@ -450,7 +465,6 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
         cluster = _reuse(cluster_id, n, backend, timeout, pg_timeout, threads, link)
         if cluster is not None:
             return cluster
-    from traitlets.config import Config
     config = Config()
     kwargs = dict(n=n, profile=PROFILE, log_level=40, config=config, cluster_id=cluster_id,
                   controller_args=CONTROLLER_ARGS, shutdown_atexit=not shared)
@@ -477,7 +491,8 @@ def start_cluster(n=4, backend="auto", engines="local", timeout=60, pg_timeout=3
     except BaseException:
         stop_and_reap(ipp_cluster)
         raise
-    # if this kernel dies without stopping the cluster, a watchdog stops it
+    # if this kernel dies without stopping the cluster, a watchdog stops it (a shared one is
+    # watched on behalf of the test session that owns it, not of this notebook's kernel)
     cluster.watchdog = start_watchdog(int(owner) if shared else os.getpid(),
                                       ipp_cluster.cluster_file).pid
     return cluster
@@ -490,7 +505,7 @@ def _quiet(record):
 
 
 def _in_ipython():
-    try:
+    try:  # guarded: this check must answer False, never fail, wherever IPython is missing
         from IPython import get_ipython
     except ImportError:
         return False

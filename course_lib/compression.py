@@ -25,35 +25,51 @@ next gradient, so every coordinate is sent eventually and nothing is lost, only 
 Every compressor checks on its first call that all ranks agree on the length and dtype of the
 gradient and on k (a collective given different sizes on different ranks can abort Gloo), and
 every wait has a deadline whose error names the rank, the operation and the sizes.
+
+It stays one file: the byte formulas, the compressors and the measurements of their bytes and
+time on the ranks check one another, and notebook 08 reads them together.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from course_lib.comm import DEFAULT_TIMEOUT, wait_work
+from course_lib import netem
+from course_lib.collectives import ring_allgather, ring_allreduce
+from course_lib.comm import DEFAULT_TIMEOUT, get_comm, wait_work
+
+if TYPE_CHECKING:
+    from course_lib.cluster import Cluster
+
+# what TopK calls to communicate: (flat_grad, residual, k) -> (mean, new_residual)
+Exchange = Callable[[torch.Tensor, torch.Tensor | None, int], tuple[torch.Tensor, torch.Tensor]]
 
 INDEX_DTYPE = torch.int32  # indices on the wire: 4 bytes each, as many as a float32 value
 
 
-def ring_allreduce_bytes(nbytes, world_size):
+def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     """Bytes each rank sends in an allreduce of ``nbytes``: 2 (N-1)/N * nbytes (a ring).
 
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     return 2 * (world_size - 1) * nbytes / world_size
 
 
-def allgather_bytes(nbytes_per_rank, world_size):
+def allgather_bytes(nbytes_per_rank: float, world_size: int) -> float:
     """Bytes each rank sends in an all-gather of ``nbytes_per_rank`` from every rank: (N-1) x.
 
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     return (world_size - 1) * nbytes_per_rank
 
 
-def topk_compress(grad, residual, k):
+def topk_compress(grad: torch.Tensor, residual: torch.Tensor | None,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k with error feedback: ``(values, indices, new_residual)``.
 
     ``corrected = grad + residual`` (``residual=None`` means zeros); the ``k`` entries of
@@ -70,18 +86,18 @@ def topk_compress(grad, residual, k):
     if residual is not None and (residual.shape != grad.shape or residual.dtype != grad.dtype):
         raise ValueError(f"residual must match grad: {tuple(residual.shape)} {residual.dtype} vs "
                          f"{tuple(grad.shape)} {grad.dtype}")
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:  # bool is an int subclass
         raise ValueError(f"k must be an integer >= 1 (top-0 sends nothing), got {k!r}")
     corrected = grad if residual is None else grad + residual
     k = min(k, corrected.numel())
     indices = torch.topk(corrected.abs(), k, sorted=False).indices
     values = corrected[indices]
-    new_residual = corrected.clone()
+    new_residual = corrected.clone()  # a copy: corrected may be grad itself (no residual yet)
     new_residual[indices] = 0
     return values, indices, new_residual
 
 
-def all_gather(tensor, timeout=DEFAULT_TIMEOUT):
+def all_gather(tensor: torch.Tensor, timeout: float = DEFAULT_TIMEOUT) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape and dtype on all ranks), as a list in rank order.
 
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
@@ -91,17 +107,18 @@ def all_gather(tensor, timeout=DEFAULT_TIMEOUT):
     return out
 
 
-def all_reduce_mean(tensor, timeout=DEFAULT_TIMEOUT):
+def all_reduce_mean(tensor: torch.Tensor, timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
     """The mean over ranks of ``tensor`` (summed in its own dtype, then divided).
 
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
-    out = tensor.clone()
+    out = tensor.clone()  # all_reduce works in place: the caller's gradient stays as it was
     wait_work(dist.all_reduce(out, async_op=True), timeout,
               f"all_reduce of {out.numel()} x {str(out.dtype).replace('torch.', '')}")
     return out.div_(dist.get_world_size())
 
 
-def topk_allreduce(flat_grad, residual, k, timeout=DEFAULT_TIMEOUT):
+def topk_allreduce(flat_grad: torch.Tensor, residual: torch.Tensor | None, k: int,
+                   timeout: float = DEFAULT_TIMEOUT) -> tuple[torch.Tensor, torch.Tensor]:
     """The average over ranks of every rank's top-k, and this rank's new residual.
 
     Each rank compresses with :func:`topk_compress`; values (in the gradient's dtype) and int32
@@ -114,7 +131,7 @@ def topk_allreduce(flat_grad, residual, k, timeout=DEFAULT_TIMEOUT):
     dense = torch.zeros_like(flat_grad)
     for v, i in zip(all_gather(values, timeout), all_gather(indices.to(INDEX_DTYPE), timeout),
                     strict=True):
-        dense.index_add_(0, i.long(), v)
+        dense.index_add_(0, i.long(), v)  # add, not assign: ranks may pick the same index
     return dense.div_(dist.get_world_size()), new_residual
 
 
@@ -124,12 +141,13 @@ class NoCompression:
 
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
 
-    name, code = "none", 0
+    name: str = "none"
+    code: int = 0  # the scheme as a number, for the agreement round's int64 table
 
-    def __init__(self, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.timeout, self.bytes_sent, self.steps, self._n = timeout, 0.0, 0, None
 
-    def step_bytes(self, n, itemsize, world_size):
+    def step_bytes(self, n: int, itemsize: int, world_size: int) -> float:
         """Bytes this rank sends per step for a gradient of ``n`` elements of ``itemsize``."""
         return ring_allreduce_bytes(n * itemsize, world_size)
 
@@ -153,10 +171,11 @@ class NoCompression:
             raise ValueError(f"rank {dist.get_rank()}: {self.name} was set up for a gradient of "
                              f"{self._n} elements, got {mine[0]}")
 
-    def k_for(self, n):
+    def k_for(self, n: int) -> int:
+        """How many entries a gradient of ``n`` sends (all of them here)."""
         return n
 
-    def allreduce(self, flat_grad):
+    def allreduce(self, flat_grad: torch.Tensor) -> torch.Tensor:
         """The mean of ``flat_grad`` over all ranks (a new tensor); counts the bytes sent."""
         self._agree(flat_grad)
         out = self._exchange(flat_grad)
@@ -179,10 +198,11 @@ class FP16(NoCompression):
 
     name, code = "fp16", 1
 
-    def step_bytes(self, n, itemsize, world_size):
+    def step_bytes(self, n: int, itemsize: int, world_size: int) -> float:
         return ring_allreduce_bytes(n * 2, world_size)
 
     def _exchange(self, flat_grad):
+        # divided before the sum, as torch's hook does: a sum of N float16 gradients may overflow
         half = flat_grad.to(torch.float16).div_(dist.get_world_size())
         wait_work(dist.all_reduce(half, async_op=True), self.timeout,
                   f"all_reduce of {half.numel()} x float16")
@@ -199,7 +219,8 @@ class TopK(NoCompression):
 
     name, code = "topk", 2
 
-    def __init__(self, ratio, error_feedback=True, exchange=None, timeout=DEFAULT_TIMEOUT):
+    def __init__(self, ratio: float, error_feedback: bool = True, exchange: Exchange | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
         if not 0 < ratio <= 1:
             raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
         super().__init__(timeout)
@@ -207,11 +228,12 @@ class TopK(NoCompression):
         self.exchange = exchange or topk_allreduce
         self.residual = None
 
-    def k_for(self, n):
-        return max(1, min(n, math.ceil(round(self.ratio * n, 9))))  # 0.07 * 100 is 7, not 8
+    def k_for(self, n: int) -> int:
+        # round first: 0.07 * 100 is 7.000000000000001 in floats, whose ceil would be 8
+        return max(1, min(n, math.ceil(round(self.ratio * n, 9))))
 
-    def step_bytes(self, n, itemsize, world_size):
-        return allgather_bytes(self.k_for(n) * (itemsize + 4), world_size)
+    def step_bytes(self, n: int, itemsize: int, world_size: int) -> float:
+        return allgather_bytes(self.k_for(n) * (itemsize + 4), world_size)  # + an int32 index
 
     def _exchange(self, flat_grad):
         residual = self.residual if self.error_feedback else None
@@ -224,8 +246,9 @@ class TopK(NoCompression):
 SCHEMES = {"none": NoCompression, "fp16": FP16, "topk": TopK}
 
 
-def make_compressor(name, ratio=0.01, error_feedback=True, exchange=None,
-                    timeout=DEFAULT_TIMEOUT):
+def make_compressor(name: str, ratio: float = 0.01, error_feedback: bool = True,
+                    exchange: Exchange | None = None,
+                    timeout: float = DEFAULT_TIMEOUT) -> NoCompression:
     """A fresh compressor from plain arguments (what a rank receives from ``cluster.run``).
 
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
@@ -236,7 +259,7 @@ def make_compressor(name, ratio=0.01, error_feedback=True, exchange=None,
     return SCHEMES[name](timeout)
 
 
-def loopback_bytes():
+def loopback_bytes() -> int | None:
     """Bytes sent so far over this machine's loopback interface (Linux), or None elsewhere.
 
     The kernel's own counter: the difference around a collective is what really went on the
@@ -247,20 +270,21 @@ def loopback_bytes():
             for line in f:
                 name, _, counters = line.partition(":")
                 if name.strip() == "lo":
+                    # fields: 8 receive counters, then transmit bytes first
                     return int(counters.split()[8])
     except OSError:
         return None
     return None
 
 
-def exchange_on_rank(name, n, ratio=0.01, repeats=5, trials=3, seed=0):
+def exchange_on_rank(name: str, n: int, ratio: float = 0.01, repeats: int = 5, trials: int = 3,
+                     seed: int = 0) -> tuple[float, int | None, int | None]:
     """On every rank: ``trials`` times ``repeats`` exchanges of an ``n``-element float32
     gradient with scheme ``name``. Returns ``(counted, loopback, idle)``: the bytes this rank's
     compressor counted in one trial; the least growth of the machine's loopback counter in a
     trial (other traffic only adds to it); and its growth in an idle pause as long as that trial,
     right after it: the machine's other traffic. None where the counter cannot be read.
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
-    import time
     torch.manual_seed(seed + dist.get_rank())
     comp = make_compressor(name, ratio=ratio)
     grad = torch.randn(n)
@@ -280,7 +304,9 @@ def exchange_on_rank(name, n, ratio=0.01, repeats=5, trials=3, seed=0):
     return (comp.bytes_sent, *best)
 
 
-def measure_wire_bytes(cluster, name, n, ratio=0.01, repeats=5, trials=3):
+def measure_wire_bytes(cluster: Cluster, name: str, n: int, ratio: float = 0.01,
+                       repeats: int = 5,
+                       trials: int = 3) -> tuple[float, int | None, int | None]:
     """Bytes sent by all ranks together in ``repeats`` steps of scheme ``name``: ``(counted,
     loopback, idle)``. ``counted`` adds up what the compressors say (the formulas above);
     ``loopback`` is what the kernel saw cross the loopback interface (rank 0's reading, least
@@ -291,7 +317,8 @@ def measure_wire_bytes(cluster, name, n, ratio=0.01, repeats=5, trials=3):
     return (sum(r[0] for r in results), *results[0][1:])
 
 
-def exchange_time_on_rank(name, n, ratio=0.01, repeats=3, seed=0):
+def exchange_time_on_rank(name: str, n: int, ratio: float = 0.01, repeats: int = 3,
+                          seed: int = 0) -> tuple[float, float]:
     """On every rank: seconds of one exchange of an ``n``-element float32 gradient with scheme
     ``name``, written on the course's collectives, so that it crosses the cluster's emulated
     link if it has one (``cluster.set_link``; :mod:`course_lib.netem`): "none" a ring allreduce
@@ -299,13 +326,6 @@ def exchange_time_on_rank(name, n, ratio=0.01, repeats=3, seed=0):
     all-gathers of the values and int32 indices, then their sum. Returns ``(seconds, bytes sent
     by this rank)``: the median over ``repeats`` from a start all ranks share, and the formula.
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
-    import time
-
-    import numpy as np
-
-    from course_lib import netem
-    from course_lib.collectives import ring_allgather, ring_allreduce
-    from course_lib.comm import get_comm
     comm = get_comm("torch", check_sizes=False)
     rank, world = comm.rank, comm.world_size
     torch.manual_seed(seed + rank)
@@ -320,6 +340,7 @@ def exchange_time_on_rank(name, n, ratio=0.01, repeats=3, seed=0):
     def topk():
         values, indices, _ = topk_compress(grad, None, k)
         all_values, all_indices = torch.zeros(world * k), torch.zeros(world * k, dtype=INDEX_DTYPE)
+        # each rank writes its own chunk; the ring all-gather fills in the others'
         all_values[rank * k:(rank + 1) * k] = values
         all_indices[rank * k:(rank + 1) * k] = indices.to(INDEX_DTYPE)
         ring_allgather(all_values, comm)
@@ -336,6 +357,6 @@ def exchange_time_on_rank(name, n, ratio=0.01, repeats=3, seed=0):
         exchange()
         times.append(time.monotonic() - start)
     slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # an exchange ends when its slowest rank does
     return float(np.median(slowest.numpy())), sent
 

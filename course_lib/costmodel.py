@@ -58,13 +58,19 @@ buffer and every other pass adds only one chunk::
     pipelined           sum_s (alpha_s + c beta_s) + (k - 1) max_s (alpha_s + c beta_s)
 
     costmodel.path_time(64e6, costmodel.gpu_paths()["across nodes, staged through host memory"])
+
+One file a little over a lesson's length: one model, its numbers, its fit and its use for the
+GPU's paths, each function a formula of the docstring above.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+Number = float | np.ndarray  # a scalar, or an array of them (the functions broadcast)
 
 ALGORITHMS = ("naive", "tree", "recursive_doubling", "rabenseifner", "ring")
 
@@ -86,11 +92,11 @@ class Link:
     gamma: float = 0.0
 
     @property
-    def bandwidth(self):
+    def bandwidth(self) -> float:
         """Bytes per second in one direction (1 / beta)."""
         return 1.0 / self.beta if self.beta > 0 else float("inf")
 
-    def __str__(self):
+    def __str__(self) -> str:
         return (f"{self.name}: alpha = {self.alpha * 1e6:.3g} us, "
                 f"bandwidth = {self.bandwidth / 1e9:.3g} GB/s")
 
@@ -128,7 +134,7 @@ def _log2_steps(p):
     return np.ceil(np.log2(p))
 
 
-def coefficients(algorithm, p):
+def coefficients(algorithm: str, p: Number) -> tuple[Number, Number, Number]:
     """(alpha count, beta count, gamma count) of ``algorithm`` on ``p`` ranks.
 
     Introduced in notebooks/05_allreduce.ipynb.
@@ -138,8 +144,8 @@ def coefficients(algorithm, p):
     p = np.asarray(p, dtype=float)
     if np.any(p < 1):
         raise ValueError(f"the number of ranks must be >= 1, got {p}")
-    steps = _log2_steps(p)
-    share = (p - 1) / p
+    steps = _log2_steps(p)  # L = ceil(log2 p)
+    share = (p - 1) / p  # the part of the buffer each rank sends in a reduce-scatter
     if algorithm == "naive":
         return 2 * (p - 1), 2 * (p - 1), p - 1
     if algorithm == "tree":
@@ -157,7 +163,7 @@ def _scalar_or_array(x):
     return float(x) if np.ndim(x) == 0 else x
 
 
-def allreduce_time(algorithm, n_bytes, p, link):
+def allreduce_time(algorithm: str, n_bytes: Number, p: Number, link: Link) -> Number:
     """Predicted seconds for an allreduce of ``n_bytes`` over ``p`` ranks.
 
     Introduced in notebooks/05_allreduce.ipynb.
@@ -169,7 +175,7 @@ def allreduce_time(algorithm, n_bytes, p, link):
     return _scalar_or_array(a * link.alpha + b * n * link.beta + c * n * link.gamma)
 
 
-def lower_bound(n_bytes, p, link):
+def lower_bound(n_bytes: Number, p: Number, link: Link) -> Number:
     """The bandwidth term no allreduce can beat: 2 (p-1)/p * n * beta = 2 (p-1)/p * n / B.
 
     Each rank must send (and receive) (p-1)/p of its buffer once to reduce and once more to
@@ -180,7 +186,7 @@ def lower_bound(n_bytes, p, link):
     return _scalar_or_array(2 * (p - 1) / p * n * link.beta)
 
 
-def crossover_bytes(fast_for_small, fast_for_large, p, link):
+def crossover_bytes(fast_for_small: str, fast_for_large: str, p: int, link: Link) -> float:
     """Message size above which ``fast_for_large`` beats ``fast_for_small`` on ``p`` ranks.
 
     With time = A + B n for each algorithm, the lines cross at n = (A1 - A2) / (B2 - B1)
@@ -188,21 +194,21 @@ def crossover_bytes(fast_for_small, fast_for_large, p, link):
     by size). Returns inf when ``fast_for_large`` never wins and 0 when it wins at every size."""
     a1, b1, c1 = coefficients(fast_for_small, p)
     a2, b2, c2 = coefficients(fast_for_large, p)
-    fixed = (a2 - a1) * link.alpha
-    per_byte = (b1 - b2) * link.beta + (c1 - c2) * link.gamma
+    fixed = (a2 - a1) * link.alpha  # what the large-message algorithm pays more per call
+    per_byte = (b1 - b2) * link.beta + (c1 - c2) * link.gamma  # and saves per byte
     if per_byte > 0:
         return max(float(fixed / per_byte), 0.0)
     return 0.0 if fixed < 0 else float("inf")
 
 
-def algbw(n_bytes, seconds):
+def algbw(n_bytes: Number, seconds: Number) -> Number:
     """Algorithm bandwidth in bytes/s: data size over time (nccl-tests).
 
     Introduced in notebooks/05_allreduce.ipynb."""
     return _scalar_or_array(np.asarray(n_bytes, dtype=float) / np.asarray(seconds, dtype=float))
 
 
-def busbw(n_bytes, seconds, p):
+def busbw(n_bytes: Number, seconds: Number, p: Number) -> Number:
     """Bus bandwidth of an allreduce in bytes/s: algbw * 2(p-1)/p (nccl-tests).
 
     Introduced in notebooks/05_allreduce.ipynb.
@@ -231,7 +237,8 @@ def _nonneg_lstsq(A, y):
     return best
 
 
-def fit_alpha_beta(n_bytes, seconds, algorithm="ring", p=2, gamma=0.0):
+def fit_alpha_beta(n_bytes: Sequence[float] | np.ndarray, seconds: Sequence[float] | np.ndarray,
+                   algorithm: str = "ring", p: int = 2, gamma: float = 0.0) -> Link:
     """Fit a Link's alpha and beta to measured allreduce times.
 
     Introduced in notebooks/05_allreduce.ipynb.
@@ -253,13 +260,15 @@ def fit_alpha_beta(n_bytes, seconds, algorithm="ring", p=2, gamma=0.0):
     a, b, c = (float(v) for v in coefficients(algorithm, p))
     if a == 0:
         raise ValueError(f"p={p} rank(s) send no message: nothing to fit")
+    # t_i - c n_i gamma = a alpha + b n_i beta, each row divided by t_i (relative errors)
     A = np.column_stack([np.full_like(n, a), b * n]) / t[:, None]
     y = (t - c * n * gamma) / t
     alpha, beta = _nonneg_lstsq(A, y)
     return Link("measured", alpha=float(alpha), beta=float(beta), gamma=gamma)
 
 
-def predict_table(n_bytes, ps, link, algorithms=ALGORITHMS):
+def predict_table(n_bytes: float, ps: Sequence[int], link: Link,
+                  algorithms: Sequence[str] = ALGORITHMS) -> list[dict]:
     """Predicted seconds for each p in ``ps``, up to thousands of ranks.
 
     Introduced in notebooks/05_allreduce.ipynb.
@@ -275,7 +284,7 @@ def predict_table(n_bytes, ps, link, algorithms=ALGORITHMS):
     return rows
 
 
-def format_table(rows, unit="ms"):
+def format_table(rows: list[dict], unit: str = "ms") -> str:
     """The rows of ``predict_table`` as an aligned text table, times in ``unit`` (s, ms, us).
 
     Introduced in notebooks/05_allreduce.ipynb."""
@@ -300,7 +309,8 @@ def _link(link):
     raise ValueError(f"unknown link {link!r}: a Link, or one of {[*LINKS, *PCIE]}")
 
 
-def path_time(n_bytes, stages, chunk_bytes=None):
+def path_time(n_bytes: Number, stages: Sequence[Link | str],
+              chunk_bytes: float | None = None) -> Number:
     """Seconds to move ``n_bytes`` through ``stages`` (Links or names of :data:`LINKS` and
     :data:`PCIE`, in order), each stage one full pass over the data. ``chunk_bytes=None``: store
     and forward, the sum of the passes, sum_s (alpha_s + n beta_s). With chunks of c bytes (k =
@@ -313,13 +323,14 @@ def path_time(n_bytes, stages, chunk_bytes=None):
         return _scalar_or_array(sum(link.alpha + n * link.beta for link in links))
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be > 0, not {chunk_bytes}")
-    c = np.minimum(float(chunk_bytes), n)
+    c = np.minimum(float(chunk_bytes), n)  # a buffer smaller than a chunk is one chunk
     k = np.ceil(n / c)
     per_chunk = [link.alpha + c * link.beta for link in links]
     return _scalar_or_array(sum(per_chunk) + (k - 1) * np.maximum.reduce(per_chunk))
 
 
-def gpu_paths(pcie="PCIe 4.0 x16", network="InfiniBand HDR", nvlink="NVLink"):
+def gpu_paths(pcie: str = "PCIe 4.0 x16", network: str = "InfiniBand HDR",
+              nvlink: str = "NVLink") -> dict[str, list[str]]:
     """The stages a GPU's buffer crosses to reach another GPU, staged through host memory or
     direct (GPUDirect), as ``{name: [links]}`` for :func:`path_time`. Across nodes: staged is
     PCIe, the network, PCIe; GPUDirect RDMA is the network alone (the NIC reads GPU memory over

@@ -14,14 +14,15 @@ generated, and the handwritten digits come inside the scikit-learn wheel.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from course_lib.sharding import shard_bounds
 
 
-def make_linear(n_samples=200, n_features=1, noise=0.5, seed=0, bias=True):
+def make_linear(n_samples: int = 200, n_features: int = 1, noise: float = 0.5, seed: int = 0,
+                bias: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Synthetic linear-regression data ``y = X @ theta_true + noise``.
 
     Features are drawn uniformly from [0, 2) (not centred, as raw features usually are, which
@@ -43,7 +44,9 @@ def make_linear(n_samples=200, n_features=1, noise=0.5, seed=0, bias=True):
     return X.astype(np.float64), y.astype(np.float64), theta_true.astype(np.float64)
 
 
-def make_sparse_linear(n_samples=500, frequencies=(1.0, 0.2, 0.04), noise=0.05, seed=0):
+def make_sparse_linear(n_samples: int = 500, frequencies: Sequence[float] = (1.0, 0.2, 0.04),
+                       noise: float = 0.05,
+                       seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Linear data whose features are non-zero with very different frequencies (no bias).
 
     Column ``j`` is non-zero in about ``frequencies[j]`` of the rows (values N(0, 1) there,
@@ -56,6 +59,7 @@ def make_sparse_linear(n_samples=500, frequencies=(1.0, 0.2, 0.04), noise=0.05, 
     rng = np.random.default_rng(seed)
     freq = np.asarray(frequencies, dtype=np.float64)
     mask = rng.random(size=(n_samples, len(freq))) < freq
+    # one random row per column switched on, so that no feature is all zeros
     mask[rng.integers(n_samples, size=len(freq)), np.arange(len(freq))] = True
     X = np.where(mask, rng.normal(size=mask.shape), 0.0)
     theta_true = np.ones(len(freq))
@@ -63,7 +67,8 @@ def make_sparse_linear(n_samples=500, frequencies=(1.0, 0.2, 0.04), noise=0.05, 
     return X, y, theta_true
 
 
-def load_digits(standardize=True, seed=0, test_size=0.25):
+def load_digits(standardize: bool = True, seed: int = 0,
+                test_size: float = 0.25) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The 8x8 handwritten digits bundled with scikit-learn (1797 images, 10 classes).
 
     Returns ``(X_train, y_train, X_test, y_test)``: float64 features (64 pixels, scaled with
@@ -73,6 +78,8 @@ def load_digits(standardize=True, seed=0, test_size=0.25):
 
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
+    # scikit-learn takes a second to import: only when the digits are asked for (the
+    # synthetic sets, and every process that imports this module for them, do without it)
     from sklearn.datasets import load_digits as _sk_load_digits
     from sklearn.model_selection import train_test_split
 
@@ -92,7 +99,8 @@ def load_digits(standardize=True, seed=0, test_size=0.25):
     return X_train, y_train, X_test, y_test
 
 
-def shard(X, y, rank, world_size):
+def shard(X: np.ndarray, y: np.ndarray, rank: int,
+          world_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The rank's contiguous shard ``(X_r, y_r)`` of a data set (views, not copies).
 
     Every sample lands in exactly one shard, in order; shard sizes differ by at most one.
@@ -106,7 +114,8 @@ def shard(X, y, rank, world_size):
     return X[start:stop], y[start:stop]
 
 
-def batches(n, batch_size, rng=None) -> Iterator[np.ndarray]:
+def batches(n: int, batch_size: int,
+            rng: np.random.Generator | None = None) -> Iterator[np.ndarray]:
     """Yield index arrays of consecutive batches covering ``0 .. n-1`` exactly once.
 
     With ``rng`` (a ``np.random.Generator``) the order is ``rng.permutation(n)``, else

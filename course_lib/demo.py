@@ -3,20 +3,42 @@
 Starts a local cluster, runs each part of the course briefly, prints one summary table and
 writes the figures to ``demo_output/``. Each part is a function in ``PARTS``: it takes the
 running cluster and the output folder and returns rows ``(what, result, check_passed)``.
+
+An entry point, not a lesson: it imports the whole course (and the benchmarks' and tests'
+helpers) at the top, as a command line does; only matplotlib waits for the one figure it draws.
 """
 
+from __future__ import annotations
+
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from course_lib import chief, data, gd, hpsearch, hpsearch_loop, ps, sparse_problem, zero
+from course_lib import hogwild as hw
+from course_lib.bench import ddp as bench_ddp
+from course_lib.bench.allreduce import allreduce_rank_bench, format_size
+from course_lib.cluster import Cluster, start_cluster
+from course_lib.figures import hyperparameter_search as hpsearch_figures
+from course_lib.figures import save_figure
+from course_lib.models import LinearRegression
+from course_lib.parallel_gd import check_full_gradient
+from course_lib.pipeline import bubble_fraction
+from course_lib.testing import context_parallel as context_runs
+from course_lib.testing import ddp as ddp_check
+from course_lib.testing import pipeline as pipeline_runs
+from course_lib.testing import zero as zero_runs
+
+Row = tuple[str, str, bool]  # (what, result, check passed)
 
 
-def gradient_descent(cluster, out_dir):
+def gradient_descent(cluster: Cluster, out_dir: Path) -> list[Row]:
     """Batch GD, SGD and mini-batch SGD on the same linear regression.
 
     Demonstrates notebooks/01_gradient_descent.ipynb."""
-    from course_lib import data, gd
-    from course_lib.models import LinearRegression
     X, y, _ = data.make_linear(n_samples=512, n_features=4, noise=0.5, seed=0)
     problem, theta0 = LinearRegression(), np.zeros(X.shape[1])
     best = problem.loss(np.linalg.lstsq(X, y, rcond=None)[0], X, y)
@@ -29,22 +51,20 @@ def gradient_descent(cluster, out_dir):
              h.final_loss < 1.05 * best) for name, h in runs.items()]  # within 5% of optimum
 
 
-def full_gradient(cluster, out_dir):
+def full_gradient(cluster: Cluster, out_dir: Path) -> list[Row]:
     """The full gradient as the sum of per-rank shard gradients.
 
     Demonstrates notebooks/00_welcome_and_cluster.ipynb (and notebook 02)."""
-    from course_lib.parallel_gd import check_full_gradient
     error, _ = check_full_gradient(cluster, n_samples=1000, n_features=8)
     return [(f"sum of {cluster.n} shard gradients", f"max |error| vs 1 process {error:.1e}",
              error < 1e-12)]
 
 
-def allreduce(cluster, out_dir):
+def allreduce(cluster: Cluster, out_dir: Path) -> list[Row]:
     """Ring allreduce against the naive one on an emulated 1 Gbit/s network, where the lesson
     shows, then against the native one on bare loopback, 4 MiB.
 
     Demonstrates notebooks/05_allreduce.ipynb."""
-    from course_lib.bench.allreduce import allreduce_rank_bench, format_size
     size, link = 4 * 2**20, "1Gbit/s,50us"
     try:
         spec = cluster.set_link(link)
@@ -72,12 +92,10 @@ def allreduce(cluster, out_dir):
              "notebook 05)", all(r["wrong"] == 0 for r in loopback))]
 
 
-def parameter_server(cluster, out_dir):
+def parameter_server(cluster: Cluster, out_dir: Path) -> list[Row]:
     """Sync vs async parameter server, 1 server and the other ranks as workers.
 
     Demonstrates notebooks/04_parameter_server.ipynb."""
-    from course_lib import data, gd, ps
-    from course_lib.models import LinearRegression
     X, y, _ = data.make_linear(n_samples=600, n_features=8, noise=0.5, seed=0)
     problem, theta0 = LinearRegression(), np.zeros(X.shape[1])
     spec = ps.make_spec(1, cluster.n - 1, world_size=cluster.n)
@@ -98,19 +116,17 @@ def parameter_server(cluster, out_dir):
     return rows
 
 
-def hogwild(cluster, out_dir):
+def hogwild(cluster: Cluster, out_dir: Path) -> list[Row]:
     """Hogwild speed-up on sparse logistic regression: 2 lock-free workers vs 1 and vs locked
     (notebooks/03_hogwild.ipynb). The engines are not used: these are worker processes on
     shared memory."""
-    from course_lib import hogwild as hw
-    from course_lib import sparse_problem
-    data = sparse_problem.make_sparse_classification(n_samples=10_000, n_features=10_000,
-                                                     nnz=16, seed=0)
-    _, serial = sparse_problem.serial_sgd(data, lr=0.5, num_epochs=2)
+    dataset = sparse_problem.make_sparse_classification(n_samples=10_000, n_features=10_000,
+                                                        nnz=16, seed=0)
+    _, serial = sparse_problem.serial_sgd(dataset, lr=0.5, num_epochs=2)
     runs = {c: [] for c in [(1, False), (2, False), (2, True)]}
     for _ in range(3):  # interleaved, median
         for w, lock in runs:
-            runs[(w, lock)].append(hw.run_sparse(data, num_workers=w, lock=lock, lr=0.5,
+            runs[(w, lock)].append(hw.run_sparse(dataset, num_workers=w, lock=lock, lr=0.5,
                                                  num_epochs=2))
     speed = {c: float(np.median([r.samples_per_s for r in rs])) for c, rs in runs.items()}
     free = runs[(2, False)][-1]
@@ -121,12 +137,10 @@ def hogwild(cluster, out_dir):
              f"vs serial {serial[-1]:.4f}, {free.conflict_rate:.2%} updates conflicted", close)]
 
 
-def data_parallel(cluster, out_dir):
+def data_parallel(cluster: Cluster, out_dir: Path) -> list[Row]:
     """From-scratch DDP (buckets overlapped with backward) against torch's DDP: parameters after
     3 steps on the digits, and the step time of each measured side by side
     (notebooks/06_data_parallel_sgd.ipynb)."""
-    from course_lib.bench import ddp as bench_ddp
-    from course_lib.testing import ddp as ddp_check
     ours = cluster.run(ddp_check.train_on_rank, "overlap", steps=3)
     reference = cluster.run(ddp_check.train_on_rank, "torch", steps=3)[0]["params"]
     error = ddp_check.max_difference(ours, reference)
@@ -137,34 +151,32 @@ def data_parallel(cluster, out_dir):
              f"{rows[0]['vs_torch']:.2f}x torch DDP's", error < 1e-10)]
 
 
-def pipeline(cluster, out_dir):
+def pipeline(cluster: Cluster, out_dir: Path) -> list[Row]:
     """A 1F1B pipeline over every rank: gradients equal to one process, and the bubble of
     sleeping stages (10 ms forward, 20 ms backward) measured against (N-1)/(M+N-1)
     (notebooks/09_model_parallelism.ipynb)."""
-    from course_lib.pipeline import bubble_fraction
-    from course_lib.testing import pipeline as runs
-    M = 2 * cluster.n
-    error = max(r["grad"] for r in cluster.run(runs.pipeline_matches_one_process, "1f1b", M))
-    bubble, seconds = runs.measured_bubble(cluster.run(runs.timed_step, "1f1b", M, 0.01, 0.02))
+    M = 2 * cluster.n  # micro-batches: twice the stages, a bubble of (N-1)/(3N-1)
+    error = max(r["grad"] for r in cluster.run(pipeline_runs.pipeline_matches_one_process,
+                                               "1f1b", M))
+    bubble, seconds = pipeline_runs.measured_bubble(
+        cluster.run(pipeline_runs.timed_step, "1f1b", M, 0.01, 0.02))
     formula = bubble_fraction(cluster.n, M)
     return [(f"1F1B pipeline, {cluster.n} stages, {M} micro-batches",
              f"gradients differ from one process by {error:.1e}; bubble {bubble:.2f} measured, "
              f"{formula:.2f} by (N-1)/(M+N-1)", error < 1e-10 and abs(bubble - formula) < 0.1)]
 
 
-def sharded(cluster, out_dir):
+def sharded(cluster: Cluster, out_dir: Path) -> list[Row]:
     """ZeRO-3 over every rank: the memory a rank holds against DDP's, training under a budget
     one process cannot, and the same parameters as torch FSDP2
     (notebooks/10_sharded_data_parallelism.ipynb)."""
-    from course_lib import zero
-    from course_lib.testing import zero as runs
-    one = zero.planned_memory(runs.deep_model(), 1, 0)["total"]
+    one = zero.planned_memory(zero_runs.deep_model(), 1, 0)["total"]
     # 10% above what ZeRO-3 on these ranks needs: 42% of what one process (or a DDP rank)
     # holds on 4 ranks, 60% on 2
-    budget = int(1.1 * zero.planned_memory(runs.deep_model(), cluster.n, 3)["total"])
-    reports = cluster.run(runs.train_under_budget, budget, 3)
+    budget = int(1.1 * zero.planned_memory(zero_runs.deep_model(), cluster.n, 3)["total"])
+    reports = cluster.run(zero_runs.train_under_budget, budget, 3)
     held = max(r["peak"]["total"] for r in reports)
-    fsdp = max(cluster.run(runs.fsdp2_matches, 3, "adam"))
+    fsdp = max(cluster.run(zero_runs.fsdp2_matches, 3, "adam"))
     ok = (all(r["refused"] is None for r in reports) and held <= budget
           and max(r["diff"] for r in reports) < 1e-10 and fsdp < 1e-10)
     return [(f"ZeRO-3, {cluster.n} ranks, budget {budget / 1024:.0f} KiB per rank",
@@ -173,15 +185,10 @@ def sharded(cluster, out_dir):
              ok)]
 
 
-def fault_tolerance(cluster, out_dir):
+def fault_tolerance(cluster: Cluster, out_dir: Path) -> list[Row]:
     """Data-parallel training with the chief's checkpoints every 5 steps, rank 1 killed at its
     13th step, the engines restarted and training resumed: steps lost, and the parameters
     against the uninterrupted run (notebooks/11_fault_tolerance.ipynb)."""
-    import tempfile
-
-    import torch
-
-    from course_lib import chief
     work = Path(tempfile.mkdtemp(prefix="demo-ckpt-"))
     K = 5
     clean = chief.supervise(cluster, work / "clean", 24, K, report=lambda line: None)
@@ -194,18 +201,16 @@ def fault_tolerance(cluster, out_dir):
              run.restarts == 1 and max(run.recomputed) <= K and exact)]
 
 
-def hyperparameter_search(cluster, out_dir):
+def hyperparameter_search(cluster: Cluster, out_dir: Path) -> list[Row]:
     """Synchronous successive halving against ASHA on the same epochs, with trials that sleep
     for their training time: how busy the engines were, and a Gantt chart of both.
 
     Demonstrates notebooks/13_hyperparameter_search.ipynb."""
-    from course_lib import hpsearch, hpsearch_loop
-    from course_lib.figures import hyperparameter_search as figures
-    from course_lib.figures import save_figure
     kw = dict(min_epochs=1, max_epochs=9, eta=3, trial=hpsearch_loop.sleep_trial, epoch_s=0.03)
     sh = hpsearch.successive_halving(cluster, num_configs=27, **kw)
     asha = hpsearch.asha(cluster, budget=sh.epochs_spent, **kw)
-    save_figure(figures.gantt([sh, asha])[0].figure, out_dir, "demo_hpsearch_gantt.png")
+    save_figure(hpsearch_figures.gantt([sh, asha])[0].figure, out_dir,
+                "demo_hpsearch_gantt.png")
 
     def first_promotion_before_rung0_ends(r):
         return min(j.start for j in r.jobs if j.rung == 1) < max(
@@ -226,12 +231,28 @@ def hyperparameter_search(cluster, out_dir):
              sim[1].elapsed < sim[0].elapsed)]
 
 
+def long_sequences(cluster: Cluster, out_dir: Path) -> list[Row]:
+    """Ring attention over every rank (float64, forward and backward) against one process, and
+    each rank's causal work with contiguous chunks and with the zig-zag
+    (notebooks/14_transformers_and_long_sequences.ipynb)."""
+    length = 64 * cluster.n
+    rows = {layout: cluster.run(context_runs.ring_attention_error_on_rank, length, 0, layout)
+            for layout in ("contiguous", "zigzag")}
+    error = max(r["error"] for layout in rows.values() for r in layout)
+    blocks = {layout: [r["blocks"] for r in ranks] for layout, ranks in rows.items()}
+    return [(f"ring attention, {cluster.n} ranks, sequence of {length}",
+             f"output and gradients differ from one process by {error:.1e}; blocks attended per "
+             f"rank: contiguous {blocks['contiguous']}, zig-zag {blocks['zigzag']}",
+             error < 1e-10 and blocks["contiguous"] == list(range(1, cluster.n + 1))
+             and len(set(blocks["zigzag"])) == 1)]
+
+
 PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel,
-         pipeline, sharded, fault_tolerance, hyperparameter_search]
+         pipeline, sharded, fault_tolerance, hyperparameter_search, long_sequences]
 
 
 def _plot_losses(runs, best, path):
-    import matplotlib
+    import matplotlib  # here: the Agg backend (no window) is chosen only when the demo draws
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -245,11 +266,10 @@ def _plot_losses(runs, best, path):
     plt.close(fig)
 
 
-def main(n=4, out_dir="demo_output"):
+def main(n: int = 4, out_dir: str | Path = "demo_output") -> int:
     """Run every part; print the table; return 0 when every check passed.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    from course_lib.cluster import start_cluster
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -3,17 +3,27 @@
 Introduced in notebooks/00_welcome_and_cluster.ipynb. ``course_lib.cluster`` calls
 ``probe_engine`` and ``setup_engine`` on every engine; the rest are functions a notebook sends
 to the ranks with ``cluster.run(...)`` to see ranks, backends and deadlines at work.
+
+This module stays free of torch at import: ``course_lib.cluster`` (the notebook's kernel) and
+``course_lib.comm`` (which must import without torch under mpiexec) import it, and torch takes
+seconds; the functions that run on a rank import torch themselves.
 """
+
+from __future__ import annotations
 
 import os
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
+
+from course_lib import netem
 
 ENGINE: dict = {}  # on an engine: this rank's identity, filled in by setup_engine
 
 
-def probe_engine():
+def probe_engine() -> dict:
     """Report host, pid, GPUs and MPI rank (if any) so the client can assign ranks.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
@@ -21,7 +31,7 @@ def probe_engine():
             "mpi_rank": None}
     if "PMI_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
         info["mpi_rank"] = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")))
-    import torch
+    import torch  # kept off the module's import (see the module docstring)
     import torch.distributed as dist
     if torch.cuda.is_available():
         info["gpus"] = torch.cuda.device_count()
@@ -29,16 +39,16 @@ def probe_engine():
     return info
 
 
-def setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s, threads,
-                  loopback, link=None):
+def setup_engine(rank: int, world_size: int, local_rank: int, backend: str, init_method: str,
+                 timeout_s: float, threads: int, loopback: bool,
+                 link: netem.Link | None = None) -> int:
     """Give this engine its rank and (re)create its process group; switch its emulated link
     (``course_lib.netem``) on or off. Runs on every engine.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    import torch
+    import torch  # kept off the module's import (see the module docstring)
     import torch.distributed as dist
 
-    from course_lib import netem
     netem.set_link(link)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank))
     if loopback:
@@ -48,6 +58,7 @@ def setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s, 
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
         device = f"cuda:{local_rank}"
+    # a repair or a reused engine: the old group goes (a timeout may have closed its Gloo pairs)
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group(backend, init_method=init_method, rank=rank,
@@ -59,7 +70,7 @@ def setup_engine(rank, world_size, local_rank, backend, init_method, timeout_s, 
     return rank
 
 
-def mark_group_broken(reason):
+def mark_group_broken(reason: str) -> None:
     """Remember that this rank's process group may be unusable: a message or collective missed
     its deadline, so a peer may still be inside it, even if the caller caught the error. The
     cluster re-creates the group before its next call. Introduced in
@@ -67,7 +78,7 @@ def mark_group_broken(reason):
     ENGINE["broken"] = reason
 
 
-def call_and_report(fn, args, kwargs):
+def call_and_report(fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Any, str | None]:
     """What ``Cluster.run`` runs on every rank: ``fn(*args, **kwargs)``, and whether it left the
     process group broken (see :func:`mark_group_broken`). Introduced in
     notebooks/00_welcome_and_cluster.ipynb."""
@@ -77,16 +88,16 @@ def call_and_report(fn, args, kwargs):
     return result, ENGINE.pop("broken", None)
 
 
-def engine_info():
+def engine_info() -> dict:
     """This engine's rank, world size, local rank, host, pid, backend, device and threads.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    import torch
+    import torch  # kept off the module's import (see the module docstring)
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return dict(ENGINE, threads=torch.get_num_threads(), env=env)
 
 
-def hello():
+def hello() -> str:
     """A greeting from this rank: who it is, where it runs, which backend it uses.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
@@ -95,28 +106,28 @@ def hello():
             f"pid {e['pid']} on {e['host']}, {e['backend']} on {e['device']})")
 
 
-def allreduce_ranks():
+def allreduce_ranks() -> float:
     """Sum every rank's number with the native allreduce: 0 + 1 + ... + (world_size - 1).
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    import torch
+    import torch  # kept off the module's import (see the module docstring)
     import torch.distributed as dist
     t = torch.tensor([float(ENGINE["rank"])], device=ENGINE["device"])
     dist.all_reduce(t)
     return t.item()
 
 
-def mpi_hello():
+def mpi_hello() -> dict:
     """The same ranks seen through MPI (engines started with engines="mpi").
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    from mpi4py import MPI
+    from mpi4py import MPI  # optional (the mpi extra): only on engines="mpi"
     comm = MPI.COMM_WORLD
     return {"mpi_rank": comm.Get_rank(), "mpi_size": comm.Get_size(),
             "sum_of_ranks": comm.allreduce(comm.Get_rank())}
 
 
-def sleep_on(ranks, seconds):
+def sleep_on(ranks: list[int], seconds: float) -> int:
     """Sleep ``seconds`` on the given ranks (a slow rank, to watch a deadline fire).
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
@@ -125,33 +136,33 @@ def sleep_on(ranks, seconds):
     return ENGINE["rank"]
 
 
-def skip_collective(rank):
+def skip_collective(rank: int) -> float | None:
     """Every rank but ``rank`` joins an allreduce: the classic hang, bounded by deadlines.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     return allreduce_ranks() if ENGINE["rank"] != rank else None
 
 
-def exit_on(rank, others_sleep=30.0):
+def exit_on(rank: int, others_sleep: float = 30.0) -> int:
     """The process of ``rank`` exits at once (an engine that dies mid-call); the other ranks
     sleep ``others_sleep`` seconds and return their rank.
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     if ENGINE["rank"] == rank:
-        os._exit(1)
+        os._exit(1)  # no clean-up, no exception: as a crash or an OOM kill looks to its peers
     time.sleep(others_sleep)
     return ENGINE["rank"]
 
 
-def free_port_and_host():
+def free_port_and_host() -> tuple[str, int]:
     """Rank 0 of a multi-host cluster: a free TCP port on this host, for the rendezvous.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind(("", 0))  # port 0: the kernel picks a free one (closed again before rank 0 binds it)
         return socket.gethostbyname(socket.gethostname()), s.getsockname()[1]
 
 
-def choose_backend(probes, backend="auto"):
+def choose_backend(probes: list[dict], backend: str = "auto") -> tuple[str, str]:
     """Return (backend, reason): NCCL when every rank has its own GPU, else Gloo.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
@@ -160,6 +171,7 @@ def choose_backend(probes, backend="auto"):
     per_host = {}
     for p in probes:
         per_host[p["host"]] = per_host.get(p["host"], 0) + 1
+    # hosts with fewer GPUs than ranks: NCCL needs one GPU per rank (pinned by local rank)
     short = [h for h, k in per_host.items() if min(p["gpus"] for p in probes if p["host"] == h) < k]
     own_gpu = not short and all(p["nccl"] for p in probes)
     if backend == "nccl" and not own_gpu:

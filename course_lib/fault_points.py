@@ -24,10 +24,12 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 ENV = "COURSE_LIB_FAULTS"
 ACTIONS = ("kill", "hang", "stop")
-_ARMED = {}   # name -> [plan, ...], each dict(action, at, once, hang_s, hits)
+_ARMED: dict[str, list[dict]] = {}  # name -> [plan, ...], each dict(action, at, once, hang_s, hits)
 
 
 class FaultStop(Exception):
@@ -40,7 +42,8 @@ class FaultSpecError(ValueError):
     notebooks/11_fault_tolerance.ipynb."""
 
 
-def arm(name, action="kill", at=1, once=None, hang_s=3600.0):
+def arm(name: str, action: str = "kill", at: int = 1, once: str | None = None,
+        hang_s: float = 3600.0) -> None:
     """Make the ``at``-th time this process reaches point ``name`` (counted from now) fail with
     ``action``; a point may carry several such plans. Introduced in
     notebooks/11_fault_tolerance.ipynb."""
@@ -52,14 +55,14 @@ def arm(name, action="kill", at=1, once=None, hang_s=3600.0):
         {"action": action, "at": at, "once": once, "hang_s": hang_s, "hits": 0})
 
 
-def disarm(name=None):
+def disarm(name: str | None = None) -> None:
     """Disarm point ``name`` (every point if None). Introduced in
     notebooks/11_fault_tolerance.ipynb."""
     for key in [name] if name else list(_ARMED):
         _ARMED.pop(key, None)
 
 
-def parse(spec, rank=None):
+def parse(spec: str, rank: int | None = None) -> list[str]:
     """Arm the points of ``spec`` ("name:action@at[:rank=r][:once=path]", comma-separated) that
     apply to ``rank``; returns the names armed. Introduced in notebooks/11_fault_tolerance.ipynb."""
     armed = []
@@ -69,7 +72,7 @@ def parse(spec, rank=None):
         if not name or not fields:
             raise FaultSpecError(f"{item!r}: expected name:action@at[:rank=r][:once=path]")
         action, _, at = fields[0].partition("@")
-        options = dict(f.split("=", 1) for f in fields[1:] if "=" in f)
+        options = dict(f.split("=", 1) for f in fields[1:] if "=" in f)  # rank=..., once=...
         try:
             at = int(at or 1)
             target = int(options["rank"]) if "rank" in options else None
@@ -81,7 +84,7 @@ def parse(spec, rank=None):
     return armed
 
 
-def arm_once(specs, directory, rank=None):
+def arm_once(specs: Sequence[str], directory: str | Path | None, rank: int | None = None) -> None:
     """Disarm every point, then arm ``specs`` for ``rank``, each firing once in the life of
     ``directory`` (a ``once=`` file there, unless the spec names its own; no such file when
     ``directory`` is None): a process restarted to resume from ``directory``'s checkpoint does
@@ -90,10 +93,11 @@ def arm_once(specs, directory, rank=None):
     disarm()
     for i, spec in enumerate(specs):
         once = "once=" in spec or directory is None
+        # one marker file per spec: the restarted process finds it there and passes this point
         parse(spec if once else f"{spec}:once={directory}/.fault-{i}", rank)
 
 
-def arm_from_environment(rank=None):
+def arm_from_environment(rank: int | None = None) -> list[str]:
     """Arm what ``$COURSE_LIB_FAULTS`` says for this ``rank`` (default: ``$RANK``).
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     if rank is None and os.environ.get("RANK", "").isdigit():
@@ -101,16 +105,16 @@ def arm_from_environment(rank=None):
     return parse(os.environ.get(ENV, ""), rank)
 
 
-def point(name):
+def point(name: str) -> None:
     """A place where a failure is possible: fails here if ``name`` is armed and due.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     for plan in _ARMED.get(name, ()):
         plan["hits"] += 1
-        if plan["hits"] == plan["at"]:
+        if plan["hits"] == plan["at"]:  # ==, not >=: a plan fires once, at its at-th visit
             _fire(plan)
 
 
-def _fire(plan):
+def _fire(plan: dict) -> None:
     if plan["once"] is not None:
         try:  # exclusive create: exactly one process, once, fires
             os.close(os.open(plan["once"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))

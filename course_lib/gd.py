@@ -16,19 +16,27 @@ curves of different methods can be drawn on one epoch axis.
     hist = gd.minibatch_sgd(models.LinearRegression(), X, y, theta0=[0.0, 0.0], lr=0.1,
                             num_epochs=20, batch_size=32, schedule=gd.step_decay(0.1))
     hist.final_theta, hist.final_loss
+
+It stays one file: the three methods share the History, the schedules and the update rules, and
+notebook 01 reads them top to bottom.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from course_lib.arguments import check_count, check_lr
 
 # A run counts as diverged once the full loss is non-finite or this many times the start.
 DIVERGENCE_FACTOR = 1e10
+
+Schedule = Callable[[int], float]  # epoch (or update) index -> learning rate
 
 
 @dataclass
@@ -43,34 +51,36 @@ class History:
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
 
-    losses: list = field(default_factory=list)
-    thetas: list = field(default_factory=list)
-    lrs: list = field(default_factory=list)
-    epochs: list = field(default_factory=list)
-    batch_losses: list = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    thetas: list[np.ndarray] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    epochs: list[int] = field(default_factory=list)
+    batch_losses: list[float] = field(default_factory=list)
     diverged: bool = False
     record_thetas: bool = True
     last_theta: np.ndarray | None = field(default=None, repr=False)
 
     @property
-    def final_theta(self):
+    def final_theta(self) -> np.ndarray | None:
         return self.last_theta
 
     @property
-    def final_loss(self):
+    def final_loss(self) -> float:
         return self.losses[-1]
 
     @property
-    def epochs_elapsed(self):
+    def epochs_elapsed(self) -> np.ndarray:
         """Fractional epochs at each entry of ``losses`` (0 at the start), for a common x-axis."""
         ep = np.asarray(self.epochs)
         x = np.zeros(len(ep) + 1)
         for e in np.unique(ep):
             where = np.flatnonzero(ep == e)
+            # update j of k in epoch e ends at e + j/k; losses[i + 1] follows update i
             x[where + 1] = e + np.arange(1, len(where) + 1) / len(where)
         return x
 
     def _record(self, theta, loss, lr=None, epoch=None):
+        """Append one entry; True when the run has diverged (the caller stops)."""
         self.losses.append(float(loss))
         self.last_theta = theta.copy()
         if self.record_thetas:
@@ -84,13 +94,13 @@ class History:
 
 
 # ---------------------------------------------------------------- learning-rate schedules
-def constant(lr):
+def constant(lr: float) -> Schedule:
     """Schedule ``epoch -> lr``. Introduced in notebooks/01_gradient_descent.ipynb."""
     lr = check_lr(lr)
     return lambda epoch: lr
 
 
-def step_decay(lr, drop=0.5, epochs_per_drop=10):
+def step_decay(lr: float, drop: float = 0.5, epochs_per_drop: int = 10) -> Schedule:
     """Schedule ``epoch -> lr * drop ** (epoch // epochs_per_drop)``: a staircase.
 
     Introduced in notebooks/01_gradient_descent.ipynb.
@@ -102,7 +112,7 @@ def step_decay(lr, drop=0.5, epochs_per_drop=10):
     return lambda epoch: lr * drop ** (epoch // epochs_per_drop)
 
 
-def exponential_decay(lr, k):
+def exponential_decay(lr: float, k: float) -> Schedule:
     """Schedule ``epoch -> lr * exp(-k * epoch)``. Introduced in
     notebooks/01_gradient_descent.ipynb."""
     lr = check_lr(lr)
@@ -111,7 +121,7 @@ def exponential_decay(lr, k):
     return lambda epoch: lr * math.exp(-k * epoch)
 
 
-def inverse_time_decay(lr, k):
+def inverse_time_decay(lr: float, k: float) -> Schedule:
     """Schedule ``epoch -> lr / (1 + k * epoch)``, the classic 1/t annealing.
 
     Introduced in notebooks/01_gradient_descent.ipynb.
@@ -122,7 +132,7 @@ def inverse_time_decay(lr, k):
     return lambda epoch: lr / (1.0 + k * epoch)
 
 
-def updates_per_epoch(n_samples, batch_size, drop_last=False):
+def updates_per_epoch(n_samples: int, batch_size: int, drop_last: bool = False) -> int:
     """Mini-batch updates in one pass over ``n_samples``: ``ceil(n_samples / batch_size)`` (the
     last batch may be smaller), or with ``drop_last`` only the full batches,
     ``max(n_samples // batch_size, 1)`` (one batch of everything when batch_size > n_samples).
@@ -132,17 +142,17 @@ def updates_per_epoch(n_samples, batch_size, drop_last=False):
     check_count("batch_size", batch_size)
     if drop_last:
         return max(int(n_samples) // int(batch_size), 1)
-    return -(-int(n_samples) // int(batch_size))
+    return -(-int(n_samples) // int(batch_size))  # ceiling division in integers: -floor(-a/b)
 
 
 class SGD:
     """The plain step ``theta - lr * grad`` (no state). Introduced in
     notebooks/01_gradient_descent.ipynb."""
 
-    def reset(self):
+    def reset(self) -> None:
         pass
 
-    def step(self, theta, grad, lr):
+    def step(self, theta: np.ndarray, grad: np.ndarray, lr: float) -> np.ndarray:
         return theta - lr * grad
 
 
@@ -160,16 +170,16 @@ class Momentum:
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
 
-    def __init__(self, beta=0.9, correction=True):
+    def __init__(self, beta: float = 0.9, correction: bool = True) -> None:
         if not 0 <= beta < 1:
             raise ValueError(f"beta must be in [0, 1), got {beta}")
         self.beta, self.correction = beta, bool(correction)
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         self.v, self.lr = None, None
 
-    def step(self, theta, grad, lr):
+    def step(self, theta: np.ndarray, grad: np.ndarray, lr: float) -> np.ndarray:
         if self.v is None:
             self.v = lr * grad
         else:  # v was built with the previous rate: rescale it to this one
@@ -188,20 +198,23 @@ class Adagrad:
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
 
-    def __init__(self, eps=1e-8):
+    def __init__(self, eps: float = 1e-8) -> None:
         self.eps = eps
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         self.G = None
 
-    def step(self, theta, grad, lr):
+    def step(self, theta: np.ndarray, grad: np.ndarray, lr: float) -> np.ndarray:
         self.G = grad**2 if self.G is None else self.G + grad**2
         return theta - lr * grad / (np.sqrt(self.G) + self.eps)
 
 
-# ---------------------------------------------------------------- the three methods
+# what the methods accept as ``optimizer`` (None: the plain step, without an object)
+Optimizer = SGD | Momentum | Adagrad
 
+
+# ---------------------------------------------------------------- the three methods
 
 def _setup(problem, X, y, theta0, lr, num_epochs, optimizer, record_thetas):
     """Validate arguments, reset the optimizer, record the initial loss."""
@@ -225,8 +238,9 @@ def _step(theta, g, lr, optimizer):
     return theta - lr * g if optimizer is None else optimizer.step(theta, g, lr)
 
 
-def batch_gd(problem, X, y, theta0, lr, num_epochs, schedule=None, optimizer=None, *,
-             record_thetas=True):
+def batch_gd(problem: Any, X: np.ndarray | None, y: np.ndarray | None, theta0: ArrayLike,
+             lr: float, num_epochs: int, schedule: Schedule | None = None,
+             optimizer: Optimizer | None = None, *, record_thetas: bool = True) -> History:
     """Batch gradient descent: each epoch is ONE update with the gradient over all of X.
 
     ``theta <- theta - lr_e * problem.grad(theta, X, y)`` with ``lr_e = schedule(e)`` when a
@@ -244,8 +258,9 @@ def batch_gd(problem, X, y, theta0, lr, num_epochs, schedule=None, optimizer=Non
     return hist
 
 
-def sgd(problem, X, y, theta0, lr, num_epochs, seed=0, schedule=None, optimizer=None, *,
-        record_thetas=True):
+def sgd(problem: Any, X: np.ndarray, y: np.ndarray, theta0: ArrayLike, lr: float,
+        num_epochs: int, seed: int = 0, schedule: Schedule | None = None,
+        optimizer: Optimizer | None = None, *, record_thetas: bool = True) -> History:
     """Stochastic gradient descent: one sample per update, in a fresh random order each epoch.
 
     ``rng = np.random.default_rng(seed)``; every epoch visits ``rng.permutation(len(X))`` and
@@ -260,7 +275,7 @@ def sgd(problem, X, y, theta0, lr, num_epochs, seed=0, schedule=None, optimizer=
         for epoch in range(num_epochs):
             lr_e = _lr_for(epoch, lr, schedule)
             for i in rng.permutation(len(X)):
-                xi, yi = X[i:i + 1], y[i:i + 1]
+                xi, yi = X[i:i + 1], y[i:i + 1]  # a slice, not X[i]: still a 2-D batch of one
                 hist.batch_losses.append(problem.loss(theta, xi, yi))
                 theta = _step(theta, problem.grad(theta, xi, yi), lr_e, optimizer)
                 if hist._record(theta, problem.loss(theta, X, y), lr_e, epoch):
@@ -268,8 +283,11 @@ def sgd(problem, X, y, theta0, lr, num_epochs, seed=0, schedule=None, optimizer=
     return hist
 
 
-def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=None, *,
-                        callback=None, lr_at=None):
+def minibatch_sgd_epoch(problem: Any, X: np.ndarray, y: np.ndarray, theta: ArrayLike, lr: float,
+                        batch_size: int, rng: np.random.Generator,
+                        optimizer: Optimizer | None = None, *,
+                        callback: Callable[[np.ndarray], bool] | None = None,
+                        lr_at: Schedule | None = None) -> tuple[np.ndarray, list[float]]:
     """One epoch of mini-batch SGD. Returns ``(theta, batch_losses)``.
 
     The exact contract (lab 01 checks a student's version against this one):
@@ -304,8 +322,10 @@ def minibatch_sgd_epoch(problem, X, y, theta, lr, batch_size, rng, optimizer=Non
     return theta, batch_losses
 
 
-def minibatch_sgd(problem, X, y, theta0, lr, num_epochs, batch_size=32, seed=0, schedule=None,
-                  optimizer=None, *, record_thetas=True, update_schedule=None):
+def minibatch_sgd(problem: Any, X: np.ndarray, y: np.ndarray, theta0: ArrayLike, lr: float,
+                  num_epochs: int, batch_size: int = 32, seed: int = 0,
+                  schedule: Schedule | None = None, optimizer: Optimizer | None = None, *,
+                  record_thetas: bool = True, update_schedule: Schedule | None = None) -> History:
     """Mini-batch SGD: ``num_epochs`` calls of ``minibatch_sgd_epoch`` with one shared
     ``rng = np.random.default_rng(seed)`` and ``lr_e = schedule(e)`` (or ``lr``) in epoch e.
 
@@ -323,12 +343,15 @@ def minibatch_sgd(problem, X, y, theta0, lr, num_epochs, batch_size=32, seed=0, 
     with np.errstate(over="ignore", invalid="ignore"):
         for epoch in range(num_epochs):
             lr_e = _lr_for(epoch, lr, schedule)
+            # updates made before this epoch: update i of the epoch is update first + i of the
+            # run. (Defaults bind this epoch's values: a closure would see the loop's last.)
             first, lr_at = len(hist.lrs), None
             if update_schedule is not None:
                 def lr_at(i, first=first):
                     return update_schedule(first + i)
 
             def record(th, lr_e=lr_e, epoch=epoch, lr_at=lr_at, first=first):
+                # called after each update, so len(hist.lrs) - first is the index just used
                 lr_u = lr_e if lr_at is None else lr_at(len(hist.lrs) - first)
                 return hist._record(th, problem.loss(th, X, y), lr_u, epoch)
 

@@ -30,9 +30,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from course_lib.arguments import check_count
+from course_lib.data import load_digits
 from course_lib.launch import supervise
+from course_lib.models import mlp
 from course_lib.race import RaceError
-from course_lib.sparse_problem import sparse_loss
+from course_lib.sharding import shard_bounds
+from course_lib.sparse_problem import SparseData, sparse_loss
+
+# Each spawned worker imports this module afresh: torch (seconds to import) is imported only
+# inside the functions of the dense problem, so that sparse workers start without it.
 
 
 class HogwildError(RaceError):
@@ -51,28 +57,28 @@ class HogwildResult:
     num_workers: int
     lock: bool
     seconds: float                 # slowest worker, from the common start to its last update
-    worker_samples: list
-    worker_seconds: list
-    losses: list
+    worker_samples: list[int]
+    worker_seconds: list[float]
+    losses: list[float]
     conflicts: int                 # coordinates written by another worker between read and write
     conflicted_updates: int        # updates with at least one such coordinate
     params: np.ndarray = field(repr=False)
 
     @property
-    def samples(self):
+    def samples(self) -> int:
         return int(sum(self.worker_samples))
 
     @property
-    def samples_per_s(self):
+    def samples_per_s(self) -> float:
         return self.samples / self.seconds if self.seconds > 0 else float("nan")
 
     @property
-    def conflict_rate(self):
+    def conflict_rate(self) -> float:
         """Fraction of updates that collided with another worker's write."""
         return self.conflicted_updates / max(self.samples, 1)
 
     @property
-    def final_loss(self):
+    def final_loss(self) -> float:
         return self.losses[-1]
 
 
@@ -88,6 +94,7 @@ def _sparse_loop(w, counts, rows, y, order, lr, lock):
         seen = counts[idx]                               # write counters at read time
         yi = y[i]
         margin = float(w[idx] @ v)                       # read
+        # d/dmargin of log(1 + exp(-y margin)); min(): exp(710) would overflow a float
         scale = -yi / (1.0 + math.exp(min(yi * margin, 700.0)))
         changed = np.count_nonzero(counts[idx] != seen)  # written by someone else since the read
         w[idx] -= (lr * scale) * v                       # write
@@ -122,13 +129,13 @@ def _worker(problem, wid, spec, shared, lock, barrier, num_epochs, fail):
     w, counts, snaps = _view(shared["w"]), _view(shared["counts"]), _view(shared["snaps"])
     stats = _view(shared["stats"])  # per worker: samples, seconds, conflicts, conflicted
     step = _sparse_setup(spec, shared) if problem == "sparse" else _dense_setup(spec, shared, w)
-    rng = np.random.default_rng([spec["seed"], wid])
+    rng = np.random.default_rng([spec["seed"], wid])  # worker 0's order is serial_sgd's
     shard = spec["stop"] - spec["start"]
     barrier.wait(timeout=60)  # everybody imported and set up: start together
     began = time.perf_counter()
     for epoch in range(num_epochs):
         c, u = step(w, counts, rng, lock)
-        stats[wid, 0] += shard
+        stats[wid, 0] += shard  # a row per worker, written by it alone: no race on the stats
         stats[wid, 2] += c
         stats[wid, 3] += u
         barrier.wait(timeout=60)  # end of the epoch: worker 0 keeps a copy for the loss curve
@@ -150,9 +157,8 @@ def _sparse_setup(spec, shared):
 
 
 def _dense_setup(spec, shared, w):
-    import torch
-    torch.set_num_threads(1)
-    from course_lib.models import mlp
+    import torch  # here, not at the top: see the note on the imports
+    torch.set_num_threads(1)  # one thread per worker: the workers are the parallelism
     X = torch.from_numpy(_view(shared["X"])[spec["start"]:spec["stop"]])
     y = torch.from_numpy(_view(shared["y"])[spec["start"]:spec["stop"]])
     model = mlp(X.shape[1], spec["hidden"], 10, seed=spec["seed"])
@@ -171,7 +177,7 @@ def _dense_setup(spec, shared, w):
             idx = order[start:start + batch_size]
             if lock is not None:
                 lock.acquire()
-            seen = counts.copy()
+            seen = counts.copy()  # a copy: counts is shared memory, other workers bump it
             loss = torch.nn.functional.cross_entropy(model(X[idx]), y[idx])   # read
             grads = torch.autograd.grad(loss, params)
             changed = [k for k in range(len(params)) if counts[k] != seen[k]]
@@ -200,7 +206,7 @@ def _run(problem, spec, arrays, w0, n_counters, num_workers, lock, num_epochs, t
     the_lock = ctx.Lock() if lock else None
     n, procs = len(arrays["y"]), []
     for wid in range(num_workers):
-        start, stop = _bounds(n, wid, num_workers)
+        start, stop = shard_bounds(n, wid, num_workers)
         procs.append(ctx.Process(target=_worker, daemon=True, name=f"hogwild-worker-{wid}",
                                  args=(problem, wid, dict(spec, start=start, stop=stop), shared,
                                        the_lock, barrier, num_epochs,
@@ -210,19 +216,15 @@ def _run(problem, spec, arrays, w0, n_counters, num_workers, lock, num_epochs, t
     return _view(shared["stats"]).copy(), _view(shared["snaps"]).copy(), _view(shared["w"]).copy()
 
 
-def _bounds(n, wid, num_workers):
-    from course_lib.sharding import shard_bounds
-    return shard_bounds(n, wid, num_workers)
-
-
 def _result(problem, num_workers, lock, stats, losses, params):
     return HogwildResult(problem, num_workers, lock, float(stats[:, 1].max()),
                          [int(s) for s in stats[:, 0]], [float(s) for s in stats[:, 1]],
                          losses, int(stats[:, 2].sum()), int(stats[:, 3].sum()), params)
 
 
-def run_sparse(data, num_workers=2, lock=False, lr=0.5, num_epochs=3, seed=0, timeout=60.0,
-               fail_worker=None):
+def run_sparse(data: SparseData, num_workers: int = 2, lock: bool = False, lr: float = 0.5,
+               num_epochs: int = 3, seed: int = 0, timeout: float = 60.0,
+               fail_worker: int | None = None) -> HogwildResult:
     """Hogwild (``lock=False``) or its locked twin on sparse logistic regression.
 
     Worker ``k`` takes shard ``k`` of the rows (``sharding.shard_bounds``) and visits it in the
@@ -240,18 +242,17 @@ def run_sparse(data, num_workers=2, lock=False, lr=0.5, num_epochs=3, seed=0, ti
     return _result("sparse", num_workers, lock, stats, losses, w)
 
 
-def run_dense(num_workers=2, lock=False, hidden=32, lr=0.02, batch_size=1, num_epochs=2, seed=0,
-              timeout=120.0, fail_worker=None):
+def run_dense(num_workers: int = 2, lock: bool = False, hidden: int = 32, lr: float = 0.02,
+              batch_size: int = 1, num_epochs: int = 2, seed: int = 0, timeout: float = 120.0,
+              fail_worker: int | None = None) -> HogwildResult:
     """Hogwild on an MLP (``models.mlp``) classifying digits: every update writes every weight,
     so concurrent updates always collide. Loss = mean cross-entropy on the training set.
     Introduced in notebooks/03_hogwild.ipynb."""
     check_count("num_workers", num_workers)
     check_count("num_epochs", num_epochs)
-    import torch
+    import torch  # here, not at the top: see the note on the imports
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-    from course_lib.data import load_digits
-    from course_lib.models import mlp
     X, y, _, _ = load_digits(seed=seed)
     model = mlp(X.shape[1], hidden, 10, seed=seed)
     w0 = parameters_to_vector(model.parameters()).detach().numpy().astype(np.float32)

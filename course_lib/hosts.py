@@ -12,6 +12,9 @@ can tell; this machine itself sits on the bridge too (``.254``), like a login no
         hosts.shape(a, rate="200Mbit/s")               # tc: the kernel's own slow link
 
 ``tc`` on those interfaces is the real kernel's counterpart of :mod:`course_lib.netem`.
+
+ipyparallel and the cluster are imported by :func:`start_cluster` alone, not at the top: every
+rank of ``python -m course_lib.train`` imports this module, and ipyparallel takes a second.
 """
 
 from __future__ import annotations
@@ -24,8 +27,18 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from course_lib.launch import finish_within, stop_and_reap
+from course_lib.netem import parse_rate, parse_time
+
+if TYPE_CHECKING:  # for the annotations only (see the module docstring)
+    from course_lib.cluster import Cluster
 
 SUBNET = "10.23.0"  # the first free one of 10.23.0-255 is used: two sets of hosts never share
 _COUNT = itertools.count()
@@ -36,7 +49,7 @@ class HostsUnavailable(RuntimeError):
     Introduced in notebooks/12_scaling_out.ipynb."""
 
 
-def unavailable_reason():
+def unavailable_reason() -> str | None:
     """None if hosts can be made here, else why not (and how to fix it).
     Introduced in notebooks/12_scaling_out.ipynb."""
     if os.name != "posix" or not os.path.exists("/proc/self/ns/net"):
@@ -66,16 +79,19 @@ class Host:
     port: str = ""
     gateway: str = ""
 
-    def command(self, argv):
+    def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` as run inside this host: its network namespace, its own hostname."""
+        # a new UTS namespace per command: the hostname set inside it is this host's alone;
+        # sh -c '... exec "$@"' sh ARGV runs ARGV as given, no shell quoting of its words
         return ["ip", "netns", "exec", self.netns, "unshare", "--uts", "sh", "-c",
                 f'hostname {self.name} && exec "$@"', "sh", *argv]
 
-    def popen(self, argv, **kwargs):
+    def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` on this host (``subprocess.Popen`` arguments pass through)."""
         return subprocess.Popen(self.command(argv), **kwargs)
 
-    def run(self, argv, timeout=60, **kwargs):
+    def run(self, argv: Sequence[str], timeout: float = 60,
+            **kwargs: Any) -> subprocess.CompletedProcess:
         """Run ``argv`` on this host and return its completed process (text output)."""
         return subprocess.run(self.command(argv), capture_output=True, text=True,
                               timeout=timeout, **kwargs)
@@ -100,7 +116,7 @@ def _free_subnet():
 
 
 @contextlib.contextmanager
-def make_hosts(names=("hostA", "hostB")):
+def make_hosts(names: Sequence[str] = ("hostA", "hostB")) -> Iterator[list[Host]]:
     """Make one host per name, ``SUBNET``.1, .2, ... on one bridge (this machine is .254),
     each with an ``/etc/hosts`` that knows every name; yield them; remove them (with every
     process still inside) at the end. Introduced in notebooks/12_scaling_out.ipynb."""
@@ -138,7 +154,7 @@ def make_hosts(names=("hostA", "hostB")):
             _ip("-n", h.netns, "link", "set", "lo", "up")
         yield hosts
     finally:
-        for name in made[1:]:
+        for name in made[1:]:  # made[0] is the bridge, the rest namespaces
             pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
                                   text=True, timeout=10).stdout.split()
             for pid in pids:  # nothing outlives its host
@@ -150,12 +166,12 @@ def make_hosts(names=("hostA", "hostB")):
             subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=10)
 
 
-def run_each(machines, argvs, envs, timeout=180.0):
+def run_each(machines: Sequence[Host], argvs: Sequence[Sequence[str]],
+             envs: Sequence[Mapping[str, str]], timeout: float = 180.0) -> list[str]:
     """Start ``argvs[i]`` on ``machines[i]`` with the environment ``envs[i]`` (Gloo told to use
     that host's interface) and wait for all, each within ``timeout`` s. Returns their outputs
     (stdout and stderr together); raises RuntimeError naming the first host that failed or ran
     late, with its last lines. Introduced in notebooks/12_scaling_out.ipynb."""
-    from course_lib.launch import finish_within
     procs = [h.popen(argv, env={**env, "GLOO_SOCKET_IFNAME": h.interface},
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for h, argv, env in zip(machines, argvs, envs, strict=True)]
@@ -169,7 +185,7 @@ def run_each(machines, argvs, envs, timeout=180.0):
     return outputs
 
 
-def rsh(hosts, directory):
+def rsh(hosts: Sequence[Host], directory: str | Path) -> Path:
     """Write an executable that does what ``rsh HOST COMMAND`` does, for these hosts: run the
     command inside that host (its namespaces, its hostname). MPICH's launcher starts its proxy
     on each remote host that way (``mpiexec -launcher rsh -launcher-exec PATH``), where a real
@@ -188,13 +204,12 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $host && exec sh -c \\"\\
     return path
 
 
-def shape(host, rate=None, delay=None):
+def shape(host: Host, rate: str | None = None, delay: str | None = None) -> None:
     """Slow ``host``'s cable in both directions with ``tc``: at most ``rate`` each way (e.g.
     "200Mbit/s", as :mod:`course_lib.netem` writes it) and ``delay`` more latency each way (e.g.
     "1ms"); neither: back to a bare cable. A rate alone uses the token-bucket filter (tbf), a
     delay needs netem (the kernel module sch_netem; some kernels lack it: a RuntimeError then
     says so). Introduced in notebooks/12_scaling_out.ipynb."""
-    from course_lib.netem import parse_rate, parse_time
     bits = f"{parse_rate(rate) * 8:.0f}bit" if rate else None
     if delay:
         qdisc = ["netem", "delay", f"{parse_time(delay) * 1e6:.0f}us"]
@@ -212,20 +227,17 @@ def shape(host, rate=None, delay=None):
             raise RuntimeError(f"{' '.join(argv)} on {host.name}: {done.stderr.strip()}{hint}")
 
 
-def start_cluster(machines, per_host=1, timeout=60, pg_timeout=30):
+def start_cluster(machines: Sequence[Host], per_host: int = 1, timeout: float = 60,
+                  pg_timeout: float = 30) -> Cluster:
     """The course's cluster with its engines on ``machines`` (``per_host`` each; ranks host by
     host). Its controller listens on this machine's address on the switch (``gateway``), as on
     a cluster's login node; each engine starts on its host and connects to it; the process
     group meets over TCP at rank 0's host (one machine uses a file). Stop it before the hosts
     go. Its engines are not ipyparallel's to restart: after one dies, start a new cluster.
     Introduced in notebooks/12_scaling_out.ipynb."""
-    import tempfile
-    import uuid
-
-    import ipyparallel as ipp
+    import ipyparallel as ipp  # not at the top (see the module docstring)
 
     from course_lib.cluster import CONTROLLER_ARGS, PROFILE, Cluster, ClusterError
-    from course_lib.launch import stop_and_reap
     cluster_id = f"{os.getpid()}-hosts-{uuid.uuid4().hex[:6]}"
     ipp_cluster = ipp.Cluster(n=0, profile=PROFILE, cluster_id=cluster_id, log_level=40,
                               controller_ip=machines[0].gateway, controller_args=CONTROLLER_ARGS)

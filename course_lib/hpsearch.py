@@ -30,18 +30,23 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from course_lib.arguments import check_count
-from course_lib.hpsearch_loop import Job, run
+from course_lib.hpsearch_loop import Job, SearchResult, run
+
+if TYPE_CHECKING:
+    from course_lib.cluster import Cluster
 
 SPACE = {"lr": ("log", 0.003, 3.0), "batch_size": ("choice", (16, 32, 64, 128)),
          "width": ("choice", (8, 16, 32, 64)), "warmup": ("choice", (0, 1, 2))}
 
 
 # ---------------------------------------------------------------- configurations
-def sample(space, rng):
+def sample(space: dict, rng: np.random.Generator) -> dict:
     """One configuration drawn from ``space`` ({name: ("log", lo, hi) | ("uniform", lo, hi) |
     ("choice", values)}). Introduced in notebooks/13_hyperparameter_search.ipynb."""
     config = {}
@@ -57,7 +62,7 @@ def sample(space, rng):
     return config
 
 
-def grid(space, num=3):
+def grid(space: dict, num: int = 3) -> list[dict]:
     """Every combination: ``num`` points per numeric range (log-spaced for "log"), every value
     of a choice. Introduced in notebooks/13_hyperparameter_search.ipynb."""
     axes = []
@@ -73,17 +78,17 @@ class RandomSearch:
     """Every configuration trained to ``max_epochs``, in any order.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
 
-    def __init__(self, configs, max_epochs):
-        self.queue = list(enumerate(configs))[::-1]
+    def __init__(self, configs: Iterable[dict], max_epochs: int) -> None:
+        self.queue = list(enumerate(configs))[::-1]  # reversed: pop() hands them out in order
         self.max_epochs = max_epochs
 
-    def next(self):
+    def next(self) -> Job | None:
         if self.queue:
             config_id, config = self.queue.pop()
             return Job(config_id, config, 0, self.max_epochs)
         return None
 
-    def report(self, job):
+    def report(self, job: Job) -> None:
         pass
 
 
@@ -92,23 +97,24 @@ class SuccessiveHalving:
     1/``eta`` of a *complete* rung ``eta`` times longer, up to ``max_epochs``.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
 
-    def __init__(self, configs, min_epochs, max_epochs, eta=3, first_id=0):
+    def __init__(self, configs: Iterable[dict], min_epochs: int, max_epochs: int, eta: int = 3,
+                 first_id: int = 0) -> None:
         self.eta, self.max_epochs = eta, max_epochs
         self.rung, self.epochs = 0, min(min_epochs, max_epochs)
         self.todo = list(enumerate(configs, first_id))[::-1]
         self.expected, self.results, self.finished = len(self.todo), [], not self.todo
 
-    def next(self):
+    def next(self) -> Job | None:
         if self.todo:
             config_id, config = self.todo.pop()
             return Job(config_id, config, self.rung, self.epochs)
         return None  # the rung is not complete yet: an engine may have to wait
 
-    def report(self, job):
+    def report(self, job: Job) -> None:
         self.results.append(job)
         if len(self.results) < self.expected:
             return
-        keep = max(1, len(self.results) // self.eta)
+        keep = max(1, len(self.results) // self.eta)  # the top 1/eta go on, at least one
         if self.epochs >= self.max_epochs or len(self.results) == 1:
             self.finished = True
             return
@@ -125,16 +131,17 @@ class ASHA:
     wait. ``budget``: start no job that would take the epochs spent or running past it.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
 
-    def __init__(self, configs, min_epochs, max_epochs, eta=3, budget=None):
+    def __init__(self, configs: Iterable[dict], min_epochs: int, max_epochs: int, eta: int = 3,
+                 budget: int | None = None) -> None:
         self.eta, self.budget, self.spent = eta, budget, 0
         self.new, self.configs = enumerate(configs), {}
-        self.epochs = [min(min_epochs, max_epochs)]
+        self.epochs = [min(min_epochs, max_epochs)]  # rung -> epochs: r, r eta, r eta^2 ..., R
         while self.epochs[-1] < max_epochs:
             self.epochs.append(min(self.epochs[-1] * eta, max_epochs))
         self.results = [{} for _ in self.epochs]      # rung -> {config_id: accuracy}
         self.promoted = [set() for _ in self.epochs]  # rung -> config ids sent up already
 
-    def next(self):
+    def next(self) -> Job | None:
         job = self._promotion() or self._new()
         if job is not None:
             self.spent += self._cost(job.rung)
@@ -148,10 +155,12 @@ class ASHA:
         return self.budget is None or self.spent + self._cost(rung) <= self.budget
 
     def _promotion(self):
-        for rung in range(len(self.epochs) - 2, -1, -1):
+        for rung in range(len(self.epochs) - 2, -1, -1):  # highest first; the top has no rung above
             if not self._affordable(rung + 1):
                 continue
             ranked = sorted(self.results[rung], key=lambda c: -self.results[rung][c])
+            # the top 1/eta of what this rung has reported so far: with fewer than eta results
+            # nobody qualifies yet, and a new configuration starts instead
             for config_id in ranked[:len(ranked) // self.eta]:
                 if config_id not in self.promoted[rung]:
                     self.promoted[rung].add(config_id)
@@ -168,7 +177,7 @@ class ASHA:
         self.configs[config_id] = config
         return Job(config_id, config, 0, self.epochs[0])
 
-    def report(self, job):
+    def report(self, job: Job) -> None:
         self.results[job.rung][job.config_id] = job.acc
 
 
@@ -177,8 +186,11 @@ class Hyperband:
     ceil((s_max + 1) / (s + 1) * eta**s) configurations at ``max_epochs / eta**s`` epochs.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
 
-    def __init__(self, space, min_epochs, max_epochs, eta=3, seed=0):
+    def __init__(self, space: dict, min_epochs: int, max_epochs: int, eta: int = 3,
+                 seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
+        # Li et al. 2018, Algorithm 1: s_max = floor(log_eta(R / r)) (+ 1e-9: log(243, 3) is
+        # 4.999999999999999 in floating point), bracket s starts n configurations at r epochs
         s_max = int(math.floor(math.log(max_epochs / min_epochs, eta) + 1e-9))
         self.brackets, first_id = [], 0
         for s in range(s_max, -1, -1):
@@ -189,12 +201,12 @@ class Hyperband:
             first_id += n
         self.current = 0
 
-    def next(self):
+    def next(self) -> Job | None:
         while self.brackets[self.current].finished and self.current + 1 < len(self.brackets):
             self.current += 1
         return self.brackets[self.current].next()
 
-    def report(self, job):  # brackets run one after another: a result is the current one's
+    def report(self, job: Job) -> None:  # brackets run in turn: a result is the current one's
         self.brackets[self.current].report(job)
 
 
@@ -205,41 +217,47 @@ def _configs(space, num_configs, seed):
     return [sample(space, rng) for _ in range(num_configs)]
 
 
-def random_search(cluster, num_configs=9, max_epochs=9, space=SPACE, seed=0, **run_kwargs):
+def random_search(cluster: Cluster, num_configs: int = 9, max_epochs: int = 9, space: dict = SPACE,
+                  seed: int = 0, **run_kwargs: Any) -> SearchResult:
     """``num_configs`` random configurations, each trained to ``max_epochs`` (:func:`run`'s
     arguments pass through). Introduced in notebooks/13_hyperparameter_search.ipynb."""
     policy = RandomSearch(_configs(space, num_configs, seed), max_epochs)
     return run(cluster, policy, name="random search", **run_kwargs)
 
 
-def grid_search(cluster, num=2, max_epochs=9, space=SPACE, **run_kwargs):
+def grid_search(cluster: Cluster, num: int = 2, max_epochs: int = 9, space: dict = SPACE,
+                **run_kwargs: Any) -> SearchResult:
     """Every combination of :func:`grid` trained to ``max_epochs``.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
     return run(cluster, RandomSearch(grid(space, num), max_epochs), name="grid search",
                **run_kwargs)
 
 
-def successive_halving(cluster, num_configs=27, min_epochs=1, max_epochs=9, eta=3, space=SPACE,
-                       seed=0, **run_kwargs):
+def successive_halving(cluster: Cluster, num_configs: int = 27, min_epochs: int = 1,
+                       max_epochs: int = 9, eta: int = 3, space: dict = SPACE, seed: int = 0,
+                       **run_kwargs: Any) -> SearchResult:
     """Synchronous successive halving of ``num_configs`` random configurations.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
     policy = SuccessiveHalving(_configs(space, num_configs, seed), min_epochs, max_epochs, eta)
     return run(cluster, policy, name="successive halving", **run_kwargs)
 
 
-def asha(cluster, num_configs=27, min_epochs=1, max_epochs=9, eta=3, space=SPACE, seed=0,
-         budget=None, **run_kwargs):
+def asha(cluster: Cluster, num_configs: int = 27, min_epochs: int = 1, max_epochs: int = 9,
+         eta: int = 3, space: dict = SPACE, seed: int = 0, budget: int | None = None,
+         **run_kwargs: Any) -> SearchResult:
     """ASHA over ``num_configs`` random configurations; or, with ``budget`` (epochs), over as
     many as that budget allows (each engine busy until it is spent).
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
     rng = np.random.default_rng(seed)
+    # with a budget, an endless stream: ASHA stops starting new ones when the budget is spent
     configs = (sample(space, rng) for _ in itertools.count()) if budget is not None else \
         _configs(space, num_configs, seed)
     policy = ASHA(configs, min_epochs, max_epochs, eta, budget)
     return run(cluster, policy, name="ASHA", **run_kwargs)
 
 
-def halving_budget(num_configs=27, min_epochs=1, max_epochs=9, eta=3):
+def halving_budget(num_configs: int = 27, min_epochs: int = 1, max_epochs: int = 9,
+                   eta: int = 3) -> int:
     """Epochs synchronous successive halving spends on ``num_configs`` (promotions resume, so
     a promoted configuration costs only its extra epochs).
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
@@ -251,7 +269,8 @@ def halving_budget(num_configs=27, min_epochs=1, max_epochs=9, eta=3):
         n, done, epochs = max(1, n // eta), epochs, min(epochs * eta, max_epochs)
 
 
-def hyperband(cluster, min_epochs=1, max_epochs=9, eta=3, space=SPACE, seed=0, **run_kwargs):
+def hyperband(cluster: Cluster, min_epochs: int = 1, max_epochs: int = 9, eta: int = 3,
+              space: dict = SPACE, seed: int = 0, **run_kwargs: Any) -> SearchResult:
     """Hyperband: brackets of successive halving, one after another.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
     policy = Hyperband(space, min_epochs, max_epochs, eta, seed)

@@ -6,26 +6,33 @@ engine up to a given epoch, resuming from its checkpoint (:func:`train_trial`; :
 is a stand-in that sleeps, so 8 engines fit on 2 cores). :func:`run` submits each job a policy
 hands out to whichever engine is free and reports each result as it arrives, in any order; a job
 whose engine dies runs again elsewhere. :func:`simulate` makes the same decisions on a simulated
-clock, at any scale.
+clock, at any scale. It stays one file: the trials, the records and the two drivers (real and
+simulated) meet in :class:`Job`, and the policies, the part a student changes, are elsewhere.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
+import ipyparallel as ipp
 import numpy as np
 
-from course_lib import fault_points
+from course_lib import data, fault_points, models
+from course_lib.engine import ENGINE
+
+if TYPE_CHECKING:
+    from course_lib.cluster import Cluster
 
 ENGINE_FILE = ".engine"  # a trial's directory: the pid of the engine running it
-
-
 
 class SearchError(RuntimeError):
     """A search that cannot go on: a trial raised, or the deadline passed.
@@ -33,19 +40,21 @@ class SearchError(RuntimeError):
 
 
 # ---------------------------------------------------------------- trials (run on an engine)
-_DIGITS = {}
+_DIGITS = {}  # the data set, loaded once per engine and kept for its later trials
 
 
-def train_trial(config, epochs, directory, seed=0):
+def train_trial(config: dict, epochs: int, directory: str | Path, seed: int = 0) -> dict:
     """On an engine: train the digits MLP of ``config`` (lr, batch_size, width, warmup epochs of
     linear learning-rate warm-up) with SGD and momentum up to epoch ``epochs``, resuming from the
     checkpoint in ``directory`` if there is one, and checkpoint it there. Returns the validation
     accuracy after every epoch so far and when it ran.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
+    # torch (seconds to import) only where a trial trains: an engine imports this module to
+    # unpickle any trial, and the loop, the policies and simulate() run without it
     import torch
     import torch.nn.functional as F
 
-    from course_lib import checkpoint, data, models
+    from course_lib import checkpoint  # imports torch too
     start, directory = time.time(), Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / ENGINE_FILE).write_text(str(os.getpid()))
@@ -68,6 +77,8 @@ def train_trial(config, epochs, directory, seed=0):
         order = torch.randperm(len(X), generator=torch.Generator().manual_seed(seed + epoch))
         for i in range(per_epoch):
             step = epoch * per_epoch + i
+            # linear warm-up (Goyal et al. 2017): lr / warmup_steps at the first step, full lr
+            # from the last warm-up step on
             scale = min(1.0, (step + 1) / warmup_steps) if warmup_steps else 1.0
             for group in optimizer.param_groups:
                 group["lr"] = config["lr"] * scale
@@ -83,7 +94,7 @@ def train_trial(config, epochs, directory, seed=0):
     return dict(accs=accs, first_epoch=first, start=start, end=time.time(), pid=os.getpid())
 
 
-def surrogate(config, epoch, epoch_s=0.05):
+def surrogate(config: dict, epoch: int, epoch_s: float = 0.05) -> tuple[float, float]:
     """(validation accuracy after ``epoch`` epochs, seconds per epoch) of a stand-in trial: a
     smooth function of ``config``, best near lr = 0.1, better when wider, slower to rise with
     warm-up; an epoch takes ``epoch_s`` at batch size 32, longer for smaller batches (more
@@ -95,11 +106,12 @@ def surrogate(config, epoch, epoch_s=0.05):
     return accuracy, epoch_s * (0.5 + 16 / config.get("batch_size", 32))
 
 
-def sleep_trial(config, epochs, directory, seed=0, epoch_s=0.05):
+def sleep_trial(config: dict, epochs: int, directory: str | Path, seed: int = 0,
+                epoch_s: float = 0.05) -> dict:
     """A stand-in for :func:`train_trial` that sleeps for its training time (so 8 engines fit
     on 2 cores) and reports the accuracy of :func:`surrogate`. Resumes like a real trial.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    from course_lib.checkpoint import atomic_write
+    from course_lib.checkpoint import atomic_write  # imports torch: see train_trial
     start, directory = time.time(), Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / ENGINE_FILE).write_text(str(os.getpid()))
@@ -133,12 +145,24 @@ class Job:
     retried: int = 0
 
     @property
-    def acc(self):
+    def acc(self) -> float:
+        """The validation accuracy after its last epoch."""
         return self.accs[-1]
 
     @property
-    def epochs_trained(self):
+    def epochs_trained(self) -> int:
+        """Epochs this job trained itself (a promotion resumes at ``first_epoch``)."""
         return self.epochs - self.first_epoch
+
+
+class Policy(Protocol):
+    """What :func:`run` and :func:`simulate` drive: ``next()`` hands out a job (None: nothing to
+    start now) and ``report(job)`` hears each result, in any order. The policies are in
+    :mod:`course_lib.hpsearch`. Introduced in notebooks/13_hyperparameter_search.ipynb."""
+
+    def next(self) -> Job | None: ...
+
+    def report(self, job: Job) -> None: ...
 
 
 @dataclass
@@ -146,32 +170,33 @@ class SearchResult:
     """Every finished job of a search, in the order they finished.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
     name: str
-    jobs: list
-    ranks: list
+    jobs: list[Job]
+    ranks: list[int]
     started: float
     elapsed: float
-    lost_ranks: list = field(default_factory=list)
+    lost_ranks: list[int] = field(default_factory=list)
 
     @property
-    def best(self):
+    def best(self) -> tuple[float, dict]:
         """(accuracy, configuration) of the best finished job."""
         job = max(self.jobs, key=lambda j: j.acc)
         return job.acc, job.config
 
     @property
-    def epochs_spent(self):
+    def epochs_spent(self) -> int:
+        """Epochs trained by all the jobs together: what the search cost."""
         return sum(j.epochs_trained for j in self.jobs)
 
     @property
-    def retried(self):
+    def retried(self) -> list[Job]:
         """Jobs started again because their engine died."""
         return [j for j in self.jobs if j.retried]
 
-    def busy_fraction(self):
+    def busy_fraction(self) -> float:
         """Time the engines spent in trials over the time they were there for."""
         return sum(j.end - j.start for j in self.jobs) / (len(self.ranks) * self.elapsed)
 
-    def best_so_far(self):
+    def best_so_far(self) -> np.ndarray:
         """(seconds since the start, epochs spent, best accuracy) after each finished job."""
         out, best, spent = [], 0.0, 0
         for j in sorted(self.jobs, key=lambda j: j.end):
@@ -181,13 +206,15 @@ class SearchResult:
 
 
 # ---------------------------------------------------------------- the loop
-def _arm(specs, directory):
-    from course_lib.engine import ENGINE
+def _arm(specs, directory):  # on each engine: ENGINE holds its rank (filled in place)
     fault_points.arm_once(specs, directory, ENGINE["rank"])
 
 
-def run(cluster, policy, trial=train_trial, directory=None, ranks=None, name=None,
-        timeout=300.0, on_result=None, faults=(), **trial_kwargs):
+def run(cluster: Cluster, policy: Policy, trial: Callable[..., dict] = train_trial,
+        directory: str | Path | None = None, ranks: list[int] | None = None,
+        name: str | None = None, timeout: float = 300.0,
+        on_result: Callable[[list[Job]], object] | None = None, faults: Sequence[str] = (),
+        **trial_kwargs: Any) -> SearchResult:
     """Drive ``policy`` on ``cluster``: keep every engine of ``ranks`` busy with the policy's
     jobs (``trial(config, epochs, directory, **trial_kwargs)`` on whichever engine is free) and
     report each result as it arrives (then call ``on_result(jobs so far)``). A job whose engine
@@ -195,14 +222,13 @@ def run(cluster, policy, trial=train_trial, directory=None, ranks=None, name=Non
     ``timeout`` s. ``faults``: fault points armed on the engines for this search, e.g.
     ``["trial-epoch:kill@5:rank=2"]`` (rank 2 dies in the 5th epoch it trains).
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    import ipyparallel as ipp
     directory = Path(directory or tempfile.mkdtemp(prefix="course-hpsearch-"))
     ranks = list(range(cluster.n) if ranks is None else ranks)
     if faults:
         cluster.run(_arm, list(faults), str(directory))
     try:
         return _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result,
-                      trial_kwargs, ipp)
+                      trial_kwargs)
     finally:
         if faults:  # on the engines still alive: nothing stays armed for the next search
             live = [cluster.engine_ids[r] for r in ranks if r not in cluster.dead_ranks()]
@@ -213,8 +239,7 @@ def _disarm():
     fault_points.disarm()
 
 
-def _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result, trial_kwargs,
-           ipp):
+def _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result, trial_kwargs):
     view, lost, jobs, running = cluster.balanced_view(ranks), [], [], {}
     started, deadline = time.time(), time.monotonic() + timeout
 
@@ -223,7 +248,7 @@ def _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result, t
         # an earlier run of this config left its engine's pid: gone until this run writes its
         # own, so that a death of that engine is not taken for this run's
         (path / ENGINE_FILE).unlink(missing_ok=True)
-        for _ in range(len(ranks) + 1):
+        for _ in range(len(ranks) + 1):  # each failure drops an engine: at most len(ranks) of them
             try:
                 running[view.apply_async(trial, job.config, job.epochs, str(path),
                                          **trial_kwargs)] = job
@@ -260,7 +285,7 @@ def _drive(cluster, policy, trial, directory, ranks, name, timeout, on_result, t
                                   f" {len(running)} job(s) still running: "
                                   + ", ".join(f"config {j.config_id} to epoch {j.epochs}"
                                               for j in running.values()))
-            time.sleep(0.005)
+            time.sleep(0.005)  # a short poll: a free engine gets its next job within ms
             continue
         for ar in finished:
             job = running.pop(ar)
@@ -292,11 +317,11 @@ def _engine_of(directory, job):
         return None
 
 
-def simulate(policy, num_engines, epoch_s=1.0, overhead_s=0.0, name=None):
+def simulate(policy: Policy, num_engines: int, epoch_s: float = 1.0, overhead_s: float = 0.0,
+             name: str | None = None) -> SearchResult:
     """Run ``policy`` on ``num_engines`` imaginary engines with :func:`surrogate` trials, on a
     simulated clock (no cluster, no waiting): the same decisions :func:`run` makes, at any
     scale. Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    import heapq
     free, events, jobs, now = list(range(num_engines))[::-1], [], [], 0.0
     while True:
         while free and (job := policy.next()) is not None:
@@ -308,6 +333,7 @@ def simulate(policy, num_engines, epoch_s=1.0, overhead_s=0.0, name=None):
                 job.accs.append(accuracy)
                 seconds += epoch_seconds if epoch > job.first_epoch else 0.0
             job.end = now + seconds
+            # a unique second key: equal end times never fall through to comparing two Jobs
             heapq.heappush(events, (job.end, len(jobs) + len(events), job))
         if not events:
             break

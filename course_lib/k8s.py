@@ -46,13 +46,16 @@ found before, in four layers (:mod:`course_lib.k8s_validate`: ``validate`` lists
     for pod in k8s_pods.pod_environments(job):
         print(pod)                                   # ddp-worker-0: RANK=1 WORLD_SIZE=4 ...
 
-This module holds the description, the four writers and what the others read a manifest with.
+This module holds the description, the four writers and what the others read a manifest with;
+it stays one file so that the four writers sit side by side, where their differences are the lesson.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -103,7 +106,7 @@ class Resources:
     gpu: int = 0
     gpu_resource: str = "nvidia.com/gpu"
 
-    def to_k8s(self):
+    def to_k8s(self) -> dict:
         """The container's ``resources``: requests equal to limits, the GPUs in limits only
         (an extended resource cannot be overcommitted). Introduced in
         notebooks/12_scaling_out.ipynb."""
@@ -137,13 +140,13 @@ class JobSpec:
     runtime: str = "torch-distributed"      # TrainJob: the ClusterTrainingRuntime
     env: dict[str, str] = field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.nodes < 1 or self.processes_per_node < 1:
             raise ValueError("nodes and processes_per_node must be at least 1")
-        self.command = list(self.command)
+        self.command = list(self.command)  # a list of its own, whatever sequence was given
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         """Processes in the job: nodes x processes per node. Introduced in
         notebooks/12_scaling_out.ipynb."""
         return self.nodes * self.processes_per_node
@@ -174,7 +177,7 @@ def _replica(replicas, restart_policy, container):
             "template": {"spec": {"containers": [copy.deepcopy(container)]}}}
 
 
-def pytorch_job(spec):
+def pytorch_job(spec: JobSpec) -> dict:
     """A Kubeflow ``PyTorchJob`` (``kubeflow.org/v1``, training-operator): one Master pod and
     ``nodes - 1`` Worker pods, each running ``torchrun`` in a container that must be named
     ``pytorch``; ``nprocPerNode`` processes per pod. With ``spec.elastic = (min, max)``: Worker
@@ -197,7 +200,7 @@ def pytorch_job(spec):
             "spec": job}
 
 
-def tf_job(spec):
+def tf_job(spec: JobSpec) -> dict:
     """A Kubeflow ``TFJob`` (``kubeflow.org/v1``), laid out as for TensorFlow's
     ParameterServerStrategy: one Chief, ``parameter_servers`` PS and ``nodes - 1`` Worker pods,
     one TensorFlow task each, in a container that must be named ``tensorflow``. TFJob is
@@ -216,7 +219,7 @@ def tf_job(spec):
             "spec": {"tfReplicaSpecs": replicas}}
 
 
-def mpi_job(spec):
+def mpi_job(spec: JobSpec) -> dict:
     """An ``MPIJob`` (``kubeflow.org/v2beta1``, mpi-operator): ``nodes`` Worker pods with
     ``slotsPerWorker`` = processes per node, and a Launcher pod that runs
     ``mpirun -n <world size> python ...`` and reaches the workers over ssh. The workers get no
@@ -236,7 +239,7 @@ def mpi_job(spec):
                          "Worker": _replica(spec.nodes, spec.restart_policy, worker)}}}
 
 
-def train_job(spec):
+def train_job(spec: JobSpec) -> dict:
     """A Kubeflow Trainer v2 ``TrainJob`` (``trainer.kubeflow.org/v1alpha1``): no pod template
     at all, only a reference to a ClusterTrainingRuntime (``torch-distributed``, installed with
     Trainer) and what differs from it: image, command, ``numNodes``, ``numProcPerNode``,
@@ -256,7 +259,7 @@ GENERATORS = {"PyTorchJob": pytorch_job, "TFJob": tf_job, "MPIJob": mpi_job,
               "TrainJob": train_job}
 
 
-def generate(spec, kind):
+def generate(spec: JobSpec, kind: str) -> dict:
     """The manifest of ``kind`` (one of :data:`KINDS`) for ``spec``. Introduced in
     notebooks/12_scaling_out.ipynb."""
     if kind not in GENERATORS:
@@ -264,7 +267,7 @@ def generate(spec, kind):
     return GENERATORS[kind](spec)
 
 
-def to_yaml(manifest):
+def to_yaml(manifest: dict) -> str:
     """The manifest as YAML text, keys in the order they were written (what ``kubectl apply -f``
     reads). Introduced in notebooks/12_scaling_out.ipynb."""
     return yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False)
@@ -284,7 +287,7 @@ class Problem:
     path: str
     message: str
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"{self.manifest}: {self.path or '(top)'}: {self.message} [{self.layer}]"
 
 
@@ -292,7 +295,7 @@ class ManifestError(ValueError):
     """Raised by ``k8s_validate.check``; ``problems`` lists every :class:`Problem`. Introduced in
     notebooks/12_scaling_out.ipynb."""
 
-    def __init__(self, problems):
+    def __init__(self, problems: Iterable[Problem]) -> None:
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} problem(s) in the manifest:\n{lines}")
@@ -301,7 +304,7 @@ class ManifestError(ValueError):
 # --------------------------------------------------------------------------- reading a manifest
 
 
-def label_of(manifest):
+def label_of(manifest: Any) -> str:
     """``Kind/name`` of a manifest, for messages. Introduced in notebooks/12_scaling_out.ipynb."""
     if not isinstance(manifest, dict):
         return "<manifest>"
@@ -310,7 +313,7 @@ def label_of(manifest):
     return f"{manifest.get('kind') or '?'}/{name or '?'}"
 
 
-def field_path(*parts):
+def field_path(*parts: str | int) -> str:
     """A field path as kubectl prints it: ``field_path("spec", "containers", 0, "image")`` is
     ``spec.containers[0].image``. Introduced in notebooks/12_scaling_out.ipynb."""
     text = ""
@@ -322,14 +325,14 @@ def field_path(*parts):
     return text
 
 
-def kind_of(manifest):
+def kind_of(manifest: Any) -> str | None:
     """The manifest's ``kind`` if it is a string, else None. Introduced in
     notebooks/12_scaling_out.ipynb."""
     kind = lookup(manifest, "kind")
     return kind if isinstance(kind, str) else None
 
 
-def lookup(obj, *keys, default=None):
+def lookup(obj: Any, *keys: str | int, default: Any = None) -> Any:
     """``obj[k1][k2]...`` through dicts and lists, or ``default`` as soon as a key is missing
     or a value has the wrong type: a broken manifest is read without raising. Introduced in
     notebooks/12_scaling_out.ipynb."""
@@ -343,10 +346,10 @@ def lookup(obj, *keys, default=None):
     return obj
 
 
-def as_int(value):
+def as_int(value: Any) -> int | None:
     """An int from an int or a string of digits, else None (booleans are not ints here).
     Introduced in notebooks/12_scaling_out.ipynb."""
-    if isinstance(value, bool):
+    if isinstance(value, bool):  # True is an int in Python; replicas: true is a mistake
         return None
     if isinstance(value, int):
         return value
@@ -355,14 +358,14 @@ def as_int(value):
     return None
 
 
-def replica_count(spec):
+def replica_count(spec: Any) -> int:
     """The ``replicas`` of a replica spec: 1 when missing (the operators' default), 0 when not
     an integer. Introduced in notebooks/12_scaling_out.ipynb."""
     count = lookup(spec, "replicas", default=1)   # training-operator's default: 1
     return count if isinstance(count, int) and not isinstance(count, bool) else 0
 
 
-def world_size(manifest):
+def world_size(manifest: Any) -> int | None:
     """How many processes the manifest starts (ranks of the job), or None where the pods decide
     (``nprocPerNode: auto``, elastic jobs). Introduced in notebooks/12_scaling_out.ipynb."""
     kind, spec = kind_of(manifest), lookup(manifest, "spec")

@@ -4,7 +4,8 @@ Introduced in notebooks/12_scaling_out.ipynb. The operators' Go source decides e
 environment (the file and function are named in comments): :func:`pod_environments` computes
 them for a checked manifest of :mod:`course_lib.k8s` (:mod:`course_lib.k8s_watch` runs a two-pod
 PyTorchJob with them on two network namespaces named like its pods, watched as ``kubectl``
-would), and :func:`kubectl_dry_run` asks a real cluster when one answers.
+would), and :func:`kubectl_dry_run` asks a real cluster when one answers. It stays one file:
+one function per operator, each a transcription of that operator's Go source, read side by side.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
 
 from course_lib.k8s import (
     MPI_HOSTFILE,
@@ -48,7 +50,7 @@ class PodEnvironment:
     files: dict[str, str] = field(default_factory=dict)
     ranks: list[int] = field(default_factory=list)
 
-    def __str__(self):
+    def __str__(self) -> str:
         lines = [f"{self.pod} ({self.replica} {self.index}"
                  + (f", ranks {self.ranks}" if self.ranks else "") + ")"]
         lines += [f"  {key}={value}" for key, value in self.env.items()]
@@ -166,6 +168,7 @@ def _mpi_envs(job):
     hosts = ([f"{name}-launcher"] if as_worker else []) + [f"{name}-worker-{i}"
                                                           for i in range(workers)]
     line = "{}.{}.{}.svc slots={}" if flavour == "OpenMPI" else "{}.{}.{}.svc:{}"
+    # <pod>.<job's headless Service>.<namespace>.svc: the name each worker resolves to
     hostfile = "".join(line.format(host, name, namespace, slots) + "\n" for host in hosts)
     launcher_env = _user_env(lookup(replicas, "Launcher", "template", "spec", "containers", 0))
     launcher_env["K_MPI_JOB_ROLE"] = "launcher"
@@ -203,7 +206,7 @@ def _quantity_value(quantity):
     suffixes = {"m": Decimal("0.001"), "k": Decimal(10) ** 3, "M": Decimal(10) ** 6,
                 "G": Decimal(10) ** 9, "T": Decimal(10) ** 12, "Ki": Decimal(2) ** 10,
                 "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30, "Ti": Decimal(2) ** 40}
-    for suffix in sorted(suffixes, key=len, reverse=True):
+    for suffix in sorted(suffixes, key=len, reverse=True):  # "Mi" before "M" and "m"
         if text.endswith(suffix):
             return math.ceil(Decimal(text[: -len(suffix)]) * suffixes[suffix])
     try:
@@ -269,7 +272,7 @@ def _trainjob_envs(job):
     return pods
 
 
-def pod_environments(manifest):
+def pod_environments(manifest: dict | str) -> list[PodEnvironment]:
     """For each pod the operator would create (after :func:`check` passes), the environment it
     writes into the main container, as its Go source does (file and function named in comments
     here): PyTorchJob ``MASTER_ADDR``/``PORT``, ``WORLD_SIZE``, ``RANK``, ``PET_*``; TFJob
@@ -284,7 +287,7 @@ def pod_environments(manifest):
 # --------------------------------------------------------------------------- kubectl
 
 
-def kubectl_available(timeout=5.0):
+def kubectl_available(timeout: float = 5.0) -> bool:
     """True when ``kubectl`` is on the PATH and a cluster answers it (``kubectl apply
     --dry-run=client`` still asks the API server which resources exist, so a binary alone is not
     enough; the CRDs must be installed there too). Introduced in
@@ -300,7 +303,7 @@ def kubectl_available(timeout=5.0):
     return result.returncode == 0
 
 
-def kubectl_dry_run(path, timeout=30.0):
+def kubectl_dry_run(path: str | Path, timeout: float = 30.0) -> str:
     """The output of ``kubectl apply --dry-run=client -f path``, or a line saying why it was
     skipped (no kubectl, or no cluster). Introduced in notebooks/12_scaling_out.ipynb."""
     if not kubectl_available():

@@ -5,7 +5,8 @@ Introduced in notebooks/12_scaling_out.ipynb. A manifest can match its CRD's sch
 turned down by the operator's webhook, or start pods that never find each other: a container
 the operator does not look for, two Masters, ``mpirun -n`` different from the workers' slots, a
 pod hostname longer than a DNS label. :func:`rule_problems` finds these, each with the reason
-the operator gives (its Go source is named in comments).
+the operator gives (its Go source is named in comments). It stays one file: one rule set per
+kind, each short, and the checks every kind shares, all called from :func:`rule_problems`.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def _mpi_rules(manifest, label):
                                 "an MPIJob needs Worker replicas for mpirun to reach"))
     # mpi-operator v2beta1 default.go gives a Worker without replicas 0; validation.go
     # validateWorkerReplicaSpec: at least 1, unless the launcher is a worker too.
-    count = worker.get("replicas", 0) if isinstance(worker, dict) else 1
+    count = worker.get("replicas", 0) if isinstance(worker, dict) else 1  # no Worker: said above
     if isinstance(count, int) and not isinstance(count, bool) and count < 1 and not as_worker:
         shown = count if "replicas" in worker else "missing (mpi-operator defaults it to 0)"
         problems.append(Problem(label, "rules", "spec.mpiReplicaSpecs.Worker.replicas",
@@ -267,12 +268,13 @@ def _longest_hostname(manifest):
     replicas = lookup(manifest, "spec", REPLICA_SPECS[kind])
     if not isinstance(replicas, dict):
         return name
+    # pods are <job>-<replica type>-<index>: the last index is the longest of each type
     names = [f"{name}-{rtype.lower()}-{max(replica_count(r) - 1, 0)}"
              for rtype, r in replicas.items() if isinstance(r, dict)]
     return max(names, key=len, default=name)
 
 
-def rule_problems(manifest):
+def rule_problems(manifest: dict) -> list[Problem]:
     """Layer 4: what the operators require and no schema says. Every kind: the name a DNS-1035
     label (pods and Services are named after it) with pod hostnames of at most 63 characters,
     and, when the ``course-lib/world-size`` annotation is there, replicas x processes equal to

@@ -16,6 +16,7 @@ manifest (a dict from :mod:`course_lib.k8s`, or YAML text) and :func:`check` rai
 YAML text is read as ``kubectl apply -f`` reads it: a stream of documents separated by ``---``,
 the empty ones (nothing, or only comments) skipped. :func:`validate`, :func:`check` and
 :func:`load` take one manifest; :func:`validate_all` and :func:`load_all` take a whole file.
+It stays one file: the four layers are read in order, and they share the JSON-schema plumbing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 import json
 import re
 from importlib import resources
+from typing import Any
 
 import yaml
 
@@ -76,7 +78,7 @@ def _plain_problems(value, where, label):
                     "quote it")]
 
 
-def documents(text):
+def documents(text: str) -> list:
     """The documents of a YAML stream, as ``kubectl apply -f`` reads a file: separated by
     ``---``, the empty ones (nothing, or only comments) skipped. Raises yaml's ``YAMLError``.
     Introduced in notebooks/12_scaling_out.ipynb."""
@@ -108,7 +110,7 @@ def _document_problems(data, name):
     return problems
 
 
-def yaml_problems(text, name="job.yaml"):
+def yaml_problems(text: str, name: str = "job.yaml") -> list[Problem]:
     """Layer 1: ``text`` holds one YAML document (empty ones skipped, as kubectl does), a
     mapping of plain JSON values, and dumping what was read and reading it back gives the same
     thing. Introduced in notebooks/12_scaling_out.ipynb."""
@@ -121,7 +123,7 @@ def yaml_problems(text, name="job.yaml"):
     return _document_problems(found[0], name)
 
 
-def load(text, name="job.yaml"):
+def load(text: str, name: str = "job.yaml") -> dict:
     """The manifest in YAML ``text``; :class:`ManifestError` if layer 1 finds a problem.
     Introduced in notebooks/12_scaling_out.ipynb."""
     problems = yaml_problems(text, name)
@@ -130,7 +132,7 @@ def load(text, name="job.yaml"):
     return documents(text)[0]
 
 
-def load_all(text, name="job.yaml"):
+def load_all(text: str, name: str = "job.yaml") -> list[dict]:
     """Every manifest of a YAML file (the non-empty documents of the stream), whatever its
     kind; :class:`ManifestError` if one is not valid YAML or not plain data. Introduced in
     notebooks/12_scaling_out.ipynb."""
@@ -145,12 +147,13 @@ def load_all(text, name="job.yaml"):
 # --------------------------------------------------------------------------- JSON schema help
 
 # jsonschema, referencing and kubernetes-validate are imported when a manifest is first
-# validated: importing jsonschema takes seconds, generating a manifest needs none of them.
+# validated (each import below says so): importing jsonschema or kubernetes-validate takes a
+# second or more, and generating a manifest needs none of them.
 
 
 @functools.lru_cache(maxsize=1)
 def _format_checker():
-    import jsonschema
+    import jsonschema  # when first validating: see above
 
     checker = jsonschema.FormatChecker(formats=())
     checker.checks("quantity")(lambda value: not isinstance(value, str)
@@ -161,7 +164,7 @@ def _format_checker():
 def _schema_dir(version):
     """kubernetes-validate's strict schemas (additionalProperties: false everywhere) for the
     Kubernetes minor ``version``."""
-    from kubernetes_validate.utils import all_versions
+    from kubernetes_validate.utils import all_versions  # when first validating: see above
 
     folder = (resources.files("kubernetes_validate") / "kubernetes-json-schema"
               / f"v{version}.0-local-strict")
@@ -173,7 +176,7 @@ def _schema_dir(version):
 
 @functools.lru_cache(maxsize=4)
 def _registry(version):
-    from referencing import Registry, Resource
+    from referencing import Registry, Resource  # when first validating: see above
 
     definitions = json.loads((_schema_dir(version) / "_definitions.json").read_text())
     quantity = "io.k8s.apimachinery.pkg.api.resource.Quantity"
@@ -187,14 +190,14 @@ def _k8s_ref(name):
 
 
 def _validator(schema, version):
-    import jsonschema
+    import jsonschema  # when first validating: see above
 
     return jsonschema.Draft202012Validator(schema, registry=_registry(version),
                                            format_checker=_format_checker())
 
 
 def _error_problems(validator, instance, label, layer, prefix=()):
-    from jsonschema.exceptions import best_match
+    from jsonschema.exceptions import best_match  # when first validating: see above
 
     problems = []
     for error in validator.iter_errors(instance):
@@ -220,7 +223,7 @@ def _error_problems(validator, instance, label, layer, prefix=()):
 # --------------------------------------------------------------------------- layer 2: pods
 
 
-def pod_templates(manifest):
+def pod_templates(manifest: dict) -> list[tuple[tuple, dict]]:
     """``(path, template)`` for every pod template in a PyTorchJob, TFJob or MPIJob (a TrainJob
     has none: its pods come from the runtime). Introduced in notebooks/12_scaling_out.ipynb."""
     key = REPLICA_SPECS.get(kind_of(manifest))
@@ -232,7 +235,7 @@ def pod_templates(manifest):
             if isinstance(spec, dict) and "template" in spec]
 
 
-def pod_problems(manifest, k8s_version=K8S_VERSION):
+def pod_problems(manifest: dict, k8s_version: str = K8S_VERSION) -> list[Problem]:
     """Layer 2: each pod template against Kubernetes' own OpenAPI schema of
     ``io.k8s.api.core.v1.PodTemplateSpec`` (strict: unknown fields rejected) as shipped by
     ``kubernetes-validate``, quantities included; for a TrainJob, its ``resourcesPerNode`` and
@@ -260,7 +263,7 @@ def pod_problems(manifest, k8s_version=K8S_VERSION):
 
 
 @functools.lru_cache(maxsize=8)
-def crd(kind):
+def crd(kind: str) -> dict:
     """The stored CRD excerpt for ``kind``: ``group``, ``version``, ``source`` (repository, path,
     commit) and ``openAPIV3Schema``. Introduced in notebooks/12_scaling_out.ipynb."""
     if kind not in SCHEMA_FILES:
@@ -301,7 +304,7 @@ def _crd_schema(kind):
     return schema
 
 
-def crd_problems(manifest, k8s_version=K8S_VERSION):
+def crd_problems(manifest: dict, k8s_version: str = K8S_VERSION) -> list[Problem]:
     """Layer 3: the whole job against its operator's CRD ``openAPIV3Schema`` (from
     ``course_lib/k8s_schemas/``), unknown fields rejected, ``metadata`` as an ObjectMeta.
     The CEL rules (``x-kubernetes-validations``) are not evaluated here. Introduced in
@@ -322,7 +325,7 @@ def crd_problems(manifest, k8s_version=K8S_VERSION):
 # --------------------------------------------------------------------------- all layers
 
 
-def validate(manifest, k8s_version=K8S_VERSION):
+def validate(manifest: dict | str, k8s_version: str = K8S_VERSION) -> list[Problem]:
     """Every problem of a manifest (a dict, or YAML text), layer by layer: YAML, pod templates,
     CRD schema, operator rules. An empty list when the operator would accept it. A problem that
     two layers find (a pod template field is checked by both the pod and the CRD schema) is
@@ -345,7 +348,7 @@ def validate(manifest, k8s_version=K8S_VERSION):
     return unique
 
 
-def check(manifest, k8s_version=K8S_VERSION):
+def check(manifest: dict | str, k8s_version: str = K8S_VERSION) -> dict:
     """The manifest (parsed, if it was YAML text) when :func:`validate` finds nothing, else
     :class:`ManifestError` listing every problem. Introduced in
     notebooks/12_scaling_out.ipynb."""
@@ -355,13 +358,14 @@ def check(manifest, k8s_version=K8S_VERSION):
     return documents(manifest)[0] if isinstance(manifest, str) else manifest
 
 
-def training_jobs(manifests):
+def training_jobs(manifests: list[Any]) -> list[dict]:
     """The manifests (from :func:`load_all`) whose kind is one of ``k8s.KINDS``. Introduced in
     notebooks/12_scaling_out.ipynb."""
     return [m for m in manifests if kind_of(m) in KINDS]
 
 
-def validate_all(text, name="job.yaml", k8s_version=K8S_VERSION):
+def validate_all(text: str, name: str = "job.yaml",
+                 k8s_version: str = K8S_VERSION) -> list[Problem]:
     """Every problem of every training job in a YAML file, as ``kubectl apply -f`` reads it: a
     stream of documents, the empty ones skipped. Documents of other kinds (a Service, a PVC, a
     ClusterTrainingRuntime) are passed over: kubectl applies them, but their schemas are not

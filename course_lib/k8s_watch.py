@@ -16,16 +16,24 @@ derives them. The ``kubectl_*`` functions print what was observed in kubectl's f
     print(k8s_watch.kubectl_describe_job(run))
     print(k8s_watch.kubectl_logs(run, "digits-master-0"))
 
-:func:`run_locally` runs the job the same way and returns each pod's output.
+:func:`run_locally` runs the job the same way and returns each pod's output. It stays one file:
+what is observed (the top half) and how kubectl prints it (the bottom half) share the records.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import re
 import subprocess
+import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 
+from course_lib import hosts
 from course_lib.k8s_pods import pod_environments
+from course_lib.launch import kill_tree
 
 # --------------------------------------------------------------------------- a job's life
 # The training-operator's condition reasons and messages for a PyTorchJob (kubeflow/training-
@@ -47,13 +55,13 @@ class PodRun:
 
     name: str
     replica: str
-    phases: list = field(default_factory=list)
+    phases: list[tuple[float, str]] = field(default_factory=list)
     exit_code: int | None = None
     reason: str = ""
     log: str = ""
 
     @property
-    def phase(self):
+    def phase(self) -> str:
         """The last phase observed."""
         return self.phases[-1][1]
 
@@ -69,11 +77,11 @@ class JobRun:
     name: str
     namespace: str
     created_utc: float
-    pods: dict
-    conditions: list = field(default_factory=list)
+    pods: dict[str, PodRun]
+    conditions: list[dict] = field(default_factory=list)
     completion: float | None = None
 
-    def set_condition(self, ctype, status, at, **fields):
+    def set_condition(self, ctype: str, status: str, at: float, **fields: object) -> None:
         """The operator's setCondition: nothing once Failed; a condition of the same type is
         replaced, keeping its transition time when its status did not change; Succeeded and
         Failed turn Running to False."""
@@ -93,7 +101,7 @@ class JobRun:
             kept = [dict(c, status="False") if c["type"] == "Running" else c for c in kept]
         self.conditions = kept + [new]
 
-    def update(self, at):
+    def update(self, at: float) -> None:
         """UpdateJobStatus with a Master replica: Running while the master runs, Succeeded when
         it has succeeded (the master decides: a job that succeeded stays so), Failed as soon as
         a replica has failed before that (nothing restarts it here)."""
@@ -106,7 +114,7 @@ class JobRun:
         if master and all(p == "Succeeded" for p in master):
             self.set_condition("Succeeded", "True", at)
         if any(c["type"] == "Succeeded" for c in self.conditions):
-            by_type = {}
+            by_type = {}  # succeeded: a worker failing afterwards changes nothing
         for rtype, phases in by_type.items():
             if "Failed" in phases:
                 self.set_condition("Failed", "True", at, failed=phases.count("Failed"),
@@ -116,7 +124,7 @@ class JobRun:
             self.completion = at
 
 
-def run_watched(manifest, timeout=180.0, poll=0.05):
+def run_watched(manifest: dict, timeout: float = 180.0, poll: float = 0.05) -> JobRun:
     """Run a two-pod PyTorchJob here as :func:`run_locally` does, watching it: every ``poll``
     seconds each pod's process is looked at (not started yet: Pending, while its host is made;
     alive: Running; exited 0: Succeeded, else Failed) and the job's
@@ -124,12 +132,6 @@ def run_watched(manifest, timeout=180.0, poll=0.05):
     alive are killed (Failed, DeadlineExceeded). No Kubernetes API server is involved: these are
     local processes named as the operator names its pods. Returns a :class:`JobRun`. Needs root.
     Introduced in notebooks/12_scaling_out.ipynb."""
-    import sys
-    import tempfile
-    import time
-
-    from course_lib import hosts
-    from course_lib.launch import kill_tree
     pods = pod_environments(manifest)
     if manifest["kind"] != "PyTorchJob" or len(pods) != 2:
         raise ValueError(f"run_watched runs a PyTorchJob of two pods, not a {manifest['kind']} "
@@ -189,7 +191,7 @@ NOT_A_CLUSTER = ("# no Kubernetes API server runs here: these are the job's loca
                  "named as the operator names its pods, printed as kubectl prints pods and jobs")
 
 
-def run_locally(manifest, timeout=180.0):
+def run_locally(manifest: dict, timeout: float = 180.0) -> dict[str, str]:
     """Run a two-pod PyTorchJob here as the cluster would: each pod a host of its own named like
     the pod (:func:`course_lib.hosts.make_hosts`, so ``MASTER_ADDR=<job>-master-0`` resolves),
     its container's command, and exactly the environment :func:`pod_environments` gives it.
@@ -204,7 +206,7 @@ def run_locally(manifest, timeout=180.0):
     return {name: pod.log for name, pod in run.pods.items()}
 
 
-def kubectl_age(seconds):
+def kubectl_age(seconds: float) -> str:
     """A duration as kubectl prints an AGE (k8s.io/apimachinery duration.HumanDuration):
     '45s', '2m5s', '12m', '5h3m', '3d4h'. Introduced in notebooks/12_scaling_out.ipynb."""
     s = int(seconds)
@@ -238,7 +240,7 @@ def _status_column(pod, phase):
     return {"Running": "Running", "Succeeded": "Completed"}.get(phase, pod.reason or "Error")
 
 
-def kubectl_get_pods_watch(run):
+def kubectl_get_pods_watch(run: JobRun) -> str:
     """``kubectl get pods -l training.kubeflow.org/job-name=<job> -w`` for a :class:`JobRun`:
     a line per pod at its creation, then one each time its phase was seen to change, with
     kubectl's READY, STATUS (ContainerCreating, Running, Completed, Error) and AGE at that
@@ -251,10 +253,9 @@ def kubectl_get_pods_watch(run):
     return _columns(rows)
 
 
-def kubectl_get_job(run, now=None):
+def kubectl_get_job(run: JobRun, now: float | None = None) -> str:
     """``kubectl get pytorchjob <job>``: NAME, STATE (the last condition's type, the CRD's
     printer column) and AGE. Introduced in notebooks/12_scaling_out.ipynb."""
-    import time
     now = time.time() if now is None else now
     state = run.conditions[-1]["type"] if run.conditions else ""
     return _columns([("NAME", "STATE", "AGE"),
@@ -262,7 +263,6 @@ def kubectl_get_job(run, now=None):
 
 
 def _utc(run, at):
-    import datetime
     moment = datetime.datetime.fromtimestamp(run.created_utc + at, tz=datetime.timezone.utc)
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -270,12 +270,12 @@ def _utc(run, at):
 def _describe(value, indent):
     """kubectl describe's layout of an object: keys title-cased, sorted, scalar values aligned
     two spaces past the longest scalar key of their map; a list of maps one after another."""
-    import re
     pad, lines = "  " * indent, []
     if isinstance(value, list):
         for item in value:
             lines += _describe(item, indent)
         return lines
+    # lastTransitionTime -> Last Transition Time: a space before every capital but the first
     title = {k: re.sub(r"(?<!^)(?=[A-Z])", " ", k[0].upper() + k[1:]) for k in value}
     width = max([len(title[k]) for k, v in value.items() if not isinstance(v, (dict, list))],
                 default=0)
@@ -288,12 +288,11 @@ def _describe(value, indent):
     return lines
 
 
-def kubectl_describe_job(run, now=None):
+def kubectl_describe_job(run: JobRun, now: float | None = None) -> str:
     """``kubectl describe pytorchjob <job>`` for a :class:`JobRun`, the spec left out: the
     status (conditions with reason, message, lastTransitionTime; replica statuses; start and
     completion time) and the events of the pods' creation and exits.
     Introduced in notebooks/12_scaling_out.ipynb."""
-    import time
     now = time.time() if now is None else now
     replicas = {}
     for pod in run.pods.values():
@@ -322,7 +321,7 @@ def kubectl_describe_job(run, now=None):
     return "\n".join(head + _describe(status, 1) + ["Events:", body])
 
 
-def kubectl_logs(run, pod, max_width=None):
+def kubectl_logs(run: JobRun, pod: str, max_width: int | None = None) -> str:
     """``kubectl logs <pod>``: what the pod's process wrote (stdout and stderr), lines cut at
     ``max_width`` characters when given (marked with '...'). Introduced in
     notebooks/12_scaling_out.ipynb."""

@@ -27,7 +27,8 @@ committed and compared::
     python -m course_lib labs build   # build_all(): regenerate labs/NN_*.ipynb
     python -m course_lib labs check   # stale(): list student notebooks that need a rebuild
 
-``make_student(nb)`` is the pure transformation, used by both and by the tests.
+``make_student(nb)`` is the pure transformation, used by both and by the tests. One file, a
+little over a lesson's length: the transformation and the two commands built on it.
 """
 
 from __future__ import annotations

@@ -14,15 +14,19 @@ Goyal et al. (2017) keep the accuracy of small batches by scaling the learning r
 The model is :class:`MLPClassifier`, a small numpy ReLU network (two hidden layers; weights
 ``init_scale`` times He's scale): unlike a linear model, its early training is unstable at a
 large learning rate, which is what warmup is for. Every run trains with ``gd``'s own mini-batch
-epoch and reports test accuracy after a fixed number of epochs, for several seeds.
+epoch and reports test accuracy after a fixed number of epochs, for several seeds. It stays one
+file: the model, one run and the experiment over batch sizes are one measurement, read in order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from course_lib import data, gd, scaling_rule
 
@@ -40,7 +44,8 @@ class MLPClassifier:
     Introduced in notebooks/07_large_minibatch.ipynb.
     """
 
-    def __init__(self, n_classes=10, hidden=(64, 64), init_scale=1.0):
+    def __init__(self, n_classes: int = 10, hidden: int | Sequence[int] = (64, 64),
+                 init_scale: float = 1.0) -> None:
         self.n_classes, self.init_scale = n_classes, float(init_scale)
         self.hidden = (hidden,) if isinstance(hidden, int) else tuple(hidden)
 
@@ -48,10 +53,10 @@ class MLPClassifier:
         dims = [n_features, *self.hidden, self.n_classes]
         return [(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True)]
 
-    def n_params(self, n_features):
+    def n_params(self, n_features: int) -> int:
         return sum(a * b + b for a, b in self._shapes(n_features))
 
-    def init(self, n_features, seed=0):
+    def init(self, n_features: int, seed: int = 0) -> np.ndarray:
         rng, parts = np.random.default_rng(seed), []
         shapes = self._shapes(n_features)
         for i, (a, b) in enumerate(shapes):
@@ -69,7 +74,7 @@ class MLPClassifier:
             raise ValueError(f"theta has shape {theta.shape} but X has shape {X.shape}: expected "
                              f"({self.n_params(X.shape[1])},) for hidden={self.hidden}")
         layers, i = [], 0
-        for a, b in self._shapes(X.shape[1]):
+        for a, b in self._shapes(X.shape[1]):  # views of theta: W (a x b), then its bias (b)
             layers.append((theta[i:i + a * b].reshape(a, b), theta[i + a * b:i + a * b + b]))
             i += a * b + b
         return X, layers
@@ -82,41 +87,43 @@ class MLPClassifier:
         for k, (W, b) in enumerate(layers):
             z = acts[-1] @ W + b
             acts.append(np.maximum(z, 0.0) if k < len(layers) - 1 else z)
-        z = acts[-1] - acts[-1].max(axis=1, keepdims=True)
-        return layers, acts, z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        z = acts[-1] - acts[-1].max(axis=1, keepdims=True)  # shifted: exp() cannot overflow
+        return layers, acts, z - np.log(np.exp(z).sum(axis=1, keepdims=True))  # log-softmax
 
-    def loss_sum(self, theta, X, y):
+    def loss_sum(self, theta: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
         log_p = self._forward(theta, X, y)[2]
         return -float(log_p[np.arange(len(log_p)), np.asarray(y, dtype=np.int64)].sum())
 
-    def grad_sum(self, theta, X, y):
+    def grad_sum(self, theta: ArrayLike, X: ArrayLike, y: ArrayLike) -> np.ndarray:
         layers, acts, log_p = self._forward(theta, X, y)
         y = np.asarray(y, dtype=np.int64)
         delta = np.exp(log_p)
         delta[np.arange(len(y)), y] -= 1.0  # dloss/dlogits, summed over rows below
         grads = []
-        for k in range(len(layers) - 1, -1, -1):
+        for k in range(len(layers) - 1, -1, -1):  # backpropagation, last layer first
+            # layer k: dW = input^T delta, db = sum of delta; prepended, to keep theta's order
             grads = [(acts[k].T @ delta).ravel(), delta.sum(axis=0)] + grads
-            if k:
+            if k:  # through W_k to the layer's input, then through the ReLU that made it
                 delta = (delta @ layers[k][0].T) * (acts[k] > 0)
         return np.concatenate(grads)
 
-    def loss(self, theta, X, y):
+    def loss(self, theta: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
         return self.loss_sum(theta, X, y) / max(len(X), 1)
 
-    def grad(self, theta, X, y):
+    def grad(self, theta: ArrayLike, X: ArrayLike, y: ArrayLike) -> np.ndarray:
         return self.grad_sum(theta, X, y) / max(len(X), 1)
 
-    def predict(self, theta, X):
+    def predict(self, theta: ArrayLike, X: ArrayLike) -> np.ndarray:
         return np.argmax(self._forward(theta, X)[2], axis=1)
 
-    def accuracy(self, theta, X, y):
+    def accuracy(self, theta: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
         return float(np.mean(self.predict(theta, X) == np.asarray(y)))
 
-    def dead_fraction(self, theta, X):
+    def dead_fraction(self, theta: ArrayLike, X: ArrayLike) -> list[float]:
         """Per hidden layer, the fraction of ReLUs that output 0 on every row of X ("dead":
         no gradient flows through them, so they never come back)."""
-        return [float(np.mean(np.all(a <= 0, axis=0))) for a in self._forward(theta, X)[1][1:-1]]
+        activations = self._forward(theta, X)[1][1:-1]  # the hidden layers' (not X, not logits)
+        return [float(np.mean(np.all(a <= 0, axis=0))) for a in activations]
 
 
 @functools.lru_cache(maxsize=1)
@@ -127,18 +134,20 @@ def _digits():
 def _one_blas_thread():
     """Small matrices run fastest on one BLAS thread (several fight over 2 cores)."""
     try:
-        from threadpoolctl import threadpool_limits
+        from threadpoolctl import threadpool_limits  # optional: not declared by the course
     except ImportError:  # comes with scikit-learn; without it, run as configured
         return contextlib.nullcontext()
     return threadpool_limits(1)
 
 
 # ---------------------------------------------------------------- one run
-def schedule_for(variant, batch_size, base_lr, base_batch_size, warmup_epochs, n_samples):
+def schedule_for(variant: str, batch_size: int, base_lr: float, base_batch_size: int,
+                 warmup_epochs: float, n_samples: int) -> Callable[[int], float]:
     """The per-update learning rate of a variant: 'fixed' (``base_lr`` at every batch size),
     'scaled' (linear scaling rule alone) or 'warmup' (linear scaling + gradual warmup).
     Introduced in notebooks/07_large_minibatch.ipynb."""
     per_epoch = gd.updates_per_epoch(n_samples, batch_size, drop_last=True)
+    # "fixed" is the rule with the batch as its own reference: target = base_lr, no warmup
     reference_batch_and_warmup = {"fixed": (batch_size, 0), "scaled": (base_batch_size, 0),
                                   "warmup": (base_batch_size, warmup_epochs)}
     if variant not in reference_batch_and_warmup:
@@ -147,8 +156,9 @@ def schedule_for(variant, batch_size, base_lr, base_batch_size, warmup_epochs, n
                                               *reference_batch_and_warmup[variant], per_epoch)
 
 
-def train_and_test(batch_size, update_schedule, num_epochs=10, seed=0, hidden=(64, 64),
-                   init_scale=1.4, target=None):
+def train_and_test(batch_size: int, update_schedule: Callable[[int], float], num_epochs: int = 10,
+                   seed: int = 0, hidden: int | Sequence[int] = (64, 64),
+                   init_scale: float = 1.4, target: float | None = None) -> dict:
     """Train :class:`MLPClassifier` on the digits' training split with ``gd.minibatch_sgd_epoch``
     (rng seeded by ``seed``, lr of update u = ``update_schedule(u)``; each epoch stops after
     its last FULL batch, as ``drop_last=True`` in a data loader, so that a tiny remainder does
@@ -175,6 +185,7 @@ def train_and_test(batch_size, update_schedule, num_epochs=10, seed=0, hidden=(6
     with _one_blas_thread(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for _ in range(num_epochs):
             first = state["updates"]
+            # lr 1.0 is a placeholder: lr_at gives every update its rate, counted over the run
             theta, _ = gd.minibatch_sgd_epoch(
                 problem, X, y, theta, 1.0, batch_size, rng, callback=after_update,
                 lr_at=lambda i, first=first: update_schedule(first + i))
@@ -187,8 +198,9 @@ def train_and_test(batch_size, update_schedule, num_epochs=10, seed=0, hidden=(6
 
 
 # ---------------------------------------------------------------- the experiment
-def accuracy_vs_batch(batch_sizes=(32, 64, 128, 256, 512, 1024), variants=VARIANTS,
-                      seeds=(0, 1, 2, 3, 4), **setup):
+def accuracy_vs_batch(batch_sizes: Sequence[int] = (32, 64, 128, 256, 512, 1024),
+                      variants: Sequence[str] = VARIANTS, seeds: Sequence[int] = (0, 1, 2, 3, 4),
+                      **setup: Any) -> list[dict]:
     """Test accuracy after ``num_epochs`` for every batch size, variant and seed.
 
     ``setup`` overrides :data:`SETUP` (base_batch_size, base_lr, num_epochs, warmup_epochs,
@@ -215,13 +227,15 @@ def accuracy_vs_batch(batch_sizes=(32, 64, 128, 256, 512, 1024), variants=VARIAN
             runs = cache[batch_size, key]
             accs = [r["accuracy"] for r in runs]
             rows.append(dict(batch_size=batch_size, variant=variant,
+                             # the rate long after any warmup: the variant's target rate
                              lr=schedule(10**9), updates=runs[0]["updates"], accuracies=accs,
                              mean=float(np.mean(accs)), min=float(np.min(accs)),
                              diverged=sum(r["diverged"] for r in runs)))
     return rows
 
 
-def largest_batch_within(rows, variant, tolerance=0.01, baseline=None):
+def largest_batch_within(rows: list[dict], variant: str, tolerance: float = 0.01,
+                         baseline: float | None = None) -> int:
     """The largest batch size whose mean accuracy (``variant``'s rows) is at least the
     baseline's minus ``tolerance`` (0.01 = one percentage point). ``baseline`` defaults to the
     mean accuracy at the smallest batch size. Introduced in notebooks/07_large_minibatch.ipynb."""
@@ -232,7 +246,7 @@ def largest_batch_within(rows, variant, tolerance=0.01, baseline=None):
     return max(r["batch_size"] for r in mine if r["mean"] >= baseline - tolerance - 1e-12)
 
 
-def format_table(rows):
+def format_table(rows: list[dict]) -> str:
     """Rows of :func:`accuracy_vs_batch` as a table: batch, updates, then each variant's lr
     and mean test accuracy (with how many seeds diverged, if any).
     Introduced in notebooks/07_large_minibatch.ipynb."""
@@ -251,7 +265,8 @@ def format_table(rows):
 
 
 # ---------------------------------------------------------------- why the rule holds, and fails
-def linear_scaling_gap(theta, k, batch_size, lr, seed=0, hidden=(64, 64), init_scale=1.4):
+def linear_scaling_gap(theta: ArrayLike, k: int, batch_size: int, lr: float, seed: int = 0,
+                       hidden: int | Sequence[int] = (64, 64), init_scale: float = 1.4) -> float:
     """How far one step with ``k * lr`` on ``k * batch_size`` samples lands from ``k`` steps
     with ``lr`` on the same samples, ``batch_size`` at a time, starting from ``theta``: the
     distance between the two end points divided by the length of the big step. That is
@@ -269,8 +284,9 @@ def linear_scaling_gap(theta, k, batch_size, lr, seed=0, hidden=(64, 64), init_s
     return float(np.linalg.norm(small - big) / np.linalg.norm(big - theta))
 
 
-def updates_to_accuracy(batch_sizes, target=0.9, variant="warmup", max_epochs=10,
-                        seeds=(0, 1, 2), **setup):
+def updates_to_accuracy(batch_sizes: Sequence[int], target: float = 0.9, variant: str = "warmup",
+                        max_epochs: int = 10, seeds: Sequence[int] = (0, 1, 2),
+                        **setup: Any) -> list[dict]:
     """Updates (and epochs) until test accuracy first reaches ``target`` with ``variant``'s
     schedule, per batch size (mean over seeds; nan if a seed never gets there).
     Introduced in notebooks/07_large_minibatch.ipynb."""

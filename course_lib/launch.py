@@ -5,8 +5,18 @@ notebook (``bench_rows``: a benchmark's rows, with a deadline).
 Introduced in notebooks/00_welcome_and_cluster.ipynb (and notebooks/12_scaling_out.ipynb).
 ``python -m course_lib cluster clean`` calls :func:`clean_clusters` to stop clusters whose
 notebook kernel was killed before it could stop them.
+
+One file of plumbing rather than a lesson, in four parts a reader finds by its section lines
+(SLURM and clean-up, launchers, worker processes, the command line); the parts share the
+process-tree killing that makes "never a process left behind" hold. Its top-level imports are
+the standard library's only: the spawned workers of :mod:`course_lib.race` and
+:mod:`course_lib.hogwild` and the cluster's watchdog import it, and each would pay for more
+(ipyparallel takes a second); the functions that need psutil, ipyparallel or IPython import it.
 """
 
+from __future__ import annotations
+
+import csv
 import os
 import shutil
 import socket
@@ -14,8 +24,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import wait
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for the annotations only: ipyparallel stays off the module's import
+    import multiprocessing
+    import threading
+
+    import ipyparallel as ipp
 
 PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches other clusters
 
@@ -23,8 +41,10 @@ PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches
 SLURM_FILES = os.path.join(tempfile.gettempdir(), "course_lib-slurm")  # batch scripts and logs
 
 
-def slurm_batch_script(n, partition="", time_limit="00:30:00", account="", gpus_per_task=0,
-                       cpus_per_task=1, extra=()):
+# ---------------------------------------------------------------- SLURM, and cleaning up clusters
+def slurm_batch_script(n: int, partition: str = "", time_limit: str = "00:30:00",
+                       account: str = "", gpus_per_task: int = 0, cpus_per_task: int = 1,
+                       extra: Sequence[str] = ()) -> str:
     """The sbatch script that starts ``n`` engines as one job (``srun`` fills in the engine).
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
@@ -39,19 +59,21 @@ def slurm_batch_script(n, partition="", time_limit="00:30:00", account="", gpus_
     if gpus_per_task:
         lines.append(f"#SBATCH --gpus-per-task={gpus_per_task}")
     lines += [f"#SBATCH {x}" for x in extra]
+    # {cluster_id} and {program_and_args} are left for ipyparallel's launcher to fill in
     lines += [f"export OMP_NUM_THREADS={cpus_per_task}", "srun {program_and_args}", ""]
     return "\n".join(lines)
 
 
-def slurm_config(n, partition="", time_limit="00:30:00", account="", gpus_per_task=0,
-                 cpus_per_task=1, extra=(), controller_ip="*"):
+def slurm_config(n: int, partition: str = "", time_limit: str = "00:30:00", account: str = "",
+                 gpus_per_task: int = 0, cpus_per_task: int = 1, extra: Sequence[str] = (),
+                 controller_ip: str = "*") -> dict:
     """ipyparallel settings for engines="slurm": controller here, engines in one sbatch job.
 
     The controller listens on ``controller_ip`` ("*" = every interface) because compute nodes
     must reach it; run this on a login node of a cluster you trust.
     Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
-    from traitlets.config import Config
+    from traitlets.config import Config  # standard library only at the top (as above)
     config = Config()
     config.SlurmEngineSetLauncher.batch_template = slurm_batch_script(
         n, partition, time_limit, account, gpus_per_task, cpus_per_task, extra)
@@ -64,7 +86,7 @@ def slurm_config(n, partition="", time_limit="00:30:00", account="", gpus_per_ta
 
 
 def _owner(cluster_id):
-    return cluster_id.split("-", 1)[0]
+    return cluster_id.split("-", 1)[0]  # ids are "{owner pid}-{hex}" (see cluster.start_cluster)
 
 
 def _owner_alive(cluster_id):
@@ -72,24 +94,24 @@ def _owner_alive(cluster_id):
     return owner.isdigit() and alive(int(owner))
 
 
-def process_status(pid):
+def process_status(pid: int) -> str | None:
     """psutil's status of ``pid`` on this machine ("running", "sleeping", "stopped",
     "zombie", ...), or None once it is gone.
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    import psutil
+    import psutil  # standard library only at the top (see the module docstring)
     try:
         return psutil.Process(pid).status()
     except psutil.Error:
         return None
 
 
-def alive(pid):
+def alive(pid: int) -> bool:
     """True while ``pid`` runs here (a zombie has ended: it only waits for its parent).
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     return process_status(pid) not in (None, "zombie")
 
 
-def clean_clusters(all=False, shared_by=None):
+def clean_clusters(all: bool = False, shared_by: int | str | None = None) -> list[str]:
     """Stop clusters left behind by a killed notebook kernel (all of ours with ``all=True``,
     the shared ones a test session kept running with ``shared_by=`` its pid; see
     ``cluster.SHARED_ENV``).
@@ -98,7 +120,7 @@ def clean_clusters(all=False, shared_by=None):
     Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     stopped = []
-    import ipyparallel as ipp
+    import ipyparallel as ipp  # standard library only at the top (see the module docstring)
     manager = ipp.ClusterManager()
     try:
         clusters = manager.load_clusters(profile=PROFILE)
@@ -121,12 +143,13 @@ def clean_clusters(all=False, shared_by=None):
     return stopped + [found for found in _kill_leftovers(doomed) if found not in stopped]
 
 
-def cluster_processes(select=lambda cluster_id: True):
+def cluster_processes(select: Callable[[str], bool] = lambda cluster_id: True,
+                      ) -> dict[str, list[int]]:
     """{cluster id: pids} of this machine's processes of the course's clusters whose id
     ``select`` accepts, found by the ``IPP_CLUSTER_ID`` and ``IPP_PROFILE_DIR`` that
     ipyparallel puts in the environment of every controller and engine it starts (and that
     their children inherit). Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    import psutil
+    import psutil  # standard library only at the top (see the module docstring)
     found = {}
     for proc in psutil.process_iter():
         if proc.pid == os.getpid():  # code on an engine may clean up too: never itself
@@ -157,7 +180,7 @@ def _kill_leftovers(select):
     return list(found)
 
 
-def start_watchdog(owner, cluster_file, poll=0.5):
+def start_watchdog(owner: int, cluster_file: str, poll: float = 0.5) -> subprocess.Popen:
     """Start a small process that stops the cluster of ``cluster_file`` once ``owner`` (the
     pid that started it: a notebook kernel, a test session) is gone without stopping it:
     killed, or timed out by nbval. It ends by itself when the cluster stops normally.
@@ -169,10 +192,10 @@ def start_watchdog(owner, cluster_file, poll=0.5):
                             start_new_session=True)  # Kernel > Interrupt does not reach it
 
 
-def watch_owner(owner, cluster_file, poll=0.5):
+def watch_owner(owner: int, cluster_file: str, poll: float = 0.5) -> None:
     """The watchdog's loop (see :func:`start_watchdog`).
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    while os.path.exists(cluster_file):
+    while os.path.exists(cluster_file):  # removed when the cluster stops normally
         if not alive(owner):
             clean_clusters()  # the clusters of every owner that is gone, this one among them
             return
@@ -188,12 +211,12 @@ def _launcher_pids(ipp_cluster):
     return [p for p in (getattr(x, "pid", None) for x in launchers) if p and p > 0]
 
 
-def kill_tree(pids, timeout=5):
+def kill_tree(pids: Iterable[int], timeout: float = 5) -> None:
     """SIGKILL processes and every descendant, then wait for them. The tree is read before the
     first kill: mpiexec's hydra proxy and torchrun's ranks live in sessions of their own, so
     neither a process group nor the parent's death reaches them.
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    import psutil
+    import psutil  # standard library only at the top (see the module docstring)
     procs = []
     for pid in pids:
         try:
@@ -209,7 +232,7 @@ def kill_tree(pids, timeout=5):
     psutil.wait_procs(procs, timeout=timeout)
 
 
-def stop_and_reap(ipp_cluster, extra_pids=()):
+def stop_and_reap(ipp_cluster: ipp.Cluster, extra_pids: Iterable[int] = ()) -> None:
     """Kill every process of a cluster's tree (engines hold nothing worth a graceful wait),
     then let ipyparallel remove the cluster's files.
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
@@ -219,14 +242,15 @@ def stop_and_reap(ipp_cluster, extra_pids=()):
 
 
 def _security_dir():
-    from IPython.paths import locate_profile
+    from IPython.paths import locate_profile  # standard library only at the top (as above)
     try:
         return Path(locate_profile(PROFILE), "security")
     except OSError:  # no profile yet
         return None
 
 
-def launched_rank():
+# ---------------------------------------------------------------- launchers: mpiexec, torchrun
+def launched_rank() -> tuple[int, int] | None:
     """(rank, local rank) of a process started by torchrun or mpiexec, else None.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
@@ -247,7 +271,7 @@ MPI_LOOPBACK = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
 MPIEXEC_MISSING = "mpiexec not found: pip install -c constraints.txt -e '.[mpi]'"
 
 
-def mpiexec_path(required=False, error=RuntimeError):
+def mpiexec_path(required: bool = False, error: type[Exception] = RuntimeError) -> str | None:
     """The ``mpiexec`` of this Python's environment (the mpich wheel's), else PATH's; None when
     there is none, or ``error`` saying how to get one when ``required``.
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
@@ -260,7 +284,7 @@ def mpiexec_path(required=False, error=RuntimeError):
     return found
 
 
-def finish_within(proc, deadline):
+def finish_within(proc: subprocess.Popen, deadline: float) -> tuple[Any, Any, bool]:
     """Wait for ``proc`` (a Popen with pipes) at most ``deadline`` seconds: ``(stdout, stderr,
     timed_out)``. Past the deadline, or on Ctrl-C, its whole process tree is killed (an
     interrupt is then raised again). Introduced in notebooks/02_parallel_computing.ipynb."""
@@ -275,7 +299,8 @@ def finish_within(proc, deadline):
         raise
 
 
-def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
+def run_ranks(launcher: str, world_size: int, args: Sequence[str], env: dict | None = None,
+              timeout: float = 600.0) -> str:
     """Run ``python *args`` as ``world_size`` ranks under "mpiexec" or "torchrun" (loopback
     rendezvous), with a deadline: past it the launcher and every rank are killed. Returns the
     combined output; raises RuntimeError naming the launcher when it fails or runs late.
@@ -286,7 +311,7 @@ def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(world_size), *args]
     env = dict(os.environ if env is None else env)
-    env.setdefault("MPIEXEC_TIMEOUT", str(int(timeout)))
+    env.setdefault("MPIEXEC_TIMEOUT", str(int(timeout)))  # mpiexec's own deadline as well
     for name, value in MPI_LOOPBACK.items():
         env.setdefault(name, value)
     # torchrun shares its rendezvous store with the ranks; after a restart (--max-restarts) a
@@ -298,6 +323,8 @@ def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
                                 text=True)
     except OSError as e:
         raise RuntimeError(f"cannot start {launcher}: {e}") from None
+    # past MPIEXEC_TIMEOUT, so that mpiexec stops its own ranks first; this deadline catches
+    # torchrun (which has no such variable) and a launcher that hangs
     output, _, late = finish_within(proc, timeout * 1.1 + 5)
     if late:
         raise RuntimeError(f"{launcher} did not finish within {timeout:g}s; its ranks were "
@@ -309,7 +336,9 @@ def run_ranks(launcher, world_size, args, env=None, timeout=600.0):
 
 
 # ---------------------------------------------------------------- local worker processes
-def supervise(procs, timeout, what, error=RuntimeError, barrier=None):
+def supervise(procs: Sequence[multiprocessing.Process], timeout: float, what: str,
+              error: type[Exception] = RuntimeError,
+              barrier: threading.Barrier | None = None) -> None:
     """Start worker processes and sleep until all finish, one dies, or ``timeout`` s pass.
 
     A dead worker or a late one raises ``error`` naming it (worker index, pid, exit code); the
@@ -325,6 +354,8 @@ def supervise(procs, timeout, what, error=RuntimeError, barrier=None):
             alive = [p.sentinel for p in procs if p.is_alive()]
             if not alive or any(p.exitcode not in (None, 0) for p in procs):
                 break  # all done, or one died: the others would wait for it in vain
+            # sleeps until a worker exits (its sentinel becomes ready), 0.1 s at most, so that
+            # the deadline is checked at least ten times a second
             wait(alive, timeout=max(min(0.1, deadline - time.monotonic()), 0.0))
         dead = [f"worker {w} (pid {p.pid}) exited with code {p.exitcode}"
                 for w, p in enumerate(procs) if p.exitcode not in (None, 0)]
@@ -344,7 +375,7 @@ def supervise(procs, timeout, what, error=RuntimeError, barrier=None):
 
 
 # ---------------------------------------------------------------- the command line, from a notebook
-def run_cli(*args, deadline=600.0, echo=True):
+def run_cli(*args: Any, deadline: float = 600.0, echo: bool = True) -> str:
     """Run ``python -m course_lib *args`` in a subprocess with a deadline; returns its stdout.
 
     ``echo`` prints the command first (so it can be typed in a terminal) and its run time after.
@@ -369,7 +400,7 @@ def run_cli(*args, deadline=600.0, echo=True):
     return out
 
 
-def bench_args(benchmark, **options):
+def bench_args(benchmark: str, **options: Any) -> list[str]:
     """The arguments of ``python -m course_lib bench <benchmark>`` for ``options``.
 
     Each option becomes a flag: ``world_size=[2, 4]`` -> ``--world-size 2,4``,
@@ -386,13 +417,12 @@ def bench_args(benchmark, **options):
     return args
 
 
-def bench_rows(benchmark, deadline=600.0, echo=True, **options):
+def bench_rows(benchmark: str, deadline: float = 600.0, echo: bool = True,
+               **options: Any) -> list[dict]:
     """Run ``python -m course_lib bench <benchmark>`` with ``options`` (as :func:`bench_args`
     writes them) and return its rows: through ``--csv`` (a temporary file), as dicts, numbers
     as int or float, empty cells as None. ``deadline`` (seconds, for the whole run), ``echo``
     and errors as :func:`run_cli`. Introduced in notebooks/05_allreduce.ipynb."""
-    import csv
-    import tempfile
     args = bench_args(benchmark, **options)
     with tempfile.TemporaryDirectory(prefix="course_lib-bench-") as tmp:
         path = os.path.join(tmp, "rows.csv")

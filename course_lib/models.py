@@ -20,7 +20,14 @@ own shard, one allreduce adds the k partial sums, and dividing by m gives the fu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
+from numpy.typing import ArrayLike
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def _check(theta, X, y, n_params):
@@ -55,28 +62,29 @@ class LinearRegression:
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
 
-    def n_params(self, n_features):
+    def n_params(self, n_features: int) -> int:
         return n_features
 
-    def init(self, n_features, seed=0):
+    def init(self, n_features: int, seed: int = 0) -> np.ndarray:
         return np.random.default_rng(seed).normal(scale=0.01, size=n_features)
 
-    def loss_sum(self, theta, X, y):
+    def loss_sum(self, theta: ArrayLike, X: np.ndarray, y: ArrayLike) -> float:
+        # -1 when X is not 2-D: _check then rejects X before comparing theta with it
         theta, X, y = _check(theta, X, y, X.shape[1] if np.ndim(X) == 2 else -1)
         r = X @ theta - y
         return 0.5 * float(r @ r)
 
-    def grad_sum(self, theta, X, y):
+    def grad_sum(self, theta: ArrayLike, X: np.ndarray, y: ArrayLike) -> np.ndarray:
         theta, X, y = _check(theta, X, y, X.shape[1] if np.ndim(X) == 2 else -1)
         return X.T @ (X @ theta - y)
 
-    def loss(self, theta, X, y):
+    def loss(self, theta: ArrayLike, X: np.ndarray, y: ArrayLike) -> float:
         return _mean(self.loss_sum(theta, X, y), len(X))
 
-    def grad(self, theta, X, y):
+    def grad(self, theta: ArrayLike, X: np.ndarray, y: ArrayLike) -> np.ndarray:
         return _mean(self.grad_sum(theta, X, y), len(X))
 
-    def predict(self, theta, X):
+    def predict(self, theta: ArrayLike, X: ArrayLike) -> np.ndarray:
         return np.asarray(X, dtype=np.float64) @ theta
 
 
@@ -92,18 +100,18 @@ class SoftmaxRegression:
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
 
-    def __init__(self, n_classes):
+    def __init__(self, n_classes: int) -> None:
         if n_classes < 2:
             raise ValueError(f"n_classes must be >= 2, got {n_classes}")
         self.n_classes = n_classes
 
-    def n_params(self, n_features):
+    def n_params(self, n_features: int) -> int:
         return (n_features + 1) * self.n_classes
 
-    def init(self, n_features, seed=0):
+    def init(self, n_features: int, seed: int = 0) -> np.ndarray:
         return np.random.default_rng(seed).normal(scale=0.01, size=self.n_params(n_features))
 
-    def unpack(self, theta, n_features):
+    def unpack(self, theta: np.ndarray, n_features: int) -> tuple[np.ndarray, np.ndarray]:
         """Split a flat theta into ``(W, b)`` (views)."""
         k = self.n_classes
         return theta[: n_features * k].reshape(n_features, k), theta[n_features * k:]
@@ -115,33 +123,34 @@ class SoftmaxRegression:
             raise ValueError(f"labels must lie in [0, {self.n_classes - 1}]")
         W, b = self.unpack(theta, d)
         z = X @ W + b
-        z = z - z.max(axis=1, keepdims=True)
-        log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
+        z = z - z.max(axis=1, keepdims=True)  # softmax is shift-invariant: exp() cannot overflow
+        log_p = z - np.log(np.exp(z).sum(axis=1, keepdims=True))  # log-softmax
         return X, y.astype(np.int64), log_p
 
-    def loss_sum(self, theta, X, y):
+    def loss_sum(self, theta: ArrayLike, X: np.ndarray, y: ArrayLike) -> float:
         _, y, log_p = self._forward(theta, X, y)
-        return -float(log_p[np.arange(len(y)), y].sum())
+        return -float(log_p[np.arange(len(y)), y].sum())  # row i's log-probability of its label
 
-    def grad_sum(self, theta, X, y):
+    def grad_sum(self, theta: ArrayLike, X: np.ndarray, y: ArrayLike) -> np.ndarray:
         X, y, log_p = self._forward(theta, X, y)
         delta = np.exp(log_p)
         delta[np.arange(len(y)), y] -= 1.0  # P - Y
+        # W's gradient flattened row-major, then b's: the layout unpack() reads
         return np.concatenate([(X.T @ delta).ravel(), delta.sum(axis=0)])
 
-    def loss(self, theta, X, y):
+    def loss(self, theta: ArrayLike, X: np.ndarray, y: ArrayLike) -> float:
         return _mean(self.loss_sum(theta, X, y), len(X))
 
-    def grad(self, theta, X, y):
+    def grad(self, theta: ArrayLike, X: np.ndarray, y: ArrayLike) -> np.ndarray:
         return _mean(self.grad_sum(theta, X, y), len(X))
 
-    def predict(self, theta, X):
+    def predict(self, theta: ArrayLike, X: ArrayLike) -> np.ndarray:
         """Most probable class for each row of X."""
         X = np.asarray(X, dtype=np.float64)
         W, b = self.unpack(np.asarray(theta, dtype=np.float64), X.shape[1])
         return np.argmax(X @ W + b, axis=1)
 
-    def accuracy(self, theta, X, y):
+    def accuracy(self, theta: ArrayLike, X: ArrayLike, y: ArrayLike) -> float:
         """Fraction of rows whose predicted class equals the label."""
         return float(np.mean(self.predict(theta, X) == np.asarray(y)))
 
@@ -152,13 +161,13 @@ class Quadratic:
 
     Introduced in notebooks/12_scaling_out.ipynb (the parameter server against the ring)."""
 
-    def loss_sum(self, theta, X, y):
+    def loss_sum(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray | None) -> float:
         return len(X) * 0.5 * float(np.dot(theta - 1.0, theta - 1.0))
 
-    def grad_sum(self, theta, X, y):
+    def grad_sum(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray | None) -> np.ndarray:
         return len(X) * (theta - 1.0)
 
-    def loss(self, theta, X, y):
+    def loss(self, theta: np.ndarray, X: np.ndarray, y: np.ndarray | None) -> float:
         return self.loss_sum(theta, X, y) / max(len(X), 1)
 
 
@@ -173,34 +182,40 @@ class DoubleWell:
     Introduced in notebooks/01_gradient_descent.ipynb.
     """
 
-    def __init__(self, tilt=0.3):
+    def __init__(self, tilt: float = 0.3) -> None:
         self.tilt = tilt
 
-    def init(self, n_features=1, seed=0):
+    def init(self, n_features: int = 1, seed: int = 0) -> np.ndarray:
         return np.random.default_rng(seed).uniform(-1.5, 1.5, size=n_features)
 
-    def loss(self, theta, X=None, y=None):
+    def loss(self, theta: ArrayLike, X: np.ndarray | None = None,
+             y: ArrayLike | None = None) -> float:
         w = np.asarray(theta, dtype=np.float64)
         return float(np.sum((w**2 - 1.0) ** 2 + self.tilt * w))
 
-    def grad(self, theta, X=None, y=None):
+    def grad(self, theta: ArrayLike, X: np.ndarray | None = None,
+             y: ArrayLike | None = None) -> np.ndarray:
         w = np.asarray(theta, dtype=np.float64)
-        return 4.0 * w * (w**2 - 1.0) + self.tilt
+        return 4.0 * w * (w**2 - 1.0) + self.tilt  # f'(w), entry by entry
 
-    def loss_sum(self, theta, X=None, y=None):
+    def loss_sum(self, theta: ArrayLike, X: np.ndarray | None = None,
+                 y: ArrayLike | None = None) -> float:
         return (1 if X is None else len(X)) * self.loss(theta)
 
-    def grad_sum(self, theta, X=None, y=None):
+    def grad_sum(self, theta: ArrayLike, X: np.ndarray | None = None,
+                 y: ArrayLike | None = None) -> np.ndarray:
         return (1 if X is None else len(X)) * self.grad(theta)
 
-    def minima(self):
+    def minima(self) -> np.ndarray:
         """The two local minima, sorted (roots of f'(w) = 0 where f'' > 0)."""
+        # f'(w) = 4w^3 - 4w + tilt: three real roots, the middle one the hump (a maximum)
         roots = np.roots([4.0, 0.0, -4.0, self.tilt])
         roots = np.sort(roots[np.abs(roots.imag) < 1e-12].real)
         return roots[[0, -1]]
 
 
-def mlp(in_features, hidden, out_features, seed=0):
+def mlp(in_features: int, hidden: int | Sequence[int], out_features: int,
+        seed: int = 0) -> nn.Sequential:
     """A small multilayer perceptron ``Linear -> ReLU -> ... -> Linear`` (torch, float32).
 
     ``hidden`` is an int or a sequence of ints (one per hidden layer). The weights depend only
@@ -209,12 +224,12 @@ def mlp(in_features, hidden, out_features, seed=0):
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
-    import torch
-    from torch import nn
+    import torch  # torch takes seconds to import: the numpy problems above, and the
+    from torch import nn  # spawned Hogwild workers that import this module, never need it
 
     sizes = [in_features, *([hidden] if isinstance(hidden, int) else list(hidden)), out_features]
     layers = []
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]):  # seed a copy of the global RNG, restored after
         torch.manual_seed(seed)
         for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
             layers.append(nn.Linear(a, b))

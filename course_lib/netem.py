@@ -27,6 +27,10 @@ Where it applies: every message of :mod:`course_lib.comm` (torch/Gloo and MPI), 
 from-scratch collective, the labs' code and ``ddp`` with ``algorithm="ring"``, and the
 parameter server's ZeroMQ messages. Native collectives (``dist.all_reduce``, ``MPI.Allreduce``)
 run inside Gloo or MPI and are not slowed down.
+
+One file a little over a lesson's length: the link's text, one rank's interface and what to
+expect of it are one model, read top to bottom. It imports no torch (``course_lib.comm`` and
+``course_lib.engine`` import it, and must import without torch: it takes seconds).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from course_lib import costmodel
 
@@ -51,25 +56,25 @@ class Link:
     name: str = ""
     slowdown: float = 1.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not (self.bandwidth > 0 and self.latency >= 0):
             raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got "
                              f"{self.bandwidth} B/s and {self.latency} s")
 
-    def seconds(self, n_bytes):
+    def seconds(self, n_bytes: float) -> float:
         """How long one message of ``n_bytes`` occupies an interface: alpha + n / B."""
         return self.latency + n_bytes / self.bandwidth
 
     @property
-    def text(self):
+    def text(self) -> str:
         """The link as ``make_link`` reads it back: '1e+09bit/s,50us'."""
         return f"{self.bandwidth * 8:g}bit/s,{self.latency * 1e6:g}us"
 
-    def costmodel(self):
+    def costmodel(self) -> costmodel.Link:
         """The same link as a :class:`costmodel.Link`, to predict with."""
         return costmodel.Link(str(self), alpha=self.latency, beta=1 / self.bandwidth)
 
-    def __str__(self):
+    def __str__(self) -> str:
         text = f"{format_rate(self.bandwidth)}, {self.latency * 1e6:g} us"
         if self.name:
             text = f"{self.name} ({text}" + (f", {self.slowdown:g}x slower than real"
@@ -85,20 +90,23 @@ LOOPBACK_LIMIT = 250e6
 
 def _preset(name):
     real = costmodel.LINKS[name]
-    slowdown = max(1.0, real.bandwidth / LOOPBACK_LIMIT)
+    slowdown = max(1.0, real.bandwidth / LOOPBACK_LIMIT)  # 1: slow enough already
+    # bandwidth divided and latency multiplied by the same factor: every time alpha + n/B grows
+    # by it, so the curves keep their shape (a ring's ratio to the naive one, crossovers)
     return Link(real.bandwidth / slowdown, real.alpha * slowdown, name, slowdown)
 
 
 # costmodel's networks, plus 1 Gigabit Ethernet (what loopback carries as it is).
 PRESETS = {"1GbE": Link(125e6, 50e-6, "1GbE"), **{name: _preset(name) for name in costmodel.LINKS}}
 
+# "1Gbit/s" -> ("1", "G", "bit/s"); "2.5e9B/s" -> ("2.5e9", "", "B/s")
 _RATE = re.compile(r"^\s*([0-9.]+(?:e[-+]?\d+)?)\s*([kmgt]?)(bit/s|bps|b/s|B/s)\s*$", re.I)
 _TIME = re.compile(r"^\s*([0-9.]+(?:e[-+]?\d+)?)\s*(s|ms|us|µs|ns)?\s*$")
 _PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _SECONDS = {"s": 1, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, None: 1}
 
 
-def parse_rate(text):
+def parse_rate(text: str) -> float:
     """'1Gbit/s' -> 125e6 bytes/s; also '1Gbps', '250MB/s' (bytes), decimal prefixes k M G T.
 
     Introduced in notebooks/05_allreduce.ipynb."""
@@ -107,10 +115,10 @@ def parse_rate(text):
         raise ValueError(f"bandwidth {text!r}: expected a number with a unit like 1Gbit/s, "
                          "10Gbps or 250MB/s")
     value = float(m.group(1)) * _PREFIX[m.group(2).lower()]
-    return value if m.group(3) == "B/s" else value / 8
+    return value if m.group(3) == "B/s" else value / 8  # bits to bytes
 
 
-def parse_time(text):
+def parse_time(text: str | float) -> float:
     """'50us' -> 5e-5 seconds; also s, ms, ns, or a bare number of seconds.
 
     Introduced in notebooks/05_allreduce.ipynb."""
@@ -120,7 +128,7 @@ def parse_time(text):
     return float(m.group(1)) * _SECONDS[m.group(2)]
 
 
-def format_rate(bytes_per_s):
+def format_rate(bytes_per_s: float) -> str:
     """125e6 -> '1 Gbit/s' (bits, as networks are sold).
 
     Introduced in notebooks/05_allreduce.ipynb."""
@@ -131,7 +139,8 @@ def format_rate(bytes_per_s):
     return f"{bits:.3g} bit/s"
 
 
-def make_link(link=None, latency=None):
+def make_link(link: str | Link | dict | None = None,
+              latency: str | float | None = None) -> Link | None:
     """A :class:`Link` from what a user writes, or None (no emulation).
 
     ``link``: a Link, a preset name (``PRESETS``: "1GbE", "10GbE", "100GbE", "InfiniBand HDR",
@@ -144,7 +153,7 @@ def make_link(link=None, latency=None):
         return None
     if isinstance(link, Link):
         spec = link
-    elif isinstance(link, dict):
+    elif isinstance(link, dict):  # a Link's fields by name
         spec = Link(**link)
     elif link in PRESETS:
         spec = PRESETS[link]
@@ -167,19 +176,20 @@ class Interface:
     Times are ``time.monotonic()`` readings, shared by every process on the machine.
     Introduced in notebooks/05_allreduce.ipynb."""
 
-    def __init__(self, link):
+    def __init__(self, link: Link) -> None:
         self.link = link
         self.egress_free = 0.0
         self.ingress = []  # booked (begin, end) intervals, sorted, none overlapping
 
-    def depart(self, n_bytes, now=None):
+    def depart(self, n_bytes: int, now: float | None = None) -> tuple[float, float]:
         """Queue a message on the egress: (start, end) of its sending. Start is its stamp.
         ``now``: when it is sent (default: the clock's now; a model passes its own time)."""
+        # one message at a time: it starts when the previous one has left the egress
         start = max(time.monotonic() if now is None else now, self.egress_free)
         self.egress_free = start + self.link.seconds(n_bytes)
         return start, self.egress_free
 
-    def arrive(self, start, n_bytes):
+    def arrive(self, start: float, n_bytes: int) -> float:
         """Book the ingress for a message whose sending started at ``start``; its end time.
 
         The message takes the first gap from ``start`` on that is long enough, so a message the
@@ -188,6 +198,9 @@ class Interface:
         keep = start - 60.0  # bookings older than any message in flight
         self.ingress = [b for b in self.ingress if b[1] > keep]
         i = 0
+        # walk the bookings in time order: skip those that end before ``begin``, stop at the
+        # first that starts after the message would end (it fits in the gap before it, at i),
+        # and past any that overlaps move ``begin`` to its end
         for i, (b, e) in enumerate(self.ingress):  # noqa: B007 - i is used after the loop
             if e <= begin:
                 continue
@@ -195,7 +208,7 @@ class Interface:
                 break
             begin = e
         else:
-            i = len(self.ingress)
+            i = len(self.ingress)  # after every booking
         self.ingress.insert(i, (begin, begin + length))
         return begin + length
 
@@ -204,7 +217,8 @@ _STATE = {"link": None, "interface": None}
 _LATE = {"s": 100e-6}  # how late time.sleep wakes up here, learned as it runs
 
 
-def set_link(link=None, latency=None):
+def set_link(link: str | Link | dict | None = None,
+             latency: str | float | None = None) -> Link | None:
     """Switch this process's emulated link on (see :func:`make_link`) or off (None); returns it.
 
     Every communicator made afterwards uses it (unless given its own ``link=``).
@@ -215,14 +229,14 @@ def set_link(link=None, latency=None):
     return spec
 
 
-def current():
+def current() -> Link | None:
     """This process's emulated link, or None.
 
     Introduced in notebooks/05_allreduce.ipynb."""
     return _STATE["link"]
 
 
-def interface(link):
+def interface(link: Link) -> Interface:
     """This process's interface for ``link`` (one per rank, shared by all its communicators).
 
     Introduced in notebooks/05_allreduce.ipynb."""
@@ -232,7 +246,7 @@ def interface(link):
     return nic
 
 
-def sleep_until(t):
+def sleep_until(t: float | None) -> None:
     """Sleep until monotonic time ``t``. ``time.sleep`` wakes up late (~0.1 ms here), so it asks
     for that much less, as learned from its last wake-ups. No spinning: the CPU stays free for
     the other ranks' real work.
@@ -242,22 +256,24 @@ def sleep_until(t):
         t0 = time.monotonic()
         time.sleep(asked)
         late = time.monotonic() - t0 - asked
+        # a running average (weight 0.2 on the newest wake-up), kept within 0 and 2 ms so that
+        # one descheduled wake-up cannot make every later sleep end early
         _LATE["s"] = min(max(0.8 * _LATE["s"] + 0.2 * late, 0.0), 2e-3)
 
 
 # ---------------------------------------------------------------- for transports
-def send_stamp(link, n_bytes):
+def send_stamp(link: Link, n_bytes: int) -> tuple[float, float]:
     """Queue an outgoing message of ``n_bytes``: (stamp to send with it, when the send ends).
 
     Introduced in notebooks/05_allreduce.ipynb."""
     return interface(link).depart(n_bytes)
 
 
-def receive(link, stamp, n_bytes):
+def receive(link: Link, stamp: float | None, n_bytes: int) -> None:
     """A message stamped ``stamp`` (its sender's start) has arrived for real: wait until the
     emulated link would have delivered it.
     Introduced in notebooks/05_allreduce.ipynb."""
-    if stamp:
+    if stamp:  # 0 or None: the sender had no emulated link
         sleep_until(interface(link).arrive(stamp, n_bytes))
 
 
@@ -265,7 +281,8 @@ def receive(link, stamp, n_bytes):
 AGREEMENT_BYTES = 120  # the record each rank sends every other before a checked collective
 
 
-def predict_allreduce(algorithm, n_bytes, p, link, check=True, segment_bytes=1 << 20):
+def predict_allreduce(algorithm: str, n_bytes: float, p: int, link: Link, check: bool = True,
+                      segment_bytes: int = 1 << 20) -> float:
     """Seconds an allreduce of :mod:`course_lib.collectives` should take on emulated ``link``:
     ``costmodel.allreduce_time`` on it, plus, with ``check``, the agreement round (every rank
     sends a small record to every other: p-1 messages queue on each interface). The pipelined
@@ -274,7 +291,9 @@ def predict_allreduce(algorithm, n_bytes, p, link, check=True, segment_bytes=1 <
     model = link.costmodel()
     if algorithm == "ring_pipelined":
         chunk = n_bytes / p
-        segments = max(1, -(-int(chunk) // segment_bytes))
+        segments = max(1, -(-int(chunk) // segment_bytes))  # ceil(chunk / segment_bytes)
+        # alpha: p-1 reduce-scatter steps of ``segments`` messages, then p-1 all-gather steps of
+        # one; the bytes: the lower bound 2 (p-1)/p n / B, which the ring meets
         t = (p - 1) * (segments + 1) * link.latency + costmodel.lower_bound(n_bytes, p, model)
     else:
         t = costmodel.allreduce_time(algorithm, n_bytes, p, model)
@@ -283,15 +302,16 @@ def predict_allreduce(algorithm, n_bytes, p, link, check=True, segment_bytes=1 <
     return float(t)
 
 
-def start_clock(comm):
+def start_clock(comm: Any) -> float:
     """Where a rank starts timing a collective: after a barrier, the instant all ranks agreed on
     (:func:`start_together`) on an emulated link, else this rank's now. Time the end with
-    ``time.monotonic()``. Introduced in notebooks/05_allreduce.ipynb."""
+    ``time.monotonic()``. ``comm``: a :mod:`course_lib.comm` communicator (not annotated as
+    one: ``comm`` imports this module). Introduced in notebooks/05_allreduce.ipynb."""
     comm.barrier()
     return start_together(comm) if comm.link else time.monotonic()
 
 
-def start_together(comm, margin=0.02):
+def start_together(comm: Any, margin: float = 0.02) -> float:
     """Agree on a start instant a little ahead, sleep until it and return it (time.monotonic).
 
     For timing on an emulated link (one machine, one monotonic clock): a barrier releases ranks
@@ -302,7 +322,7 @@ def start_together(comm, margin=0.02):
     if comm.transport == "mpi":
         start = comm.mpi.allreduce(mine, op=comm.MPI.MAX)
     else:
-        import torch
+        import torch  # a torch comm's process: torch is loaded; this module imports none
         t = torch.tensor([mine], dtype=torch.float64)
         comm.dist.all_reduce(t, op=comm.dist.ReduceOp.MAX, group=comm.group)
         start = float(t[0])

@@ -7,10 +7,18 @@ notebooks/02_parallel_computing.ipynb. Each rank holds one shard of the data, co
     grad J(theta) = 1/m * sum_k sum_{i in S_k} (h(x_i) - y_i) x_i
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from course_lib import data
+from course_lib.comm import Comm, get_comm
 from course_lib.models import LinearRegression
+
+if TYPE_CHECKING:
+    from course_lib.cluster import Cluster
 
 
 def _problem(n_samples, n_features, seed):
@@ -19,10 +27,11 @@ def _problem(n_samples, n_features, seed):
     return X, y, theta
 
 
-def shard_gradient(n_samples=1000, n_features=8, seed=0):
+def shard_gradient(n_samples: int = 1000, n_features: int = 8, seed: int = 0) -> dict:
     """On every rank: this rank's shard gradient sum, allreduced into the full gradient.
 
     Introduced in notebooks/02_parallel_computing.ipynb."""
+    # torch takes seconds to import: only on the ranks, not in the notebook that imports this
     import torch
     import torch.distributed as dist
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -34,7 +43,8 @@ def shard_gradient(n_samples=1000, n_features=8, seed=0):
     return {"rank": rank, "n_local": len(X_r), "local": local, "full": total.numpy() / n_samples}
 
 
-def check_full_gradient(cluster, n_samples=1000, n_features=8, seed=0):
+def check_full_gradient(cluster: Cluster, n_samples: int = 1000, n_features: int = 8,
+                        seed: int = 0) -> tuple[float, list[dict]]:
     """Run :func:`shard_gradient` on every rank; compare with the single-process gradient.
 
     Returns ``(max_abs_error, results)``; the error is at rounding level when it is right.
@@ -48,7 +58,7 @@ def check_full_gradient(cluster, n_samples=1000, n_features=8, seed=0):
 
 
 # ---------------------------------------------------------------- with point-to-point messages
-def ring_pass(comm, value):
+def ring_pass(comm: Comm, value: np.ndarray) -> list[np.ndarray]:
     """Every rank's ``value`` on every rank, passed around the ring; a list in rank order.
 
     In step ``s`` (``s = 0 .. world_size - 2``) each rank forwards the value it received last
@@ -65,12 +75,14 @@ def ring_pass(comm, value):
     for step in range(world_size - 1):
         incoming = np.empty_like(value)  # a fresh buffer: the list keeps every one
         comm.sendrecv(outgoing, right, incoming, left)
+        # in step s the value arriving from the left started at rank - s - 1, s + 1 hops away
         values[(rank - step - 1) % world_size] = incoming
-        outgoing = incoming
+        outgoing = incoming  # forwarded next step: the right neighbour has not seen it yet
     return values
 
 
-def global_gradient(comm, X_shard, y_shard, theta, n_total):
+def global_gradient(comm: Comm, X_shard: np.ndarray, y_shard: np.ndarray, theta: np.ndarray,
+                    n_total: int) -> np.ndarray:
     """The full-data gradient of ``J = 1/(2m) sum (x @ theta - y)^2`` on every rank.
 
     Each rank sums the gradient over its own shard (possibly empty), :func:`ring_pass` brings
@@ -79,16 +91,16 @@ def global_gradient(comm, X_shard, y_shard, theta, n_total):
     introduced in notebooks/02_parallel_computing.ipynb.
     """
     local = LinearRegression().grad_sum(theta, X_shard, y_shard)
-    return sum(ring_pass(comm, local)) / n_total
+    return sum(ring_pass(comm, local)) / n_total  # the list is in rank order on every rank
 
 
-def comm_shard_gradient(n_samples=1000, n_features=8, seed=0, timeout=10.0):
+def comm_shard_gradient(n_samples: int = 1000, n_features: int = 8, seed: int = 0,
+                        timeout: float = 10.0) -> dict:
     """On every cluster rank: :func:`global_gradient` over ``course_lib.comm`` (torch).
 
     Same data and result layout as :func:`shard_gradient` (which uses the native allreduce),
     so the two can be compared. Introduced in notebooks/02_parallel_computing.ipynb.
     """
-    from course_lib.comm import get_comm
     comm = get_comm("torch", timeout=timeout)
     X, y, theta = _problem(n_samples, n_features, seed)
     X_r, y_r = data.shard(X, y, comm.rank, comm.world_size)
@@ -97,7 +109,7 @@ def comm_shard_gradient(n_samples=1000, n_features=8, seed=0, timeout=10.0):
             "local": LinearRegression().grad_sum(theta, X_r, y_r), "full": full}
 
 
-def full_gradient(n_samples=1000, n_features=8, seed=0):
+def full_gradient(n_samples: int = 1000, n_features: int = 8, seed: int = 0) -> np.ndarray:
     """The single-process gradient of the problem the two functions above split across ranks.
 
     Introduced in notebooks/02_parallel_computing.ipynb."""

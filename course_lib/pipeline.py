@@ -13,20 +13,25 @@ Introduced in notebooks/09_model_parallelism.ipynb. Three schedules, side by sid
 
 :func:`simulate` predicts a schedule's Gantt chart, bubble and live activations;
 :func:`pipeline_step` runs it for real on the ranks, over ``comm``, with a deadline on every
-receive and a :class:`~course_lib.timeline.Timeline` of what each stage did.
+receive and a :class:`~course_lib.timeline.Timeline` of what each stage did. It stays one file:
+the simulator predicts what ``pipeline_step`` does, and notebook 09 compares the two side by side.
 """
 
 from __future__ import annotations
 
 import time
-from collections import namedtuple
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
-from course_lib.comm import CommError, wait_all
+from course_lib.comm import Comm, CommError, wait_all
 from course_lib.sharding import shard_bounds
+
+if TYPE_CHECKING:
+    from course_lib.timeline import Timeline
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 TAG_SHAPE, TAG_ACTIVATION, TAG_GRADIENT = 90, 91, 92
@@ -39,7 +44,7 @@ class PipelineError(CommError):
 
 
 # ---------------------------------------------------------------- schedules and the simulator
-def bubble_fraction(num_stages, num_microbatches, virtual_stages=1):
+def bubble_fraction(num_stages: int, num_microbatches: float, virtual_stages: int = 1) -> float:
     """The idle share of every stage, (N-1)/(v*M+N-1), with equal stages and free messages.
 
     Introduced in notebooks/09_model_parallelism.ipynb."""
@@ -50,7 +55,8 @@ def bubble_fraction(num_stages, num_microbatches, virtual_stages=1):
     return (num_stages - 1) / (virtual_stages * num_microbatches + num_stages - 1)
 
 
-def schedule_order(schedule, stage, num_stages, num_microbatches):
+def schedule_order(schedule: str, stage: int, num_stages: int,
+                   num_microbatches: int) -> list[tuple[str, int]]:
     """The order in which ``stage`` runs its forwards ``("F", m)`` and backwards ``("B", m)``.
 
     Introduced in notebooks/09_model_parallelism.ipynb."""
@@ -70,7 +76,7 @@ def schedule_order(schedule, stage, num_stages, num_microbatches):
     return order + [("B", m) for m in range(M - warmup, M)]
 
 
-def check_order(order, stage, num_microbatches):
+def check_order(order: Sequence[Sequence], stage: int, num_microbatches: int) -> None:
     """Raise ValueError unless ``order`` runs ``("F", m)`` and then ``("B", m)`` exactly once
     for every micro-batch m < M. Introduced in notebooks/09_model_parallelism.ipynb."""
     expected = {(op, m) for op in "FB" for m in range(num_microbatches)}
@@ -86,11 +92,19 @@ def check_order(order, stage, num_microbatches):
                              "its forward")
 
 
-Simulation = namedtuple("Simulation", "intervals makespan bubble peak_live")
+class Simulation(NamedTuple):
+    """What :func:`simulate` returns. Introduced in notebooks/09_model_parallelism.ipynb."""
+
+    intervals: list[list[tuple[str, int, float, float]]]  # per stage: (op, m, start, end)
+    makespan: float
+    bubble: float
+    peak_live: list[int]
 
 
-def simulate(schedule, num_stages, num_microbatches, t_forward=1.0, t_backward=2.0,
-             t_message=0.0, orders=None, virtual_stages=1):
+def simulate(schedule: str, num_stages: int, num_microbatches: int, t_forward: float = 1.0,
+             t_backward: float = 2.0, t_message: float = 0.0,
+             orders: Sequence[Sequence[tuple]] | None = None,
+             virtual_stages: int = 1) -> Simulation:
     """Play a schedule with fixed times per micro-batch: forward and backward of one stage, and
     one message between stages. ``orders``: each stage's own order (default
     :func:`schedule_order`; ``"interleaved"`` with ``virtual_stages`` = v chunks per rank:
@@ -120,13 +134,16 @@ def simulate(schedule, num_stages, num_microbatches, t_forward=1.0, t_backward=2
                       (("B", k + 1, m) if k < last else ("F", k, m))
                 if dep is not None and dep not in end:
                     break
+                # a message only between two stages: the last one's backward follows its own
+                # forward at once
                 ready = 0.0 if dep is None else end[dep] + (t_message if dep[1] != k else 0)
                 start = max(free[s], ready)
+                # a chunk holds 1/v of its rank's layers, so it takes 1/v of the time
                 free[s] = end[(op, k, m)] = start + (t_forward if op == "F" else t_backward) / v
                 intervals[s].append((op, m, start, free[s]))
                 nxt[s] += 1
                 progressed = True
-        if not progressed:
+        if not progressed:  # a full sweep and no stage could start anything
             stuck = {s: orders[s][nxt[s]][:2] for s in range(N) if nxt[s] < len(orders[s])}
             raise ValueError(f"the orders deadlock: each stage waits for another ({stuck})")
     makespan = max(free)
@@ -135,7 +152,8 @@ def simulate(schedule, num_stages, num_microbatches, t_forward=1.0, t_backward=2
                       [_peak_live(order) for order in orders])
 
 
-def interleaved_order(stage, num_stages, num_microbatches, virtual_stages=2):
+def interleaved_order(stage: int, num_stages: int, num_microbatches: int,
+                      virtual_stages: int = 2) -> list[tuple[str, int, int]]:
     """Interleaved 1F1B (Narayanan et al. 2021): rank ``stage`` holds v chunks of layers
     (virtual stages stage, stage + N, ...) and runs ``("F", m, chunk)`` / ``("B", m, chunk)``
     for each: micro-batches in groups of N, chunk by chunk; a warm-up of
@@ -147,6 +165,8 @@ def interleaved_order(stage, num_stages, num_microbatches, virtual_stages=2):
                          f"num_microbatches={M} is not a multiple of {N}")
 
     def step(op, k):  # the k-th forward (or backward) of this rank
+        # k runs through blocks of N v: N micro-batches on chunk 0, the same N on chunk 1, ...,
+        # then the next N micro-batches; backwards take the chunks in reverse
         group, chunk = divmod(k, N * v)
         chunk //= N
         return (op, group * N + k % N, chunk if op == "F" else v - 1 - chunk)
@@ -167,7 +187,7 @@ def _peak_live(order):
 
 
 # ---------------------------------------------------------------- splitting a model
-def balance(layer_times, num_stages):
+def balance(layer_times: Sequence[float], num_stages: int) -> list[int]:
     """Cut layers with these times into ``num_stages`` contiguous groups so that the slowest
     group is as fast as possible (dynamic programming); returns the number of layers per stage.
 
@@ -175,7 +195,7 @@ def balance(layer_times, num_stages):
     n = len(layer_times)
     if not 1 <= num_stages <= n:
         raise ValueError(f"{n} layers cannot make {num_stages} stages of at least one layer")
-    prefix = [0.0]
+    prefix = [0.0]  # prefix[i] - prefix[j]: the time of layers j..i-1
     for t in layer_times:
         prefix.append(prefix[-1] + t)
     # best[k][i]: the slowest stage when the first i layers make k stages; cut[k][i]: last cut
@@ -184,18 +204,18 @@ def balance(layer_times, num_stages):
     best[0][0] = 0.0
     for k in range(1, num_stages + 1):
         for i in range(k, n + 1):
-            for j in range(k - 1, i):
+            for j in range(k - 1, i):  # stage k: layers j..i-1; the k - 1 before it: j >= k - 1
                 slowest = max(best[k - 1][j], prefix[i] - prefix[j])
                 if slowest < best[k][i]:
                     best[k][i], cut[k][i] = slowest, j
     counts, i = [], n
-    for k in range(num_stages, 0, -1):
+    for k in range(num_stages, 0, -1):  # walk the cuts back from the last stage
         counts.append(i - cut[k][i])
         i = cut[k][i]
     return counts[::-1]
 
 
-def layer_times(model, x, repeats=3):
+def layer_times(model: nn.Sequential, x: torch.Tensor, repeats: int = 3) -> list[float]:
     """Seconds of forward + backward of each layer of an ``nn.Sequential`` on the input ``x``
     (the median of ``repeats``), layer by layer: what :func:`balance` cuts by.
     Introduced in notebooks/09_model_parallelism.ipynb."""
@@ -214,7 +234,7 @@ def layer_times(model, x, repeats=3):
     return times
 
 
-def split_model(model, counts):
+def split_model(model: nn.Sequential, counts: Sequence[int]) -> list[nn.Sequential]:
     """The stages of an ``nn.Sequential``: ``counts[s]`` layers each, in order.
 
     Introduced in notebooks/09_model_parallelism.ipynb."""
@@ -244,22 +264,30 @@ class SleepLayer(nn.Module):
 
     Introduced in notebooks/09_model_parallelism.ipynb."""
 
-    def __init__(self, forward_s=0.01, backward_s=0.02):
+    def __init__(self, forward_s: float = 0.01, backward_s: float = 0.02) -> None:
         super().__init__()
         self.forward_s, self.backward_s = forward_s, backward_s
         self.scale = nn.Parameter(torch.ones(()))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(self.forward_s)
         return _SleepGrad.apply(x * self.scale, self.backward_s)  # needs grad on every stage
 
 
 # ---------------------------------------------------------------- running a step on the ranks
-StepResult = namedtuple("StepResult", "loss peak_live peak_activation_bytes")
+class StepResult(NamedTuple):
+    """What :func:`pipeline_step` returns. Introduced in notebooks/09_model_parallelism.ipynb."""
+
+    loss: float | None  # on the last stage only
+    peak_live: int
+    peak_activation_bytes: int
 
 
-def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=None,
-                  schedule="1f1b", timeline=None, timeout=None):
+def pipeline_step(stage_module: nn.Module, comm: Comm, num_microbatches: int,
+                  x: torch.Tensor | None = None, y: torch.Tensor | None = None,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                  schedule: str | Callable[[int, int, int], Sequence[tuple[str, int]]] = "1f1b",
+                  timeline: Timeline | None = None, timeout: float | None = None) -> StepResult:
     """Forward and backward of one training step for this rank's stage (stage = ``comm.rank``),
     in the order of ``schedule``: a name of :data:`SCHEDULES`, or a function
     ``(stage, num_stages, num_microbatches) -> [("F", m), ("B", m), ...]``;
@@ -312,6 +340,7 @@ def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=
                 a, b = shard_bounds(len(x), m, M)
                 inp = x[a:b]
             else:
+                # the header: [ndim, shape (up to 6 sizes), index of the dtype in DTYPES]
                 header = recv(torch.zeros(8, dtype=torch.int64), stage - 1, TAG_SHAPE,
                               "activation shape", m)
                 shape, dtype = header[1:1 + header[0]].tolist(), DTYPES[int(header[7])]
@@ -332,7 +361,7 @@ def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=
             live, live_bytes = live + 1, live_bytes + nbytes[0]
             peak_live, peak_bytes = max(peak_live, live), max(peak_bytes, live_bytes)
             if not last:
-                act = out.detach().contiguous()
+                act = out.detach().contiguous()  # what is sent; out keeps the graph for B
                 header = torch.zeros(8, dtype=torch.int64)
                 header[0], header[7] = act.dim(), DTYPES.index(act.dtype)
                 header[1:1 + act.dim()] = torch.tensor(act.shape)
@@ -351,6 +380,8 @@ def pipeline_step(stage_module, comm, num_microbatches, x=None, y=None, loss_fn=
             live, live_bytes = live - 1, live_bytes - saved.pop(m)
             if not first:
                 sends.append(send(inp.grad.contiguous(), stage - 1, TAG_GRADIENT, "gradient", m))
+    # every send was posted without waiting (a blocking send to a stage busy sending itself
+    # could deadlock): now wait until all were received, their buffers kept alive till then
     try:
         wait_all(sends, timeout)
     except CommError as e:

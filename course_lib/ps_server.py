@@ -28,6 +28,13 @@ the gradient twice.
 On an emulated network (``start_cluster(link=...)``, :mod:`course_lib.netem`) the header carries
 the sender's stamp and every message pays the link's time: a server's single link carries every
 worker's push, one after another, which is why sharding the parameters over more servers helps.
+
+It stays one file: the server and the worker speak one message format over one pair of sockets,
+and each side reads best beside the other.
+
+The server is handed its ``cfg`` (a ``ps.PSConfig``) and ``policy`` (a ``ps.Policy``) and hints
+them as ``Any``: :mod:`course_lib.ps` imports this module, so naming its classes here, even for
+the type checker only, would make the two modules import each other.
 """
 
 from __future__ import annotations
@@ -38,12 +45,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 import zmq
+from numpy.typing import ArrayLike
 
 from course_lib import checkpoint, fault_points, netem
 from course_lib.engine import ENGINE
@@ -80,6 +90,7 @@ def _recv(sock, timeout, what):
     """One message within ``timeout`` s, else PSError naming ``what``."""
     if not sock.poll(int(timeout * 1000)):
         raise PSError(f"rank {ENGINE.get('rank')}: no reply to {what} within {timeout:g}s")
+    # a ROUTER socket puts the sender's identity frame first; a DEALER receives none
     *identity, header, payload = sock.recv_multipart(copy=True)
     header = json.loads(header)
     _arrived(header, payload)
@@ -99,7 +110,7 @@ class Shard:
 _BOUND: dict = {}  # on a server rank: its ROUTER socket between bind and serve
 
 
-def bind_server(spec, host="127.0.0.1"):
+def bind_server(spec: dict, host: str = "127.0.0.1") -> str | None:
     """On a ps rank: bind a ROUTER socket to a free port; return ``tcp://host:port`` (else None).
 
     Introduced in notebooks/04_parameter_server.ipynb."""
@@ -113,7 +124,7 @@ def bind_server(spec, host="127.0.0.1"):
     return _BOUND["address"]
 
 
-def close_server(linger=0):
+def close_server(linger: int = 0) -> None:
     """Close the socket :func:`bind_server` bound, if any (``linger`` ms to deliver what is
     queued). Introduced in notebooks/04_parameter_server.ipynb."""
     sock = _BOUND.pop("sock", None)
@@ -121,7 +132,8 @@ def close_server(linger=0):
         sock.close(linger=linger)
 
 
-def serve(spec: dict, n_params: int, cfg, policy, sock=None) -> dict:
+def serve(spec: dict, n_params: int, cfg: Any, policy: Any,
+          sock: zmq.Socket | None = None) -> dict:
     """Serve this rank's shard until every worker said done (or went silent in async mode),
     doing with each push what ``policy`` (:class:`course_lib.ps.Synchronous` or
     ``Asynchronous``) decides; ``cfg`` is a :class:`course_lib.ps.PSConfig`. Returns the
@@ -134,9 +146,10 @@ class ShardServer:
     deadline; checkpoints, restores and statistics around it.
     Introduced in notebooks/04_parameter_server.ipynb."""
 
-    def __init__(self, spec: dict, n_params: int, cfg, policy, sock) -> None:
+    def __init__(self, spec: dict, n_params: int, cfg: Any, policy: Any,
+                 sock: zmq.Socket) -> None:
         self.sock, self.cfg, self.policy, self.rank = sock, cfg, policy, ENGINE["rank"]
-        s = spec["ps"].index(self.rank)
+        s = spec["ps"].index(self.rank)  # this server's index among the servers: its shard
         start, stop = shard_bounds(n_params, s, len(spec["ps"]))
         self.workers = list(spec["worker"])
         self.stats = dict(server=self.rank, shard=(start, stop), pushes=0, pulls=0, bytes_in=0,
@@ -161,12 +174,12 @@ class ShardServer:
             _save(self.directory, None if self.shard is None else self.shard.theta, self.version,
                   self.done, self.applied)
 
-    def reply(self, identity, op="ok", **extra) -> None:
+    def reply(self, identity: bytes, op: str = "ok", **extra: Any) -> None:
         theta = None if self.shard is None else self.shard.theta
         self.stats["bytes_out"] += _send(self.sock, dict(op=op, version=self.version, **extra),
                                          theta, identity)
 
-    def fail(self, message: str):
+    def fail(self, message: str) -> NoReturn:
         for identity in self.held.values():
             _send(self.sock, dict(op="error", message=message), None, identity)
         close_server()
@@ -178,7 +191,7 @@ class ShardServer:
         self.deadline, self.step_started = t0 + self.cfg.time_limit, t0
         while len(self.done) + len(self.stats["lost"]) < len(self.workers):
             self.check_deadlines()
-            if self.sock.poll(100):
+            if self.sock.poll(100):  # at most 100 ms without a look at the deadlines
                 self.handle(*self.sock.recv_multipart(copy=True))
             running = set(self.workers) - self.done
             if self.policy.ready(running):
@@ -192,7 +205,8 @@ class ShardServer:
                 self.step_started = time.monotonic()
         if finished_before:
             # restored with every worker done: the last one may not have heard its reply (the
-            # server was killed after it saved the 'done') and will send it again
+            # server was killed after it saved the 'done') and will send it again: listen until
+            # quiet for two of a worker's longest waits between resends (8 x retry)
             answer_late_dones(self.sock, quiet=16 * (self.cfg.retry or 0.5), reply=self.reply)
         close_server(linger=2000)  # the last replies still go out
         theta = None if self.shard is None else self.shard.theta
@@ -227,7 +241,7 @@ class ShardServer:
             if self.shard is None:  # a restarted server keeps what it restored
                 self.shard = Shard(np.frombuffer(payload, np.float64).copy())
                 self.save()
-            for waiting in self.waiting_init + [identity]:
+            for waiting in self.waiting_init + [identity]:  # early pulls, then the init
                 self.reply(waiting)
             self.waiting_init = []
         elif op == "pull":
@@ -272,7 +286,7 @@ class ShardServer:
             fault_points.point("ps-server-update")  # e.g. killed after its n-th update
 
 
-def answer_late_dones(sock, quiet, reply):
+def answer_late_dones(sock: zmq.Socket, quiet: float, reply: Callable[[bytes], None]) -> None:
     """Answer every ``done`` that comes until none came for ``quiet`` s (a restored server whose
     workers had all finished). Introduced in notebooks/11_fault_tolerance.ipynb."""
     while sock.poll(int(quiet * 1000)):
@@ -300,7 +314,7 @@ def _save(directory, theta, version, done, applied):
                     directory, version, keep=2)
 
 
-def serve_restarting(spec: dict, n_params: int, cfg, policy) -> dict:
+def serve_restarting(spec: dict, n_params: int, cfg: Any, policy: Any) -> dict:
     """:func:`serve` in a child process that is started again, on the same address, each time
     it is killed (at most ``cfg.server_restarts`` times); the new one resumes from the
     shard's last checkpoint. Returns the last child's statistics (``ready``: when it began to
@@ -311,6 +325,7 @@ def serve_restarting(spec: dict, n_params: int, cfg, policy) -> dict:
     close_server()  # the child binds the address
     job = dict(rank=rank, link=netem.current(), address=address, spec=spec, n_params=n_params,
                cfg=cfg, policy=policy)
+    # the run's time limit and a margin: a server past its limit normally fails by itself first
     deadline, restarts = time.monotonic() + cfg.time_limit + 10, []
     with tempfile.TemporaryDirectory(prefix="course_lib-ps-") as tmp:
         out, err = Path(tmp, "stats.pkl"), Path(tmp, "stderr.txt")
@@ -332,6 +347,7 @@ def serve_restarting(spec: dict, n_params: int, cfg, policy) -> dict:
             if code > 0:  # an error, not a kill: restarting would fail again
                 tail = err.read_text(errors="replace").strip().splitlines()[-1:]
                 raise PSError(f"server rank {rank} failed (exit status {code}): {tail}")
+            # a negative return code -N: the child was killed by signal N
             restarts.append(dict(attempt=attempt, signal=-code, time=time.monotonic()))
     raise PSError(f"server rank {rank} was killed {len(restarts)} times, more than "
                   f"server_restarts = {cfg.server_restarts}")
@@ -366,7 +382,8 @@ class ServerConnections:
 
     Introduced in notebooks/04_parameter_server.ipynb."""
 
-    def __init__(self, addresses, n_params, timeout, retry=None):
+    def __init__(self, addresses: Sequence[str], n_params: int, timeout: float,
+                 retry: float | None = None) -> None:
         self.rank, self.timeout, self.retry = ENGINE["rank"], timeout, retry
         self.addresses = list(addresses)
         self.socks = [self._connect(address) for address in addresses]
@@ -424,24 +441,30 @@ class ServerConnections:
             self.dropped |= bool(reply.get("dropped"))
         return theta, versions, rejected
 
-    def init(self, theta0):
+    def init(self, theta0: ArrayLike) -> tuple[np.ndarray, list[int]]:
+        """Set the servers' shards to ``theta0``; ``(theta, versions)`` as a pull returns."""
         return self._exchange("init", np.asarray(theta0, np.float64))[:2]
 
-    def pull(self):
+    def pull(self) -> tuple[np.ndarray, list[int]]:
+        """``(theta, each server's version)``: every shard, assembled."""
         return self._exchange("pull")[:2]
 
-    def push(self, grad_sum, count, versions):
+    def push(self, grad_sum: ArrayLike, count: int,
+             versions: Sequence[int]) -> tuple[np.ndarray, list[int], bool]:
+        """Send each server its slice of ``grad_sum`` (over ``count`` samples, computed at
+        ``versions``); ``(theta, versions, rejected)`` after it (a push is also a pull)."""
         self.seq += 1
         return self._exchange("push", np.asarray(grad_sum, np.float64), count=count,
                               version=list(versions), seq=self.seq)
 
-    def done(self):
+    def done(self) -> tuple[np.ndarray, list[int], bool] | None:
+        """Tell every server this worker has finished (and hear it acknowledged, with retry)."""
         if self.retry is not None:  # a server that may be restarted must have heard it
             return self._exchange("done", ack=True)
         for sock in self.socks:
             _send(sock, dict(op="done", worker=self.rank))
 
-    def close(self, linger=2000):
+    def close(self, linger: int = 2000) -> None:
         for sock in self.socks:
             sock.close(linger=linger)
 

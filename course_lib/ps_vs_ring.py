@@ -35,13 +35,18 @@ worker computing alone with no network; here that is ``compute_s / step time``. 
 where the laptop cannot: ``model_rows(RESNET50)`` prices ResNet-50 (compute per step from Goyal
 et al. 2017) on the networks of :data:`costmodel.LINKS` up to 4096 workers, with no overlap of
 communication and compute; ``HOROVOD_512`` is what Horovod's README reports at 512 GPUs.
+
+It stays one file: every measurement is printed beside the model's prediction for it, so the
+formulas, the published figures they are set against and the measured runs are read together.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -50,6 +55,11 @@ from course_lib.collectives import allreduce
 from course_lib.comm.subgroups import subgroup_comm
 from course_lib.models import Quadratic
 from course_lib.tables import text_table
+
+if TYPE_CHECKING:
+    from course_lib.cluster import Cluster
+
+LinkLike = str | costmodel.Link | netem.Link  # what cost_link reads: a preset name, text, a Link
 
 METHODS = ("ps1", "ps", "ring")
 NAMES = {"ps1": "PS, 1 server", "ps": "PS, S servers", "ring": "ring-allreduce"}
@@ -69,7 +79,7 @@ class Workload:
     source: str = ""
 
     @property
-    def n_bytes(self):
+    def n_bytes(self) -> float:
         """Bytes of one gradient (and of the parameters): what every step moves."""
         return self.params * self.bytes_per_param
 
@@ -121,7 +131,7 @@ PARAMETERS = {"Inception V3": 23.9e6, "ResNet-50": 25.6e6, "ResNet-101": 44.7e6,
 
 
 # ---------------------------------------------------------------- the formulas
-def cost_link(link) -> costmodel.Link:
+def cost_link(link: LinkLike) -> costmodel.Link:
     """A :class:`costmodel.Link` from a costmodel or netem Link, a costmodel preset name
     ("10GbE" ...: the real network) or link text ("1Gbit/s,50us").
     Introduced in notebooks/12_scaling_out.ipynb."""
@@ -138,7 +148,7 @@ def cost_link(link) -> costmodel.Link:
     return made.costmodel()
 
 
-def num_servers(servers, workers):
+def num_servers(servers: int | str, workers: int) -> int:
     """How many servers ``servers`` means for ``workers`` workers: an int (fixed), "N" (as many
     as workers) or "N/k" (one per k workers, at least 1).
     Introduced in notebooks/12_scaling_out.ipynb."""
@@ -157,7 +167,8 @@ def num_servers(servers, workers):
                      f"not {servers!r}")
 
 
-def ps_step_time(n_bytes, workers, servers=1, link="10GbE", compute_s=0.0):
+def ps_step_time(n_bytes: float, workers: int | np.ndarray, servers: int | np.ndarray = 1,
+                 link: LinkLike = "10GbE", compute_s: float = 0.0) -> float | np.ndarray:
     """Seconds per synchronous parameter-server step: compute + (N + S)(alpha + B / (S bw)).
 
     Exact for the course's protocol on the emulated link (see the module docstring); one
@@ -169,7 +180,8 @@ def ps_step_time(n_bytes, workers, servers=1, link="10GbE", compute_s=0.0):
     return float(t) if np.ndim(t) == 0 else t
 
 
-def ring_step_time(n_bytes, workers, link="10GbE", compute_s=0.0):
+def ring_step_time(n_bytes: float, workers: int | np.ndarray, link: LinkLike = "10GbE",
+                   compute_s: float = 0.0) -> float | np.ndarray:
     """Seconds per data-parallel step with the ring: compute + 2(N-1)(alpha + B / (N bw))
     (``costmodel.allreduce_time("ring", ...)``; nothing to send for one worker).
     Introduced in notebooks/12_scaling_out.ipynb."""
@@ -177,7 +189,8 @@ def ring_step_time(n_bytes, workers, link="10GbE", compute_s=0.0):
     return float(t) if np.ndim(t) == 0 else t
 
 
-def step_time(method, n_bytes, workers, link="10GbE", compute_s=0.0, servers=4):
+def step_time(method: str, n_bytes: float, workers: int | np.ndarray, link: LinkLike = "10GbE",
+              compute_s: float = 0.0, servers: int | str = 4) -> float | np.ndarray:
     """Seconds per step of ``method`` ("ps1", "ps" with ``servers`` as in :func:`num_servers`,
     or "ring"). Introduced in notebooks/12_scaling_out.ipynb."""
     if method == "ring":
@@ -188,7 +201,7 @@ def step_time(method, n_bytes, workers, link="10GbE", compute_s=0.0, servers=4):
     raise ValueError(f"method must be one of {METHODS}, not {method!r}")
 
 
-def busiest_bytes(method, n_bytes, workers, servers=4):
+def busiest_bytes(method: str, n_bytes: float, workers: int, servers: int | str = 4) -> float:
     """Bytes through the busiest interface in one step, in and out together. A PS server takes
     N B / S in and sends as much out; a worker sends B and receives B; a ring rank sends and
     receives 2 (N-1)/N B. Introduced in notebooks/12_scaling_out.ipynb."""
@@ -201,14 +214,15 @@ def busiest_bytes(method, n_bytes, workers, servers=4):
     return 2 * max(n / s, 1.0) * n_bytes
 
 
-def efficiency(throughput, workers, throughput_1):
+def efficiency(throughput: float, workers: int, throughput_1: float) -> float:
     """Scaling efficiency as Horovod reports it: throughput(N) / (N x throughput(1 worker)).
 
     Introduced in notebooks/12_scaling_out.ipynb."""
     return throughput / (workers * throughput_1)
 
 
-def predict(method, workers, n_bytes, link, compute_s, batch=32, servers=4):
+def predict(method: str, workers: int, n_bytes: float, link: LinkLike, compute_s: float,
+            batch: int = 32, servers: int | str = 4) -> dict:
     """The model's numbers for one configuration: a dict of ``step_s``, ``steps_per_s``,
     ``samples_per_s`` (N x batch per step), ``efficiency`` (``compute_s / step_s``),
     ``busiest_bytes`` and ``servers``. Introduced in notebooks/12_scaling_out.ipynb."""
@@ -224,8 +238,9 @@ def predict(method, workers, n_bytes, link, compute_s, batch=32, servers=4):
 WORKERS = tuple(2 ** k for k in range(13))  # 1 .. 4096
 
 
-def model_rows(workload=RESNET50, links=tuple(costmodel.LINKS), workers=WORKERS,
-               servers="N/4", methods=METHODS):
+def model_rows(workload: Workload = RESNET50, links: Sequence[LinkLike] = tuple(costmodel.LINKS),
+               workers: Sequence[int] = WORKERS, servers: int | str = "N/4",
+               methods: Sequence[str] = METHODS) -> list[dict]:
     """The model's rows for ``workload`` on each link (preset names are the real networks of
     :data:`costmodel.LINKS`; a :class:`costmodel.Link` of your own works too), every N of
     ``workers`` and every method; ``servers`` for the sharded PS (default one per 4 workers).
@@ -241,7 +256,8 @@ def model_rows(workload=RESNET50, links=tuple(costmodel.LINKS), workers=WORKERS,
     return rows
 
 
-def format_model(rows, at=(1, 8, 64, 512, 4096), servers="N/4"):
+def format_model(rows: list[dict], at: Sequence[int] = (1, 8, 64, 512, 4096),
+                 servers: int | str = "N/4") -> str:
     """The rows of :func:`model_rows` as text: per link, step time and efficiency of each method
     at the N of ``at``. Introduced in notebooks/12_scaling_out.ipynb."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -286,7 +302,7 @@ def _ring_rank(n_params, workers, compute_s, steps, batch, lr, timeout):
         time.sleep(compute_s)
         grad = problem.grad_sum(theta, X, None)
         allreduce(grad, comm, algorithm="ring", check=False)
-        theta[:] -= lr * grad / (workers * batch)
+        theta[:] -= lr * grad / (workers * batch)  # grad sums N batches: / (N batch) is the mean
 
     step()  # warm-up: connections made, buffers touched
     sent = comm.bytes_sent
@@ -299,7 +315,7 @@ def _ring_rank(n_params, workers, compute_s, steps, batch, lr, timeout):
 def _measure_ring(cluster, n_params, workers, compute_s, steps, batch, timeout):
     results = [r for r in cluster.run(_ring_rank, n_params, workers, compute_s, steps, batch,
                                       0.1, timeout, timeout=timeout + 60) if r is not None]
-    seconds = max(t for t, _ in results)
+    seconds = max(t for t, _ in results)  # a synchronous step ends when its slowest rank does
     sent = max(b for _, b in results) / steps
     # a ring rank receives from its left what it sends to its right: in + out = 2 x sent
     return steps / seconds, 2 * sent
@@ -321,8 +337,10 @@ def _measure_ps(cluster, n_params, workers, servers, compute_s, steps, batch, ti
     return r.step_rate, max(server, worker) / steps
 
 
-def measure(cluster, workers=(2, 4, 8), servers=4, n_params=2**17, compute_s=0.05, steps=6,
-            batch=32, link=LINK, methods=METHODS, timeout=30.0, progress=False):
+def measure(cluster: Cluster, workers: Sequence[int] = (2, 4, 8), servers: int | str = 4,
+            n_params: int = 2**17, compute_s: float = 0.05, steps: int = 6, batch: int = 32,
+            link: str | netem.Link | None = LINK, methods: Sequence[str] = METHODS,
+            timeout: float = 30.0, progress: bool = False) -> list[dict]:
     """Train the same model (``n_params`` float64 parameters, a quadratic whose gradient costs
     one pass over them) synchronously with each method for every N in ``workers``, each step
     ``compute_s`` of compute (a sleep) then the exchange, on the emulated ``link`` (set on the
@@ -338,6 +356,7 @@ def measure(cluster, workers=(2, 4, 8), servers=4, n_params=2**17, compute_s=0.0
     bad = set(methods) - set(METHODS)
     if bad:
         raise ValueError(f"methods must be among {METHODS}, not {sorted(bad)}")
+    # a PS run takes N workers + S servers, each a rank of its own; the ring takes N
     need = max([n + num_servers(servers if m == "ps" else 1, n) for m in methods if m != "ring"
                 for n in workers] + [max(workers)])
     if need > cluster.n:
@@ -348,7 +367,7 @@ def measure(cluster, workers=(2, 4, 8), servers=4, n_params=2**17, compute_s=0.0
     if emulated is None:
         raise ValueError(f"measure() needs an emulated link (link={LINK!r}): on bare "
                          "loopback every method is bound by the machine, not the network")
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # optional: a progress bar, only when measuring
     n_bytes, rows = 8 * n_params, []
     bar = tqdm(total=1 + len(methods) * len(workers), desc="measuring", disable=not progress,
                leave=False)
@@ -379,7 +398,7 @@ def measure(cluster, workers=(2, 4, 8), servers=4, n_params=2**17, compute_s=0.0
     return rows
 
 
-def ring_over_ps(rows, workers=None):
+def ring_over_ps(rows: list[dict], workers: int | None = None) -> dict:
     """How many times the ring's throughput each parameter server's is, measured (rows of
     :func:`measure`) at ``workers`` (default: the largest N measured by both), beside the
     model's: {"workers", "servers", "ps1", "ps", "model_ps1", "model_ps"} (a method not
@@ -403,7 +422,8 @@ def ring_over_ps(rows, workers=None):
     return out
 
 
-def machine_floor(cluster, n_params=2**17, workers=8, steps=5, timeout=30.0):
+def machine_floor(cluster: Cluster, n_params: int = 2**17, workers: int = 8, steps: int = 5,
+                  timeout: float = 30.0) -> dict:
     """The machine's own cost: seconds per ring step (no compute) on bare loopback, the emulated
     link switched off for it (then put back), and that time per message of the 2(N-1). What
     the cores add to every emulated step; a real cluster has cores per rank.
@@ -433,7 +453,7 @@ def _row(method, n, s, rate, busiest, one, batch, n_bytes, link, compute_s, n_pa
                 params=n_params, compute_s=compute_s, batch=batch, steps=steps, link=link.text)
 
 
-def format_measured(rows):
+def format_measured(rows: list[dict]) -> str:
     """The rows of :func:`measure` as text, the model beside every measurement.
     Introduced in notebooks/12_scaling_out.ipynb."""
     if not rows:

@@ -27,8 +27,16 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from course_lib.launch import supervise
+
+if TYPE_CHECKING:
+    import ctypes
+    from multiprocessing.synchronize import Barrier, Lock
+
+# Each spawned worker starts a fresh interpreter and imports this module to find add_worker:
+# keep its top-level imports to the standard library (no numpy), so that workers start fast.
 
 MODES = ("unlocked", "locked", "reduction")
 WINDOW_SECONDS = 1e-6  # a real sleep: the kernel deschedules the worker for ~50-100 us
@@ -54,16 +62,19 @@ class RaceResult:
     seconds: float     # slowest worker, from the common start to its last update
 
     @property
-    def lost(self):
+    def lost(self) -> int:
         """How much went missing: the number of lost updates for a counter."""
         return self.expected - self.got
 
 
 # ---------------------------------------------------------------- in each worker process
-def add_worker(worker, total, partials, seconds, lock, barrier, start, stop, ones, mode,
-                window):
+def add_worker(worker: int, total: ctypes.c_int64, partials: ctypes.Array,
+               seconds: ctypes.Array, lock: Lock, barrier: Barrier, start: int, stop: int,
+               ones: bool, mode: str, window: bool) -> None:
     """Add ``1`` (ones) or ``a`` for every ``a`` in ``range(start, stop)`` into ``total``: what
-    each worker process runs. Introduced in notebooks/02_parallel_computing.ipynb."""
+    each worker process runs. ``total``, ``partials`` and ``seconds`` are shared memory
+    (``RawValue``/``RawArray``), ``lock`` and ``barrier`` those of the spawn context.
+    Introduced in notebooks/02_parallel_computing.ipynb."""
     barrier.wait(timeout=60)  # all workers start together (spawning takes a while)
     began = time.perf_counter()
     if mode == "reduction":
@@ -86,7 +97,8 @@ def add_worker(worker, total, partials, seconds, lock, barrier, start, stop, one
 
 
 # ---------------------------------------------------------------- from the notebook
-def run_workers(kind, ranges, ones, mode, window, timeout):
+def run_workers(kind: str, ranges: list[tuple[int, int]], ones: bool, mode: str, window: bool,
+                timeout: float) -> RaceResult:
     """Spawn one process per range (``add_worker``), wait with a deadline, collect the total.
     Introduced in notebooks/02_parallel_computing.ipynb."""
     if mode not in MODES:
@@ -96,7 +108,7 @@ def run_workers(kind, ranges, ones, mode, window, timeout):
     total = ctx.RawValue("q", 0)           # int64 in shared memory, no lock of its own
     partials = ctx.RawArray("q", n)
     seconds = ctx.RawArray("d", n)
-    lock, barrier = ctx.Lock(), ctx.Barrier(n)
+    lock, barrier = ctx.Lock(), ctx.Barrier(n)  # passed to the workers at start: shared objects
     procs = [ctx.Process(target=add_worker, daemon=True, name=f"race-worker-{w}",
                          args=(w, total, partials, seconds, lock, barrier, start, stop, ones,
                                mode, window))
@@ -107,8 +119,8 @@ def run_workers(kind, ranges, ones, mode, window, timeout):
     return RaceResult(kind, mode, n, expected, int(got), max(seconds))
 
 
-def shared_counter(num_workers=4, increments=20_000, mode="unlocked", window=False,
-                   timeout=60.0):
+def shared_counter(num_workers: int = 4, increments: int = 20_000, mode: str = "unlocked",
+                   window: bool = False, timeout: float = 60.0) -> RaceResult:
     """Each of ``num_workers`` processes adds 1 to a shared counter ``increments`` times.
 
     Expected total: ``num_workers * increments``; ``result.lost`` counts the lost updates.
@@ -120,7 +132,8 @@ def shared_counter(num_workers=4, increments=20_000, mode="unlocked", window=Fal
     return run_workers("counter", [(0, increments)] * num_workers, True, mode, window, timeout)
 
 
-def parallel_for_sum(n=200_000, num_workers=4, mode="reduction", window=False, timeout=60.0):
+def parallel_for_sum(n: int = 200_000, num_workers: int = 4, mode: str = "reduction",
+                     window: bool = False, timeout: float = 60.0) -> RaceResult:
     """A parallel for loop: ``total += a`` for ``a in range(n)``, iterations split by worker.
 
     Each worker takes a contiguous block (``sharding.shard_bounds``); expected ``n (n - 1) / 2``.
@@ -141,7 +154,7 @@ def _read(path):
         return None
 
 
-def machine_info():
+def machine_info() -> dict:
     """Cores, sockets, memory and NUMA nodes (CPUs, distances) of this machine, where it can tell.
 
     Reads Linux's /proc and /sys; on other systems the NUMA fields are None. The NUMA distance
@@ -151,7 +164,7 @@ def machine_info():
     info = {"cpu_count": os.cpu_count(), "usable_cpus": None, "model": None, "sockets": None,
             "memory_gib": None, "numa_nodes": None}
     if hasattr(os, "sched_getaffinity"):
-        info["usable_cpus"] = len(os.sched_getaffinity(0))
+        info["usable_cpus"] = len(os.sched_getaffinity(0))  # taskset/cgroup may allow fewer
     cpuinfo = _read("/proc/cpuinfo") or ""
     models = [line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
               if line.startswith("model name")]
@@ -159,12 +172,12 @@ def machine_info():
     sockets = {line for line in cpuinfo.splitlines() if line.startswith("physical id")}
     info["sockets"] = len(sockets) or None
     try:
-        import psutil
+        import psutil  # here, not at the top: the spawned workers import this module
         info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
     except ImportError:
         pass
     nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"),
-                   key=lambda p: int(p.name[4:]))
+                   key=lambda p: int(p.name[4:]))  # "node10" after "node2": by number
     if nodes:
         info["numa_nodes"] = []
         for node in nodes:

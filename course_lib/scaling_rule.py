@@ -8,6 +8,7 @@ Introduced in notebooks/07_large_minibatch.ipynb; the schedule it returns is pas
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -15,7 +16,8 @@ from course_lib.arguments import check_count, check_lr
 
 
 def linear_scaling_warmup(base_lr: float, batch_size: int, base_batch_size: int,
-                          warmup_epochs: float, updates_per_epoch: int):
+                          warmup_epochs: float,
+                          updates_per_epoch: int) -> Callable[[int], float]:
     """Per-update schedule ``update -> lr`` of Goyal et al. (2017): linear scaling + warmup.
 
     The target rate follows the linear scaling rule, ``target = base_lr * batch_size /
@@ -37,9 +39,9 @@ def linear_scaling_warmup(base_lr: float, batch_size: int, base_batch_size: int,
     target = base_lr * batch_size / base_batch_size
     warmup_updates = float(warmup_epochs) * int(updates_per_epoch)
 
-    def schedule(update):
+    def schedule(update: int) -> float:
         check_count("the update index", update, least=0)
-        if update >= warmup_updates:
+        if update >= warmup_updates:  # also warmup_updates == 0: no division by zero below
             return target
         return base_lr + (target - base_lr) * (update / warmup_updates)
 

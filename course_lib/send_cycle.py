@@ -30,19 +30,25 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from course_lib import launch
+from course_lib.comm import get_comm
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 MODES = ("send", "ssend", "sendrecv", "oddeven", "isend")
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---------------------------------------------------------------- on every MPI rank
-def exchange(comm, sendbuf, recvbuf, mode):
+def exchange(comm: MPI.Comm, sendbuf: np.ndarray, recvbuf: np.ndarray, mode: str) -> None:
     """One step of the ring on this rank: send to the right, receive from the left.
 
     Introduced in notebooks/02_parallel_computing.ipynb."""
@@ -84,7 +90,7 @@ def _watchdog_fired(rank, right, nbytes, mode, deadline):
     os._exit(3)
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     """The program each rank runs under ``mpiexec``: the ring for each size, in order.
 
     Introduced in notebooks/02_parallel_computing.ipynb."""
@@ -94,7 +100,7 @@ def main(argv=None):
     parser.add_argument("--deadline", type=float, default=2.0, help="seconds per exchange")
     parser.add_argument("--repeats", type=int, default=1, help="timed exchanges per size")
     args = parser.parse_args(argv)
-    from mpi4py import MPI
+    from mpi4py import MPI  # optional (the mpi extra): only under mpiexec
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     if size < 2:
@@ -105,6 +111,8 @@ def main(argv=None):
         times = []
         for _ in range(args.repeats):
             comm.Barrier()  # start together: the deadline covers the exchange only
+            # a thread, not a signal: the main thread sits inside MPI's C code, where a
+            # Python signal handler would not run until the call returns (which it never does)
             watchdog = threading.Timer(args.deadline, _watchdog_fired, (
                 rank, (rank + 1) % size, nbytes, args.mode, args.deadline))
             watchdog.daemon = True
@@ -114,7 +122,7 @@ def main(argv=None):
             times.append(time.perf_counter() - start)
             watchdog.cancel()
         seconds = min(times)  # the least disturbed run (other processes share the cores)
-        ok = bool(np.all(recvbuf == (rank - 1) % size % 256))
+        ok = bool(np.all(recvbuf == (rank - 1) % size % 256))  # the left rank's fill byte
         reports = comm.gather((seconds, ok), root=0)
         if rank == 0:
             _report(status="completed", nbytes=nbytes, mode=args.mode,
@@ -142,7 +150,7 @@ class SendCycleError(RuntimeError):
     Introduced in notebooks/02_parallel_computing.ipynb."""
 
 
-def json_objects(text: str):
+def json_objects(text: str) -> Iterator[dict]:
     """Every JSON object in ``text`` (the ranks' reports), whatever else is around them.
     Introduced in notebooks/02_parallel_computing.ipynb."""
     decoder, pos = json.JSONDecoder(), text.find("{")
@@ -157,7 +165,9 @@ def json_objects(text: str):
         pos = text.find("{", end)
 
 
-def run_cycle(sizes, mode="send", world_size=2, deadline=2.0, timeout=None, repeats=1):
+def run_cycle(sizes: int | Sequence[int], mode: str = "send", world_size: int = 2,
+              deadline: float = 2.0, timeout: float | None = None,
+              repeats: int = 1) -> list[CycleResult]:
     """Launch ``mpiexec -n world_size`` once and run the ring for each size in order.
 
     Returns one :class:`CycleResult` per size: "completed" (with the exchange time) up to the
@@ -174,7 +184,9 @@ def run_cycle(sizes, mode="send", world_size=2, deadline=2.0, timeout=None, repe
         raise ValueError("need world_size >= 2 and at least one size >= 0")
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    # start-up (mpiexec, Python, mpi4py) + one deadlock at most + the completed exchanges
     limit = 30.0 + deadline + 0.05 * len(sizes) * repeats if timeout is None else timeout
+    # MPIEXEC_TIMEOUT: mpiexec ends the job itself just after our limit, should this process die
     env = dict(os.environ, **launch.MPI_LOOPBACK, MPIEXEC_TIMEOUT=str(int(limit) + 2),
                OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
@@ -214,7 +226,8 @@ def run_cycle(sizes, mode="send", world_size=2, deadline=2.0, timeout=None, repe
     return results
 
 
-def sweep(sizes, mode="send", world_size=2, deadline=2.0, max_deadlocks=None):
+def sweep(sizes: Sequence[int], mode: str = "send", world_size: int = 2, deadline: float = 2.0,
+          max_deadlocks: int | None = None) -> list[CycleResult]:
     """Run the ring at every size, launching again after each deadlock.
 
     After ``max_deadlocks`` deadlocks the remaining sizes are reported "not run" (each deadlock
@@ -230,7 +243,8 @@ def sweep(sizes, mode="send", world_size=2, deadline=2.0, max_deadlocks=None):
     return results + [CycleResult(mode, n, world_size, "not run", float("nan")) for n in todo]
 
 
-def find_eager_limit(lo, hi, resolution=64, world_size=2, deadline=1.0):
+def find_eager_limit(lo: int, hi: int, resolution: int = 64, world_size: int = 2,
+                     deadline: float = 1.0) -> tuple[int | None, int | None]:
     """Largest message (to ``resolution`` bytes) for which the ring of blocking sends completes.
 
     Runs sizes ``lo, lo + resolution, ...`` up to ``hi`` in one launch; returns
@@ -244,7 +258,7 @@ def find_eager_limit(lo, hi, resolution=64, world_size=2, deadline=1.0):
 
 
 # ---------------------------------------------------------------- the same ring on course_lib.comm
-def ring_exchange(nbytes, mode="sendrecv", timeout=5.0):
+def ring_exchange(nbytes: int, mode: str = "sendrecv", timeout: float = 5.0) -> dict:
     """On every cluster rank: one ring step of ``nbytes`` over ``course_lib.comm`` (torch).
 
     mode "sendrecv" uses ``comm.sendrecv``; "send" does ``comm.send`` then ``comm.recv``, which
@@ -252,7 +266,6 @@ def ring_exchange(nbytes, mode="sendrecv", timeout=5.0):
     naming this rank, the operation, the peer and the size. Returns this rank's report.
     Introduced in notebooks/02_parallel_computing.ipynb.
     """
-    from course_lib.comm import get_comm
     comm = get_comm("torch", timeout=timeout)
     rank, world_size = comm.rank, comm.world_size
     right, left = (rank + 1) % world_size, (rank - 1) % world_size

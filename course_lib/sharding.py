@@ -25,5 +25,5 @@ def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     if not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, {world_size - 1}], got {rank!r}")
     base, extra = divmod(n, world_size)
-    start = rank * base + min(rank, extra)
+    start = rank * base + min(rank, extra)  # ranks before this one: min(rank, extra) extras
     return start, start + base + (1 if rank < extra else 0)

@@ -27,6 +27,8 @@ memcpy bandwidth and the model's times for the same three paths (memcpy, link, m
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,39 +37,44 @@ from course_lib.comm import wait_all
 from course_lib.comm.subgroups import subgroup_comm
 from course_lib.tables import format_size, text_table
 
+if TYPE_CHECKING:
+    from course_lib.cluster import Cluster
+    from course_lib.comm import Comm
+
 WAYS = ("direct", "staged", "pipelined")
 
 
 def _chunks(n, chunk_bytes):
+    # [lo, hi) byte ranges of chunk_bytes each, the last one shorter when n is not a multiple
     return [(lo, min(lo + chunk_bytes, n)) for lo in range(0, n, chunk_bytes)]
 
 
-def send_direct(comm, buf):
+def send_direct(comm: Comm, buf: np.ndarray) -> None:
     """Rank 0: send ``buf`` to rank 1 as it is (what GPUDirect does). Introduced in
     notebooks/12_scaling_out.ipynb."""
     comm.send(buf, 1, check_size=False)
 
 
-def recv_direct(comm, buf):
+def recv_direct(comm: Comm, buf: np.ndarray) -> None:
     """Rank 1: receive into ``buf`` as it is. Introduced in notebooks/12_scaling_out.ipynb."""
     comm.recv(buf, 0, check_size=False)
 
 
-def send_staged(comm, buf, staging):
+def send_staged(comm: Comm, buf: np.ndarray, staging: np.ndarray) -> None:
     """Rank 0: copy ``buf`` into the host buffer ``staging`` (the cudaMemcpy device -> host),
     then send that. Introduced in notebooks/12_scaling_out.ipynb."""
     np.copyto(staging, buf)
     comm.send(staging, 1, check_size=False)
 
 
-def recv_staged(comm, buf, staging):
+def recv_staged(comm: Comm, buf: np.ndarray, staging: np.ndarray) -> None:
     """Rank 1: receive into ``staging``, then copy it into ``buf`` (the cudaMemcpy host ->
     device). Introduced in notebooks/12_scaling_out.ipynb."""
     comm.recv(staging, 0, check_size=False)
     np.copyto(buf, staging)
 
 
-def send_pipelined(comm, buf, staging, chunk_bytes):
+def send_pipelined(comm: Comm, buf: np.ndarray, staging: np.ndarray, chunk_bytes: int) -> None:
     """Rank 0: chunk by chunk, copy into ``staging`` and start sending it; the next chunk is
     copied while the previous one travels (Gloo sends in its own thread). Each chunk has its own
     place in ``staging``; real pipelines reuse two or three slots. Introduced in
@@ -75,11 +82,12 @@ def send_pipelined(comm, buf, staging, chunk_bytes):
     requests = []
     for i, (lo, hi) in enumerate(_chunks(len(buf), chunk_bytes)):
         np.copyto(staging[lo:hi], buf[lo:hi])
+        # tag i: chunk i lands in the receive posted for chunk i, whatever order they arrive in
         requests.append(comm.isend(staging[lo:hi], 1, tag=i, check_size=False))
     wait_all(requests)
 
 
-def recv_pipelined(comm, buf, staging, chunk_bytes):
+def recv_pipelined(comm: Comm, buf: np.ndarray, staging: np.ndarray, chunk_bytes: int) -> None:
     """Rank 1: post a receive per chunk, then copy each out as soon as it has arrived, while
     the later ones are still on the wire. Introduced in notebooks/12_scaling_out.ipynb."""
     pieces = _chunks(len(buf), chunk_bytes)
@@ -90,7 +98,7 @@ def recv_pipelined(comm, buf, staging, chunk_bytes):
         np.copyto(buf[lo:hi], staging[lo:hi])
 
 
-def memcpy_seconds(n_bytes, repeats=5):
+def memcpy_seconds(n_bytes: int, repeats: int = 5) -> float:
     """Median seconds of one ``np.copyto`` of ``n_bytes`` between two warm buffers: what a
     staging copy costs here. Introduced in notebooks/12_scaling_out.ipynb."""
     src, dst = np.ones(n_bytes, np.uint8), np.zeros(n_bytes, np.uint8)
@@ -137,8 +145,9 @@ def _rank(sizes, chunk_bytes, repeats, timeout):
     return out if comm.rank == 1 else None
 
 
-def measure(cluster, sizes=(4 << 20, 16 << 20), link=None, chunk_bytes=1 << 20, repeats=5,
-            timeout=60.0):
+def measure(cluster: Cluster, sizes: Sequence[int] = (4 << 20, 16 << 20),
+            link: str | netem.Link | None = None, chunk_bytes: int = 1 << 20, repeats: int = 5,
+            timeout: float = 60.0) -> list[dict]:
     """Move each of ``sizes`` bytes from rank 0 to rank 1 of ``cluster`` directly, staged and
     pipelined in chunks of ``chunk_bytes``, ``repeats`` times each, on the emulated ``link``
     (text like "10Gbit/s,25us" or a netem preset; None: bare loopback), set for the run and
@@ -155,7 +164,7 @@ def measure(cluster, sizes=(4 << 20, 16 << 20), link=None, chunk_bytes=1 << 20, 
                               timeout=timeout + 60)
     finally:
         cluster.set_link(before)
-    got = results[1]
+    got = results[1]  # rank 1 received, so rank 1 timed
     rows = []
     for n in sizes:
         r = got[n]
@@ -173,7 +182,8 @@ def measure(cluster, sizes=(4 << 20, 16 << 20), link=None, chunk_bytes=1 << 20, 
     return rows
 
 
-def model_times(n_bytes, copy, wire, chunk_bytes):
+def model_times(n_bytes: int, copy: costmodel.Link, wire: costmodel.Link,
+                chunk_bytes: int | None) -> dict[str, float]:
     """The model's seconds for the three ways: direct = the wire alone; staged = copy, wire,
     copy, store and forward; pipelined = the same stages in chunks of ``chunk_bytes``
     (:func:`course_lib.costmodel.path_time`). Introduced in notebooks/12_scaling_out.ipynb."""
@@ -182,7 +192,7 @@ def model_times(n_bytes, copy, wire, chunk_bytes):
             "pipelined": costmodel.path_time(n_bytes, [copy, wire, copy], chunk_bytes)}
 
 
-def format_rows(rows):
+def format_rows(rows: list[dict]) -> str:
     """The rows of :func:`measure` as text: each way's time, what staging added to the direct
     send (measured: staged - direct) and what the model says it adds.
     Introduced in notebooks/12_scaling_out.ipynb."""

@@ -19,21 +19,29 @@ backup_workers=b)`` steps with the first N - b gradients and drops the late ones
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
+from course_lib import ps
 from course_lib.comm import wait_work
 from course_lib.engine import ENGINE
+
+if TYPE_CHECKING:
+    from course_lib.cluster import Cluster
 
 
 # ---------------------------------------------------------------- measured on the cluster
 def _allreduce_with_deadline(tensor, timeout, what):
-    import torch.distributed as dist
     wait_work(dist.all_reduce(tensor, async_op=True), timeout, what)
 
 
-def straggler_steps(num_steps, n_params, compute_s, slow=None, jitter=0.0, seed=0,
-                    timeout=10.0):
+def straggler_steps(num_steps: int, n_params: int, compute_s: float,
+                    slow: dict[int, float] | None = None, jitter: float = 0.0, seed: int = 0,
+                    timeout: float = 10.0) -> dict:
     """Runs on every rank: ``num_steps`` synchronous steps of compute, then allreduce.
 
     Compute is ``time.sleep(compute_s + slow.get(rank, 0) + Exp(jitter))`` (``jitter`` = mean
@@ -42,7 +50,6 @@ def straggler_steps(num_steps, n_params, compute_s, slow=None, jitter=0.0, seed=
     ``compute``, ``wait`` (time inside the allreduce) and ``step`` times, one per step.
     Introduced in notebooks/07_large_minibatch.ipynb.
     """
-    import torch
     rank, world = ENGINE["rank"], ENGINE["world_size"]
     extra = float((slow or {}).get(rank, 0.0))
     rng = np.random.default_rng([seed, rank])
@@ -66,8 +73,10 @@ def straggler_steps(num_steps, n_params, compute_s, slow=None, jitter=0.0, seed=
     return out
 
 
-def straggler_experiment(cluster, delays=(0.0, 0.2), slow_rank=None, num_steps=5,
-                         compute_s=0.05, n_params=100_000, jitter=0.0, seed=0, timeout=10.0):
+def straggler_experiment(cluster: Cluster, delays: Sequence[float] = (0.0, 0.2),
+                         slow_rank: int | None = None, num_steps: int = 5,
+                         compute_s: float = 0.05, n_params: int = 100_000, jitter: float = 0.0,
+                         seed: int = 0, timeout: float = 10.0) -> list[dict]:
     """Run :func:`straggler_steps` once per straggler delay in ``delays`` (0 = none) with rank
     ``slow_rank`` (default: the last) slowed by it. Returns one row per (delay, rank): mean
     ``compute_s``, ``wait_s`` and ``step_s`` over the steps, and whether the rank was slowed.
@@ -80,6 +89,8 @@ def straggler_experiment(cluster, delays=(0.0, 0.2), slow_rank=None, num_steps=5
         raise ValueError("need num_steps >= 1 and non-negative compute_s, delays and jitter")
     rows = []
     for delay in delays:
+        # the warm-up, then per step its compute, the delay, a generous 10x the mean jitter
+        # (an exponential rarely exceeds that) and the allreduce's own deadline
         deadline = timeout + num_steps * (compute_s + delay + 10 * jitter + timeout)
         results = cluster.run(straggler_steps, num_steps, n_params, compute_s,
                               {slow_rank: delay}, jitter, seed, timeout, timeout=deadline)
@@ -91,7 +102,7 @@ def straggler_experiment(cluster, delays=(0.0, 0.2), slow_rank=None, num_steps=5
     return rows
 
 
-def format_straggler_table(rows):
+def format_straggler_table(rows: list[dict]) -> str:
     """The rows of :func:`straggler_experiment` as an aligned table (times in ms).
 
     Introduced in notebooks/07_large_minibatch.ipynb."""
@@ -104,12 +115,13 @@ def format_straggler_table(rows):
 
 
 # ---------------------------------------------------------------- order statistics
-def harmonic(n):
+def harmonic(n: int) -> float:
     """H_n = 1 + 1/2 + ... + 1/n (H_0 = 0). Introduced in notebooks/07_large_minibatch.ipynb."""
     return float(np.sum(1.0 / np.arange(1, int(n) + 1))) if n > 0 else 0.0
 
 
-def expected_step_time(num_workers, backup=0, mean_delay=1.0, compute_s=0.0):
+def expected_step_time(num_workers: int, backup: int = 0, mean_delay: float = 1.0,
+                       compute_s: float = 0.0) -> float:
     """Expected step time when each of N workers takes ``compute_s + Exp(mean_delay)`` and the
     step waits for the first ``N - backup`` of them: the (N-b)-th order statistic,
     ``compute_s + mean_delay * (H_N - H_b)`` (exact for exponential delays). With b = 0 it is
@@ -118,11 +130,13 @@ def expected_step_time(num_workers, backup=0, mean_delay=1.0, compute_s=0.0):
     if not 0 <= backup < num_workers:
         raise ValueError(f"need 0 <= backup < num_workers, got backup={backup}, "
                          f"num_workers={num_workers}")
+    # E[k-th smallest of N Exp(1)] = H_N - H_(N-k) (Renyi's representation); k = N - b
     return compute_s + mean_delay * (harmonic(num_workers) - harmonic(backup))
 
 
-def simulate_step_times(num_workers, backup=0, mean_delay=1.0, compute_s=0.0, num_steps=10_000,
-                        seed=0):
+def simulate_step_times(num_workers: int, backup: int = 0, mean_delay: float = 1.0,
+                        compute_s: float = 0.0, num_steps: int = 10_000,
+                        seed: int = 0) -> np.ndarray:
     """Monte Carlo of the same: ``num_steps`` steps, each the (N-b)-th smallest of N draws of
     ``compute_s + Exp(mean_delay)``. Returns the array of step times.
     Introduced in notebooks/07_large_minibatch.ipynb."""
@@ -130,18 +144,19 @@ def simulate_step_times(num_workers, backup=0, mean_delay=1.0, compute_s=0.0, nu
         raise ValueError(f"need 0 <= backup < num_workers, got {backup}, {num_workers}")
     draws = compute_s + np.random.default_rng(seed).exponential(mean_delay,
                                                                 (num_steps, num_workers))
-    return np.sort(draws, axis=1)[:, num_workers - backup - 1]
+    return np.sort(draws, axis=1)[:, num_workers - backup - 1]  # (N-b)-th smallest, 0-based
 
 
 # ---------------------------------------------------------------- backup workers on the PS
-def backup_worker_runs(cluster, problem, X, y, theta0, lr, slow, backups=(0, 1), num_epochs=1,
-                       batch_size=128, seed=0, timeout=10.0):
+def backup_worker_runs(cluster: Cluster, problem: Any, X: np.ndarray, y: np.ndarray,
+                       theta0: np.ndarray, lr: float, slow: dict[int, float],
+                       backups: Sequence[int] = (0, 1), num_epochs: int = 1,
+                       batch_size: int = 128, seed: int = 0, timeout: float = 10.0) -> list[dict]:
     """Train with the synchronous parameter server (1 server, the other ranks workers) once per
     number of backup workers in ``backups``, with the workers in ``slow={rank: seconds}``
     slowed. Returns one row per run: steps, steps per second, mean gradients used per step,
     gradients dropped, and the final full-data loss.
     Introduced in notebooks/07_large_minibatch.ipynb."""
-    from course_lib import ps
     spec = ps.make_spec(1, cluster.n - 1, world_size=cluster.n)
     rows = []
     for b in backups:

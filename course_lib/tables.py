@@ -17,7 +17,8 @@ def format_size(n_bytes: int) -> str:
     return f"{n_bytes} B"
 
 
-def text_table(header: list, rows: list, align: str | None = None) -> list[str]:
+def text_table(header: list[str] | list[list[str]], rows: list[list | None],
+               align: str | None = None) -> list[str]:
     """Lines of a fixed-width table: ``header`` is one or more rows of column titles (printed
     as comments, starting with '#'), ``rows`` lists of cells; ``None`` in ``rows`` is a blank
     line. ``align`` holds '<' or '>' per column (default: first left, the rest right).

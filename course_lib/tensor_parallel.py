@@ -25,10 +25,13 @@ every rank holds an equal shard, as in Megatron.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from course_lib.collectives import allreduce, ring_allgather
+from course_lib.comm import Comm
 
 
 class TensorParallel:
@@ -40,23 +43,23 @@ class TensorParallel:
 
     Introduced in notebooks/09_model_parallelism.ipynb."""
 
-    def __init__(self, comm, algorithm="ring"):
+    def __init__(self, comm: Comm, algorithm: str = "ring") -> None:
         self.comm, self.algorithm = comm, algorithm
         self.counts = {"forward": 0, "backward": 0}
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self.comm.rank
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         return self.comm.world_size
 
-    def reset_counts(self):
+    def reset_counts(self) -> None:
         """Set both counts back to zero."""
         self.counts = {"forward": 0, "backward": 0}
 
-    def allreduce(self, tensor, phase):
+    def allreduce(self, tensor: torch.Tensor, phase: str) -> torch.Tensor:
         """The sum of ``tensor`` over the ranks, as a new tensor; counted under ``phase``."""
         if self.world_size == 1:
             return tensor
@@ -67,7 +70,7 @@ class TensorParallel:
         self.counts[phase] += 1
         return out
 
-    def gather_last_dim(self, tensor):
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (same shape on all), joined along the last dimension in rank
         order; one ring all-gather, counted under forward."""
         if self.world_size == 1:
@@ -79,7 +82,7 @@ class TensorParallel:
         # (N, ..., k) -> (..., N, k) -> (..., N k): column r k + j is rank r's column j
         return buf.movedim(0, -2).reshape(*tensor.shape[:-1], -1)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<TensorParallel rank {self.rank} of {self.world_size}, counts {self.counts}>"
 
 
@@ -111,13 +114,13 @@ class CopyToParallelRegion(torch.autograd.Function):
     ``CopyToParallelRegion.apply(x, tp)``. Introduced in notebooks/09_model_parallelism.ipynb."""
 
     @staticmethod
-    def forward(ctx, x, tp):
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         ctx.tp = tp
         return x
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.tp.allreduce(grad, "backward"), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.allreduce(grad, "backward"), None  # None: tp gets no gradient
 
 
 class ReduceFromParallelRegion(torch.autograd.Function):
@@ -129,11 +132,11 @@ class ReduceFromParallelRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, tp):
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         return tp.allreduce(x, "forward")
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -146,14 +149,14 @@ class GatherFromParallelRegion(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, tp):
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
         ctx.tp, ctx.k = tp, x.shape[-1]
         return tp.gather_last_dim(x)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         r, k = ctx.tp.rank, ctx.k
-        return grad[..., r * k:(r + 1) * k], None
+        return grad[..., r * k:(r + 1) * k], None  # rank r's k columns of the gathered tensor
 
 
 class ColumnParallelLinear(nn.Module):
@@ -166,8 +169,9 @@ class ColumnParallelLinear(nn.Module):
     layer that exists.
     Introduced in notebooks/09_model_parallelism.ipynb."""
 
-    def __init__(self, in_features, out_features, tp, bias=True, gather_output=False,
-                 dtype=None, device=None):
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel | Comm,
+                 bias: bool = True, gather_output: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.tp, self.gather_output = _tp(tp), gather_output
         self.in_features, self.out_features = in_features, out_features
@@ -177,7 +181,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _param((n,), in_features, dtype, device) if bias else None
 
     @classmethod
-    def from_linear(cls, linear, tp, gather_output=False):
+    def from_linear(cls, linear: nn.Linear, tp: TensorParallel | Comm,
+                    gather_output: bool = False) -> ColumnParallelLinear:
         """This rank's shard of an existing ``nn.Linear`` (copied: the original is unchanged)."""
         layer = cls(linear.in_features, linear.out_features, tp, linear.bias is not None,
                     gather_output, linear.weight.dtype, linear.weight.device)
@@ -188,11 +193,11 @@ class ColumnParallelLinear(nn.Module):
                 layer.bias.copy_(linear.bias[start:stop])
         return layer
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = nn.functional.linear(CopyToParallelRegion.apply(x, self.tp), self.weight, self.bias)
         return GatherFromParallelRegion.apply(y, self.tp) if self.gather_output else y
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"(rows {self.rows[0]}:{self.rows[1]} here), gather_output={self.gather_output}")
 
@@ -206,7 +211,9 @@ class RowParallelLinear(nn.Module):
     is the full y on every rank. Use ``from_linear`` to split a layer that exists.
     Introduced in notebooks/09_model_parallelism.ipynb."""
 
-    def __init__(self, in_features, out_features, tp, bias=True, dtype=None, device=None):
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel | Comm,
+                 bias: bool = True, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:
         super().__init__()
         self.tp = _tp(tp)
         self.in_features, self.out_features = in_features, out_features
@@ -216,24 +223,24 @@ class RowParallelLinear(nn.Module):
         self.bias = _param((out_features,), in_features, dtype, device) if bias else None
 
     @classmethod
-    def from_linear(cls, linear, tp):
+    def from_linear(cls, linear: nn.Linear, tp: TensorParallel | Comm) -> RowParallelLinear:
         """This rank's shard of an existing ``nn.Linear`` (copied: the original is unchanged)."""
         layer = cls(linear.in_features, linear.out_features, tp, linear.bias is not None,
                     linear.weight.dtype, linear.weight.device)
         start, stop = layer.cols
         with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, start:stop])
+            layer.weight.copy_(linear.weight[:, start:stop])  # W is (out, in): in = columns
             if layer.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = nn.functional.linear(x, self.weight)
         # the bias after the sum: added before it, the N ranks would add it N times
         y = ReduceFromParallelRegion.apply(partial, self.tp)
         return y if self.bias is None else y + self.bias
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (columns {self.cols[0]}:{self.cols[1]} here), "
                 f"out_features={self.out_features}")
 
@@ -248,7 +255,8 @@ class ParallelMLP(nn.Sequential):
     its own hidden units, with no communication. Introduced in notebooks/09_model_parallelism.ipynb.
     """
 
-    def __init__(self, column, activation, row):
+    def __init__(self, column: ColumnParallelLinear, activation: nn.Module,
+                 row: RowParallelLinear) -> None:
         if column.tp is not row.tp:
             raise ValueError("the two layers of a ParallelMLP must share one TensorParallel: "
                              "pass the same TensorParallel(comm) to both")
@@ -256,7 +264,7 @@ class ParallelMLP(nn.Sequential):
         self.tp = column.tp
 
     @classmethod
-    def from_mlp(cls, mlp, tp):
+    def from_mlp(cls, mlp: nn.Sequential, tp: TensorParallel | Comm) -> ParallelMLP:
         """This rank's shard of ``nn.Sequential(Linear, activation, Linear)``; the activation
         module is shared, not copied."""
         layers = list(mlp)

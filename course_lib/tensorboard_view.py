@@ -13,6 +13,8 @@ steps it computes twice are shown once, from the attempt that finished::
 
 from __future__ import annotations
 
+import ctypes
+import json
 import queue
 import re
 import signal
@@ -26,10 +28,11 @@ from pathlib import Path
 SUBDIR = "tensorboard"  # where the chief writes, inside its checkpoint directory
 
 
-def read_scalars(logdir):
+def read_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag of the event files under ``logdir``, as ``{tag: [(step, value), ...]}``
     in step order, with what a restart purged left out (as TensorBoard shows it).
     Introduced in notebooks/11_fault_tolerance.ipynb."""
+    # optional dependency (tensorboard), imported only when logs are read
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     if not Path(logdir).is_dir():
         raise FileNotFoundError(f"no TensorBoard logs in {logdir}: did the chief run with "
@@ -44,17 +47,17 @@ class TensorBoard:
     """A TensorBoard server started by :func:`serve`: ``url``, ``scalars(tag)`` through its own
     HTTP API, ``stop()``. Introduced in notebooks/11_fault_tolerance.ipynb."""
 
-    def __init__(self, process, url):
+    def __init__(self, process: subprocess.Popen, url: str) -> None:
         self.process, self.url = process, url
 
-    def scalars(self, tag, run="."):
+    def scalars(self, tag: str, run: str = ".") -> list[tuple[int, float]]:
         """``[(step, value), ...]`` of ``tag`` as the server shows it (its ``/data`` API)."""
-        import json
         query = f"data/plugin/scalars/scalars?tag={tag}&run={run}"
-        with urllib.request.urlopen(self.url + query, timeout=10) as reply:
+        with urllib.request.urlopen(self.url + query, timeout=10) as reply:  # [[time, step, value]]
             return [(step, value) for _, step, value in json.load(reply)]
 
-    def stop(self):
+    def stop(self) -> None:
+        """Terminate the server (killed if it has not exited 10 s later)."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -63,10 +66,10 @@ class TensorBoard:
                 self.process.kill()
                 self.process.wait(10)
 
-    def __enter__(self):
+    def __enter__(self) -> TensorBoard:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def _repr_html_(self):  # in a notebook: the link, and TensorBoard itself below it
@@ -79,11 +82,11 @@ def _die_with_parent():
     """In the child, before it runs TensorBoard (Linux): SIGTERM when the process that started
     it dies, so a notebook's kernel shut down or killed takes its TensorBoard with it."""
     if sys.platform.startswith("linux"):
-        import ctypes
+        # (ctypes is imported at the top, not here: between fork and exec, do as little as can be)
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def serve(logdir, timeout=60):
+def serve(logdir: str | Path, timeout: float = 60) -> TensorBoard:
     """Start ``tensorboard --logdir logdir`` on 127.0.0.1 and a free port; returns a
     :class:`TensorBoard` once it answers (a deadline of ``timeout`` s, naming what it printed).
     It runs until ``stop()``, or until the process that started it (a notebook's kernel) ends.

@@ -22,8 +22,13 @@ from __future__ import annotations
 import json
 import time
 from collections import namedtuple
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for the annotations only: matplotlib is imported when a chart is drawn
+    from matplotlib.axes import Axes
 
 Event = namedtuple("Event", "name cat start end rank args")
 
@@ -40,18 +45,19 @@ class Timeline:
     Introduced in notebooks/06_data_parallel_sgd.ipynb.
     """
 
-    def __init__(self, rank=0, enabled=True):
-        self.rank, self.enabled, self.events = rank, enabled, []
+    def __init__(self, rank: int = 0, enabled: bool = True) -> None:
+        self.rank, self.enabled = rank, enabled
+        self.events: list[Event] = []
 
     now = staticmethod(time.perf_counter)
 
-    def add(self, name, cat, start, end, **args):
+    def add(self, name: str, cat: str, start: float, end: float, **args: Any) -> None:
         """Record one finished interval (thread-safe: a single list append)."""
         if self.enabled:
             self.events.append(Event(name, cat, start, end, self.rank, args))
 
     @contextmanager
-    def span(self, name, cat=None, **args):
+    def span(self, name: str, cat: str | None = None, **args: Any) -> Iterator[None]:
         """Record the time the ``with`` block takes, under ``cat`` (default: ``name``)."""
         start = time.perf_counter()
         try:
@@ -59,17 +65,18 @@ class Timeline:
         finally:
             self.add(name, cat or name, start, time.perf_counter(), **args)
 
-    def clear(self):
+    def clear(self) -> None:
+        """Forget every event (a new step, say)."""
         self.events = []
 
-    def of(self, cat):
+    def of(self, cat: str) -> list[Event]:
         """The events of one category, by start time."""
         return sorted((e for e in self.events if e.cat == cat), key=lambda e: e.start)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.events)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<Timeline rank {self.rank}: {len(self.events)} events>"
 
 
@@ -90,12 +97,14 @@ def _intervals(events):
     return merged
 
 
-def overlap(tl, cat_a="backward", cat_b="allreduce"):
+def overlap(tl: Timeline, cat_a: str = "backward", cat_b: str = "allreduce") -> float:
     """Seconds during which some event of ``cat_a`` and some of ``cat_b`` were both running.
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     a, b = _intervals(tl.of(cat_a)), _intervals(tl.of(cat_b))
     total, i, j = 0.0, 0, 0
+    # two sorted lists of disjoint intervals, walked as merge sort does: add the overlap of the
+    # current pair, then step past whichever interval ends first (it overlaps nothing later)
     while i < len(a) and j < len(b):
         total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
         if a[i][1] < b[j][1]:
@@ -105,7 +114,7 @@ def overlap(tl, cat_a="backward", cat_b="allreduce"):
     return total
 
 
-def totals(tl):
+def totals(tl: Timeline) -> dict[str, float]:
     """``{category: seconds}``, overlapping events of one category counted once.
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb."""
@@ -113,7 +122,8 @@ def totals(tl):
             for cat in sorted({e.cat for e in tl.events})}
 
 
-def chrome_trace(timelines, path=None):
+def chrome_trace(timelines: Timeline | Sequence[Timeline],
+                 path: str | Path | None = None) -> dict:
     """The events as Chrome-trace JSON (``ph: "X"`` complete events, microseconds, one process
     per rank, compute and communication on separate threads); opens in ui.perfetto.dev or
     chrome://tracing. Written to ``path`` when given; the dict is returned either way.
@@ -123,12 +133,12 @@ def chrome_trace(timelines, path=None):
     trace = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
              for r in sorted({e.rank for e in events})]
     for e in events:
-        tid = 1 if e.cat in COMM_CATEGORIES else 0
+        tid = 1 if e.cat in COMM_CATEGORIES else 0  # thread 1: communication, 0: compute
         trace.append({"name": e.name, "cat": e.cat, "ph": "X", "pid": e.rank, "tid": tid,
                       "ts": round((e.start - t0) * 1e6, 3),
                       "dur": round((e.end - e.start) * 1e6, 3),
                       "args": {k: v for k, v in e.args.items()
-                               if isinstance(v, (int, float, str, bool))}})
+                               if isinstance(v, (int, float, str, bool))}})  # JSON's kinds
     out = {"traceEvents": trace, "displayTimeUnit": "ms"}
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -136,10 +146,12 @@ def chrome_trace(timelines, path=None):
     return out
 
 
-def gantt(timelines, ax=None, title=None, since=None):
+def gantt(timelines: Timeline | Sequence[Timeline], ax: Axes | None = None,
+          title: str | None = None, since: float | None = None) -> Axes:
     """A Gantt chart: per rank a compute row and a communication row, time in milliseconds from
     the first event (or ``since``). Returns the matplotlib Axes.
     Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    # here, not at the top: ranks record timelines on engines and never draw
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -154,6 +166,7 @@ def gantt(timelines, ax=None, title=None, since=None):
     for e in events:
         lane = "comm" if e.cat in COMM_CATEGORIES else "compute"
         y = rows.index((e.rank, lane))
+        # at least 1 us wide, so that an instant event is still drawn
         ax.broken_barh([((e.start - t0) * 1e3, max((e.end - e.start) * 1e3, 1e-3))],
                        (y - 0.4, 0.8), facecolors=COLOURS.get(e.cat, "tab:olive"),
                        edgecolors="white", linewidth=0.3)

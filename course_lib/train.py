@@ -20,6 +20,10 @@ seed, every launcher gives the same losses, bit for bit::
     torchrun --nproc-per-node 2 -m course_lib.train --steps 20 --out run.json
     mpiexec -n 2 python -m course_lib.train --steps 20 --out run.json
     srun -n 2 python -m course_lib.train --steps 20 --out run.json
+
+torch is imported by the functions that train, not at the top: a notebook reads
+:func:`command` and calls :func:`launch` (which starts other processes) without paying torch's
+seconds of import.
 """
 
 from __future__ import annotations
@@ -30,17 +34,25 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
+
+from course_lib import data, hosts, models
+from course_lib.comm import init_torch_from_launcher
+from course_lib.engine import ENGINE
+from course_lib.launch import mpiexec_path, run_ranks
 
 LAUNCHERS = ("cluster", "torchrun", "mpiexec", "slurm", "single")
 
 
-def detect_launcher(environ=None):
+def detect_launcher(environ: Mapping[str, str] | None = None) -> str:
     """Which launcher started this process, from its environment (and the cluster's engine
     state). Introduced in notebooks/12_scaling_out.ipynb."""
-    from course_lib.engine import ENGINE
     env = os.environ if environ is None else environ
-    if environ is None and "rank" in ENGINE:
+    if environ is None and "rank" in ENGINE:  # setup_engine ran here: a cluster's engine
         return "cluster"
     if "RANK" in env and "MASTER_PORT" in env:
         return "torchrun"
@@ -51,17 +63,18 @@ def detect_launcher(environ=None):
     return "single"
 
 
-def first_host(nodelist):
+def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``"node[03-05,09],gpu1"`` -> ``"node03"``.
     Introduced in notebooks/12_scaling_out.ipynb."""
+    # a prefix up to the first "," or "[", then an optional [ranges]: "node" + "03-05,09"
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
     if not match:
         raise ValueError(f"cannot read the SLURM node list {nodelist!r}")
     prefix, ranges = match.groups()
-    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")  # "03-05" -> "03"
 
 
-def slurm_rendezvous(env=None):
+def slurm_rendezvous(env: Mapping[str, str] | None = None) -> tuple[int, int, str, int]:
     """(rank, world size, MASTER_ADDR, MASTER_PORT) of a task started by ``srun``: the port is
     derived from the job id so every task of the job computes the same one.
     Introduced in notebooks/12_scaling_out.ipynb."""
@@ -74,13 +87,12 @@ def slurm_rendezvous(env=None):
     return rank, world_size, addr, port
 
 
-def init_from_launcher(timeout=30.0):
+def init_from_launcher(timeout: float = 30.0) -> tuple[int, int, str]:
     """Create the default process group (Gloo) from what the launcher put in the environment;
     returns ``(rank, world_size, launcher)``. Every wait has the deadline ``timeout`` s.
     Introduced in notebooks/12_scaling_out.ipynb."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # not at the top (see the module docstring)
 
-    from course_lib.comm import init_torch_from_launcher
     launcher = detect_launcher()
     deadline = timedelta(seconds=timeout)
     if launcher == "cluster" or dist.is_initialized():
@@ -100,17 +112,17 @@ def init_from_launcher(timeout=30.0):
     return dist.get_rank(), dist.get_world_size(), launcher
 
 
-def train(steps=20, seed=0, batch_size=64, lr=0.1, hidden=32, timeout=30.0):
+def train(steps: int = 20, seed: int = 0, batch_size: int = 64, lr: float = 0.1,
+          hidden: int = 32, timeout: float = 30.0) -> dict:
     """On every rank: data-parallel SGD on the digits for ``steps`` steps. The global batch of
     step s is drawn by a generator seeded with (seed, s); each rank takes its slice, sums the
     gradients with an allreduce and divides by the global batch. Returns the losses (the same
     on every rank), a SHA-256 of the final parameters, and where it ran.
     Introduced in notebooks/12_scaling_out.ipynb."""
-    import torch
+    import torch  # not at the top (see the module docstring)
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from course_lib import data, models
     rank, world_size, launcher = init_from_launcher(timeout)
     torch.set_num_threads(1)  # the same sums in the same order, whoever launched it
     X, y, _, _ = data.load_digits()
@@ -118,13 +130,15 @@ def train(steps=20, seed=0, batch_size=64, lr=0.1, hidden=32, timeout=30.0):
     model = models.mlp(X.shape[1], hidden, 10, seed=seed).double()
     losses = []
     for step in range(steps):
+        # every rank draws the same global batch (same seed), then keeps its contiguous slice:
+        # rows [r B / W, (r+1) B / W), which also covers B not divisible by W
         rows = torch.randperm(len(X), generator=torch.Generator().manual_seed(
             seed * 1_000_003 + step))[:batch_size]
         mine = rows[rank * batch_size // world_size:(rank + 1) * batch_size // world_size]
         loss_sum = F.cross_entropy(model(X[mine]), y[mine], reduction="sum")
         model.zero_grad()
         loss_sum.backward()
-        for p in model.parameters():
+        for p in model.parameters():  # the sum of the slices' gradients: the global batch's
             dist.all_reduce(p.grad)
         with torch.no_grad():
             for p in model.parameters():
@@ -141,7 +155,7 @@ def train(steps=20, seed=0, batch_size=64, lr=0.1, hidden=32, timeout=30.0):
 WAYS = ("torchrun", "mpiexec", "srun", "two hosts", "mpiexec, two hosts")
 
 
-def command(way, world_size=2, args=()):
+def command(way: str, world_size: int = 2, args: Sequence[object] = ()) -> list[str]:
     """The command line that launches the script ``world_size`` ways by ``way`` (one of
     ``WAYS``; for "two hosts", the command of host 0 of ``world_size`` hosts, one rank each).
     Introduced in notebooks/12_scaling_out.ipynb."""
@@ -163,16 +177,13 @@ def command(way, world_size=2, args=()):
     raise ValueError(f"way must be one of {WAYS}, not {way!r}")
 
 
-def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
+def launch(way: str, world_size: int = 2, steps: int = 20, out: str | None = None,
+           timeout: float = 180.0) -> dict:
     """Run the script under ``way`` (``WAYS``) and return rank 0's result (the JSON it wrote to
     ``out``, a temporary file by default). Raises RuntimeError with the launcher's last lines
     when it fails or runs past ``timeout`` s. Introduced in notebooks/12_scaling_out.ipynb."""
-    import subprocess
-    import sys
-    import tempfile
-
-    from course_lib.launch import run_ranks
     out = out or os.path.join(tempfile.mkdtemp(prefix="course-train-"), "result.json")
+    # every wait of a rank: the launcher's deadline, a minute at most
     args = ["--steps", steps, "--out", out, "--timeout", min(timeout, 60)]
     if "two hosts" in way and world_size != 2:
         raise ValueError(f"two hosts run one rank each: world_size must be 2, not {world_size}")
@@ -186,8 +197,6 @@ def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
             raise RuntimeError(f"srun exited with status {done.returncode}: "
                                f"{done.stderr.strip()[-2000:]}")
     elif way == "mpiexec, two hosts":
-        from course_lib import hosts
-        from course_lib.launch import mpiexec_path
         with hosts.make_hosts() as machines:
             argv = command(way, world_size, args)
             argv[0] = mpiexec_path(required=True)
@@ -199,7 +208,6 @@ def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
             raise RuntimeError(f"mpiexec across two hosts exited with status "
                                f"{done.returncode}: {done.stderr.strip()[-1500:]}")
     elif way == "two hosts":
-        from course_lib import hosts
         argv = [sys.executable, "-m", "torch.distributed.run", *command(way, world_size,
                                                                         args)[1:]]
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -211,11 +219,11 @@ def launch(way, world_size=2, steps=20, out=None, timeout=180.0):
         return json.load(f)
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> None:
     """``python -m course_lib.train``: train under any launcher; rank 0 writes the result to
     ``--out`` (JSON: losses, the parameters' SHA-256, the launcher and every rank's host).
     Introduced in notebooks/12_scaling_out.ipynb."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # not at the top (see the module docstring)
     parser = argparse.ArgumentParser(prog="python -m course_lib.train")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
@@ -225,9 +233,9 @@ def main(argv=None):
     parser.add_argument("--out", help="rank 0 writes its result here (JSON)")
     args = parser.parse_args(argv)
     result = train(args.steps, args.seed, args.batch_size, args.lr, timeout=args.timeout)
-    hosts = [None] * result["world_size"]
-    dist.all_gather_object(hosts, result["host"])
-    result["hosts"] = hosts
+    every_host = [None] * result["world_size"]
+    dist.all_gather_object(every_host, result["host"])
+    result["hosts"] = every_host
     if result["rank"] == 0:
         text = json.dumps(result)
         if args.out:

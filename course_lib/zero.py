@@ -24,15 +24,23 @@ unit: every rank keeps them whole, like buffers, with no gradient and no optimiz
     loss = loss_fn(model(x_local), y_local)   # this rank's part of the global batch
     loss.backward()
     model.step()                              # average, update, and (stages 1-2) all-gather
+
+It stays one file: the four stages share one class (they differ in a few branches, which is the
+lesson), and the memory plan beside it predicts what that class holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from course_lib.arguments import check_count
 from course_lib.collectives import allreduce, ring_allgather, ring_reduce_scatter
+from course_lib.comm import Comm
 from course_lib.sharding import shard_bounds
 
 STAGES = (0, 1, 2, 3)  # 0: plain data parallelism (an allreduce), for comparison
@@ -57,7 +65,7 @@ class _Unit:
 
     def gather(self, algorithm):
         """Every rank's shard into a full flat vector, copied into the parameters."""
-        full = self.shard.new_zeros(self.numel)
+        full = self.shard.new_zeros(self.numel)  # zeros elsewhere: the native path sums them
         full[self.start:self.stop] = self.shard
         _all_gather(full, self.comm, algorithm)
         offset = 0
@@ -86,9 +94,10 @@ class _Unit:
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
         _reduce_scatter(flat, self.comm, algorithm)
-        mine = flat[self.start:self.stop].div_(self.comm.world_size)
+        mine = flat[self.start:self.stop].div_(self.comm.world_size)  # the sum -> the mean
         if not keep_full:  # a copy: a view would keep the whole buffer alive
             mine = mine.clone()
+        # several backwards before a step: their gradients add up, as in plain torch
         self.shard.grad = mine if self.shard.grad is None else self.shard.grad + mine
         self.reduced = True
         if not keep_full:
@@ -103,7 +112,6 @@ def _reduce_scatter(flat, comm, algorithm):
     if algorithm == "ring":
         ring_reduce_scatter(flat, comm, check=False)
     else:  # Gloo has no reduce-scatter of uneven chunks: an allreduce gives every chunk
-        import torch.distributed as dist
         dist.all_reduce(flat, group=getattr(comm, "group", None))
 
 
@@ -114,7 +122,6 @@ def _allreduce(flat, comm, algorithm):
     if algorithm == "ring":
         allreduce(flat, comm, "ring", check=False)
     else:
-        import torch.distributed as dist
         dist.all_reduce(flat, group=getattr(comm, "group", None))
 
 
@@ -125,7 +132,6 @@ def _all_gather(full, comm, algorithm):
     if algorithm == "ring":
         ring_allgather(full, comm, check=False)
     else:  # chunks are zero elsewhere, so a sum gathers them
-        import torch.distributed as dist
         dist.all_reduce(full, group=getattr(comm, "group", None))
 
 
@@ -145,8 +151,10 @@ class ZeroDataParallel(nn.Module):
 
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
 
-    def __init__(self, module, make_optimizer, comm, stage=1, algorithm="ring",
-                 memory_budget=None, optimizer_numbers=2):
+    def __init__(self, module: nn.Module,
+                 make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                 comm: Comm, stage: int = 1, algorithm: str = "ring",
+                 memory_budget: int | None = None, optimizer_numbers: int = 2) -> None:
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
@@ -208,10 +216,10 @@ class ZeroDataParallel(nn.Module):
         for p in unit.params:
             p.register_post_accumulate_grad_hook(grad_ready)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def step(self):
+    def step(self) -> None:
         """After ``loss.backward()``: average the gradients over the ranks, update, and make
         the parameters whole again (stages 1-2)."""
         if self.stage == 0:  # data parallelism: allreduce the full gradients
@@ -244,7 +252,7 @@ class ZeroDataParallel(nn.Module):
                              f"{self.peak['total']} bytes, more than the budget of "
                              f"{self.memory_budget}: {self.peak}")
 
-    def full_parameters(self):
+    def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter (frozen ones too), whole, in ``parameters()`` order, as detached
         copies (stage 3 gathers one unit at a time for the moment)."""
         whole = {}
@@ -257,7 +265,7 @@ class ZeroDataParallel(nn.Module):
         return [whole[id(p)] if id(p) in whole else p.detach().clone()
                 for p in self.module.parameters()]
 
-    def memory(self):
+    def memory(self) -> dict[str, int]:
         """Bytes this rank holds now, by kind: full parameters (frozen ones too), gradients (full
         and shards), optimizer state, parameter shards, and their total. (``memory_at_update``:
         the same just before the last update; ``peak``: when the total was largest.)"""
@@ -286,12 +294,12 @@ class ZeroDataParallel(nn.Module):
             self.peak = held
         return held
 
-    def reset_peak(self):
+    def reset_peak(self) -> None:
         """Forget the peak: ``peak`` then tracks from now on."""
         self.peak = None
 
 
-def units_of(module):
+def units_of(module: nn.Module) -> list[nn.Module]:
     """The units ZeRO shards one at a time: the top-level children with trainable parameters,
     if they hold them all, else the whole module (none if nothing is trainable). Introduced in
     notebooks/10_sharded_data_parallelism.ipynb."""
@@ -305,7 +313,8 @@ def _numel(module, trainable=True):
     return sum(p.numel() for p in module.parameters() if p.requires_grad == trainable)
 
 
-def planned_memory(module, world_size, stage, optimizer_numbers=2):
+def planned_memory(module: nn.Module, world_size: int, stage: int,
+                   optimizer_numbers: int = 2) -> dict[str, int]:
     """Bytes one rank of ``world_size`` will hold at most while training ``module`` with
     :class:`ZeroDataParallel` at ``stage``, by kind (as ``memory()`` counts them): the paper's
     accounting plus what this implementation adds (stages 1-2 keep their parameter shard
@@ -317,7 +326,8 @@ def planned_memory(module, world_size, stage, optimizer_numbers=2):
     b, N, K = p.element_size(), world_size, optimizer_numbers
     sizes = [_numel(m) for m in units_of(module)]
     psi = sum(sizes)
-    shard = sum(-(-n // N) for n in sizes) if stage else 0  # the first shards are the longest
+    # ceil(n / N) per unit: rank 0's shards, the first and so the longest (shard_bounds)
+    shard = sum(-(-n // N) for n in sizes) if stage else 0
     largest, frozen = max(sizes, default=0), _numel(module, trainable=False)
     plan = {"parameters": b * ((psi if stage < 3 else largest) + frozen),
             "gradients": b * {0: psi, 1: psi, 2: largest + shard, 3: largest + shard}[stage],
@@ -327,7 +337,8 @@ def planned_memory(module, world_size, stage, optimizer_numbers=2):
     return plan
 
 
-def does_not_fit_message(module, world_size, stage, budget, optimizer_numbers=2):
+def does_not_fit_message(module: nn.Module, world_size: int, stage: int, budget: int,
+                         optimizer_numbers: int = 2) -> str:
     """Why the state of ``module`` does not fit ``budget`` bytes per rank at ``stage`` on
     ``world_size`` ranks, with the numbers and the fewest ranks that would fit.
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
@@ -362,7 +373,8 @@ def _mb(n_bytes):
     return f"{n_bytes:.0f} B"
 
 
-def zero_memory(num_params, world_size, stage, optimizer_numbers=2, bytes_per_number=4):
+def zero_memory(num_params: int, world_size: int, stage: int, optimizer_numbers: int = 2,
+                bytes_per_number: int = 4) -> dict[str, float]:
     """Bytes per rank by the ZeRO paper's accounting, for ``num_params`` parameters: DDP holds
     parameters, gradients and K = ``optimizer_numbers`` optimizer numbers per parameter; stage 1
     shards the optimizer state, stage 2 the gradients too, stage 3 the parameters too.

@@ -13,7 +13,8 @@ def test_demo_runs_every_part_and_every_check_passes(tmp_path):
     out = _cli("demo", "-n", "2", "--out", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     for row in ["cluster", "batch GD", "SGD", "mini-batch SGD", "sum of 2 shard gradients",
-                "1F1B pipeline, 2 stages", "ZeRO-3, 2 ranks", "rank 1 killed, 2 ranks"]:
+                "1F1B pipeline, 2 stages", "ZeRO-3, 2 ranks", "rank 1 killed, 2 ranks",
+                "ring attention, 2 ranks"]:
         assert row in out.stdout
     assert "✗" not in out.stdout
     assert (tmp_path / "demo_gd_loss_curves.png").stat().st_size > 10_000

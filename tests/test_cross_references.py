@@ -22,9 +22,9 @@ What is checked:
    name *another* notebook's topic (``TOPICS``) unless they also name its own:
    ``saves checkpoints (notebook 10)`` fails, since checkpoints are notebook 11's;
    ``the parameter server of notebook 04`` passes.
-3. **Planned notebooks** (14-17 are planned) may be named only in a clause that says they are
+3. **Planned notebooks** (15-17 are planned) may be named only in a clause that says they are
    not there yet, with one of the words ``coming``, ``planned``, ``future`` or ``to come``:
-   "notebook 14 (coming: the transformer, sequence and context parallelism)".
+   "notebook 15 (coming: mixture of experts and the all-to-all)".
 """
 
 import json
@@ -63,6 +63,8 @@ TOPICS = {
            "kubernetes", "host", "node", "multi-host"),
     "13": ("hyper-parameter", "hyperparameter", "embarrassingly parallel", "many experiments",
            "random search", "successive halving", "asha", "hyperband", "optuna"),
+    "14": ("transformer", "long sequence", "ring attention", "zig-zag", "online softmax",
+           "context parallel", "sequence length"),
 }
 SUFFIX = r"(?:s|es|d|ed|ing|ped|ness)?\b"  # buckets, bucketed, overlapped, staleness
 KEYWORDS = {num: re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")" + SUFFIX, re.I)
@@ -227,7 +229,7 @@ def test_the_check_catches_stale_references(text, expected):
 @pytest.mark.parametrize("text", [
     "the parameter server of notebook 04; hierarchical allreduce (notebook 05)",
     "| **hybrid** | combinations | NCCL within a node + MPI across nodes (12) |",
-    "notebook 14 (coming: the transformer, sequence and context parallelism)",
+    "notebook 15 (coming: mixture of experts and the all-to-all)",
     "Notebooks 03–08 measure both. A model of 16 layers of Linear(32, 32) (17 tensors).",
     "[06 · data-parallel SGD](06_data_parallel_sgd.ipynb)",
 ])

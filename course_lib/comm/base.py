@@ -3,7 +3,11 @@ and the :class:`Comm` base class with the blocking forms built on the non-blocki
 
 Introduced in notebooks/02_parallel_computing.ipynb. A transport (``torch_transport``,
 ``mpi_transport``, ``recording``) subclasses :class:`Comm` and implements the transport protocol
-written in its docstring; this module imports no transport.
+written in its docstring; this module imports no transport, and no torch (a torch ``Work`` is
+waited on only by :func:`wait_work`, which imports it then).
+
+One file a little over a lesson's length: the protocol's pieces (errors, :class:`Request`,
+:class:`Comm`) refer to one another and are read together, once, before any transport.
 """
 
 from __future__ import annotations
@@ -143,7 +147,7 @@ def wait_work(work: Any, timeout: float, what: str, error: type[Exception] | Non
     try:
         work.wait(timedelta(seconds=timeout))
     except RuntimeError as e:
-        import torch.distributed as dist  # only callers holding a torch Work get here
+        import torch.distributed as dist  # only callers holding a torch Work get here (loaded)
         text = str(e)
         timed_out = "timed out" in text.lower() or "timeout" in text.lower()
         cls = error or (CommTimeout if timed_out else CommError)
@@ -280,7 +284,7 @@ class Comm:
         """Wait on every request under one deadline of ``timeout`` s (see :func:`wait_all`)."""
         deadline = time.monotonic() + timeout
         for r in requests:
-            try:
+            try:  # each waits for what is left of the one deadline, not a fresh timeout
                 r.wait(max(deadline - time.monotonic(), 0.0))
             except CommTimeout:
                 raise r.timed_out(timeout) from None  # name the whole deadline

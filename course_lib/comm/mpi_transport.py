@@ -1,7 +1,8 @@
 """Messages over MPI (:class:`MpiComm`, with mpi4py): numpy arrays or CPU tensors, sent as
 bytes; the interface is :class:`course_lib.comm.base.Comm`'s.
 
-Introduced in notebooks/02_parallel_computing.ipynb.
+Introduced in notebooks/02_parallel_computing.ipynb. mpi4py is optional (the mpi extra) and
+torch not needed here: both are imported where they are used, not at the top.
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ class MpiComm(Comm):
             if not buf.flags.c_contiguous:
                 raise ValueError(f"buffers must be contiguous, got strides {buf.strides}")
             return [buf.reshape(-1).view(np.uint8), self.MPI.BYTE]
-        import torch
+        import torch  # a tensor was passed, so torch is loaded; not at the top (module docstring)
         if buf.device.type != "cpu" or not buf.is_contiguous():
             raise ValueError("the mpi transport takes contiguous CPU buffers")
         if buf.numel() == 0:  # an empty tensor may have stride 0, which view(uint8) rejects
             return [np.empty(0, np.uint8), self.MPI.BYTE]
+        # the tensor's bytes, viewed (no copy) as a numpy array MPI can read and write
         return [buf.reshape(-1).view(torch.uint8).numpy(), self.MPI.BYTE]
 
     def isend(self, buf: Any, dst: int, tag: int = 0, check_size: bool | None = None,
@@ -129,7 +131,7 @@ class MpiComm(Comm):
                 if req.handle.Test():
                     return True
             spins += 1
-            if spins % 64 == 0:
+            if spins % 64 == 0:  # every 64 tries: look at the clock, give up the core
                 if time.monotonic() > deadline:
                     if req.handle is not None:
                         req.handle.Cancel()

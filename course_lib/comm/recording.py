@@ -158,6 +158,8 @@ class RecordingComm(Comm):
         """Where ``buf`` starts in the watched buffer, in elements; None if it is not in it."""
         if self.watch is None or buf.dtype != self.watch.dtype:
             return None
+        # bytes from the watched buffer's start, in whole elements; ``size``, the remainder, is 0
+        # when ``buf`` starts on an element of it (a slice does; an unrelated buffer need not)
         offset, size = divmod(_address(buf) - _address(self.watch), buf.itemsize)
         inside = 0 <= offset and offset + nbytes(buf) // buf.itemsize <= nbytes(self.watch) \
             // buf.itemsize
@@ -167,7 +169,7 @@ class RecordingComm(Comm):
               op: str = "isend") -> Request:
         """Copy ``buf`` into ``dst``'s mailbox and record it; the send is complete at once."""
         dst = self.check_peer(dst, op)
-        payload = _raw(buf).copy()
+        payload = _raw(buf).copy()  # a copy: the sender may reuse its buffer once the send is done
         req = Request(self, op, "send", dst, buf, None, tag, self.size_checked(check_size))
         self.bytes_sent += payload.nbytes
         state = None if self.watch is None else to_numpy(self.watch).copy()

@@ -2,12 +2,15 @@
 tensors; the interface is :class:`course_lib.comm.base.Comm`'s. Also the process group under a
 launcher (:func:`init_torch_from_launcher`).
 
-Introduced in notebooks/02_parallel_computing.ipynb.
+Introduced in notebooks/02_parallel_computing.ipynb. torch is imported where a comm or a
+group is made, not at the top: :mod:`course_lib.comm` imports this module and must import
+without torch (under mpiexec, and because torch takes seconds).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -34,7 +37,7 @@ def init_torch_from_launcher(backend: str = "gloo", timeout: float = DEFAULT_TIM
     127.0.0.1 unless ``MASTER_ADDR`` names another address.
     Introduced in notebooks/02_parallel_computing.ipynb.
     """
-    import torch.distributed as dist  # torch takes seconds to import: only when a group is made
+    import torch.distributed as dist  # not at the top (see the module docstring)
     if dist.is_initialized():
         return
     if "RANK" in os.environ and "MASTER_PORT" in os.environ:  # torchrun
@@ -45,11 +48,10 @@ def init_torch_from_launcher(backend: str = "gloo", timeout: float = DEFAULT_TIM
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = None
     if world.Get_rank() == 0:
-        import socket
         with socket.socket() as s:
-            s.bind((host, 0))
+            s.bind((host, 0))  # port 0: the kernel picks a free one; closed before the store binds
             port = s.getsockname()[1]
-    port = world.bcast(port, root=0)
+    port = world.bcast(port, root=0)  # MPI is already connected: it tells every rank the port
     if host == "127.0.0.1":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}",
@@ -71,7 +73,7 @@ class TorchComm(Comm):
 
     def __init__(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT,
                  check_sizes: bool | str = True, link: Any = None) -> None:
-        import torch.distributed as dist  # torch takes seconds to import: only when one is made
+        import torch.distributed as dist  # not at the top (see the module docstring)
         self.dist, self.group = dist, group
         super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout, check_sizes,
                          link)
@@ -82,7 +84,7 @@ class TorchComm(Comm):
 
     @staticmethod
     def _tensor(buf):
-        import torch
+        import torch  # loaded already (a TorchComm exists); not at the top (module docstring)
         t = torch.from_numpy(buf) if isinstance(buf, np.ndarray) else buf
         if not t.is_contiguous():
             raise ValueError(f"buffers must be contiguous, got strides {tuple(t.stride())}")
@@ -100,11 +102,11 @@ class TorchComm(Comm):
         req = Request(self, op, "send", dst, buf, None, tag, self.size_checked(check_size))
         self.bytes_sent += nbytes(t)
         if req.checked or self.link is not None:  # header: [bytes, emulated link's stamp in ns]
-            import torch
+            import torch  # loaded already; not at the top (see the module docstring)
             stamp = 0
             if self.link is not None:
                 start, req.end = netem.send_stamp(self.link, nbytes(t))
-                stamp = round(start * 1e9)
+                stamp = round(start * 1e9)  # int64 ns: the header is one int64 tensor
             size = torch.tensor([nbytes(t), stamp], dtype=torch.int64)
             req.header = (self._start(req, self.dist.isend, size, tag + HEADER_TAG), size)
         req.handle = None if t.numel() == 0 else self._start(req, self.dist.isend, t, tag)
@@ -125,7 +127,7 @@ class TorchComm(Comm):
         t = self._tensor(buf)
         req = Request(self, op, "recv", src, buf, None, tag, self.size_checked(check_size))
         if req.checked or self.link is not None:
-            import torch
+            import torch  # loaded already; not at the top (see the module docstring)
             size = torch.zeros(2, dtype=torch.int64)
             req.header = (self._start(req, self.dist.irecv, size, tag + HEADER_TAG), size)
         # checked: the data is received once its size is known to fit (``post``); else it
@@ -138,7 +140,7 @@ class TorchComm(Comm):
         """Post the checked receives from ``req``'s peer and tag, in order, up to ``req``: each
         waits for its size; a mismatched message is received into scratch and dropped. False
         when a size did not arrive before ``deadline`` (a ``time.monotonic()`` reading)."""
-        import torch
+        import torch  # loaded already; not at the top (see the module docstring)
         line = self.unposted[(req.peer, req.tag)]
         while not req.posted:
             r = line[0]
@@ -149,6 +151,8 @@ class TorchComm(Comm):
             sent, t = int(size[0]), self._tensor(r.buf)
             r.stamp = int(size[1]) / 1e9
             if sent != nbytes(t):
+                # the message must still be received (into scratch of its own size): Gloo would
+                # abort the process on a size mismatch, and the next message must not read it
                 r.error = r.size_error(sent)
                 r.handle = self.dist.irecv(torch.empty(sent, dtype=torch.uint8), r.peer,
                                            group=self.group, tag=r.tag) if sent else None
@@ -162,6 +166,8 @@ class TorchComm(Comm):
         deadline = time.monotonic() + timeout
         if not req.posted and not self.post(req, deadline):
             return False
+        # a send's header must be delivered too; an unchecked receive on an emulated link reads
+        # its stamp from the header here (a checked one read it in ``post``)
         if req.header is not None and (req.kind == "send" or req.stamp is None):
             if not self._wait(req.header[0], deadline - time.monotonic()):
                 return False
@@ -194,9 +200,10 @@ class TorchComm(Comm):
         if work is None:
             return True
         try:
+            # at least 1 ms: torch waits in whole milliseconds, and 0 means no deadline at all
             work.wait(timedelta(seconds=max(timeout, 1e-3)))
         except RuntimeError as e:
-            if "imed out" in str(e) or "timeout" in str(e).lower():
+            if "imed out" in str(e) or "timeout" in str(e).lower():  # Gloo's "Timed out ..."
                 return False
             raise
         return True

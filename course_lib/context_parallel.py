@@ -1,0 +1,219 @@
+"""Context parallelism: ring attention (Liu et al. 2023) with the online softmax, and the
+zig-zag assignment that balances a causal mask's work.
+
+Introduced in notebooks/14_transformers_and_long_sequences.ipynb. Each of N ranks holds some of
+the sequence's positions (its queries, keys and values). Attention needs every key for every
+query, so the key/value blocks travel around the ring (notebook 05's ring): at step s rank r
+holds the block of rank ``r - s``, attends its queries to it, and merges the partial result
+into its running one. The merge is exact (the *online softmax*): a partial result keeps, per
+query, the log of its softmax denominator (``lse``), and two partials over disjoint keys combine
+as::
+
+    lse = log(exp(lse_a) + exp(lse_b));   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
+
+The backward pass goes around the ring again: each block travels with the gradients of its keys
+and values, which every rank adds to, and one last hop brings them home. With a causal mask, a
+query ignores the keys after it: split contiguously, rank 0 attends to one block and rank N-1 to
+N, and everyone waits for the last. The zig-zag assignment (rank r holds chunks r and 2N-1-r of
+2N) gives every rank the same work: counted in pairs of chunks, 2N+1 each, against 4(r+1) for
+contiguous rank r (a diagonal block is computed whole, its masked half too).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+
+from course_lib.comm import Comm, CommError
+from course_lib.sharding import shard_bounds
+
+TAG_KV, TAG_GRAD = 7100, 7101  # message tags of the forward blocks and the backward ones
+
+
+# ---------------------------------------------------------------- which positions each rank holds
+def contiguous_positions(length: int, world_size: int) -> list[torch.Tensor]:
+    """Rank r holds the r-th contiguous slice of the sequence (sizes differ by at most one).
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    return [torch.arange(*shard_bounds(length, r, world_size)) for r in range(world_size)]
+
+
+def zigzag_positions(length: int, world_size: int) -> list[torch.Tensor]:
+    """The sequence cut in 2N equal chunks; rank r holds chunks r and 2N-1-r: an early chunk
+    (little causal work) with a late one (much), the same total on every rank.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    if length % (2 * world_size):
+        raise ValueError(f"zig-zag needs a sequence length divisible by 2N = {2 * world_size}, "
+                         f"got {length}")
+    c = length // (2 * world_size)
+    return [torch.cat([torch.arange(r * c, (r + 1) * c),
+                       torch.arange((2 * world_size - 1 - r) * c, (2 * world_size - r) * c)])
+            for r in range(world_size)]
+
+
+def causal_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
+    """How many (query, key) pairs a causal mask keeps: the work of one block.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    return int((k_pos[None, :] <= q_pos[:, None]).sum())
+
+
+# ---------------------------------------------------------------- one block, and the merge
+def runs(pos: torch.Tensor) -> list[slice]:
+    """The runs of consecutive positions in ``pos`` (one for a contiguous chunk, two for a
+    zig-zag rank's), as slices of it. Introduced in
+    notebooks/14_transformers_and_long_sequences.ipynb."""
+    cuts = [0, *(torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist(), len(pos)]
+    return [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of queries at ``q_pos`` to the keys at ``k_pos`` alone, every pair
+    computed: ``(out, lse)``, ``out`` normalised over these keys, ``lse`` the log of the softmax
+    denominator per query (``-inf`` for a query that may see none of them, whose ``out`` is 0).
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # exp(score - lse): a row with no key left has lse = -inf and would give nan; it gets 0
+    p = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(scores.dtype).min))
+    return p @ v, lse
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                    k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dense_attention`, run by runs of consecutive positions, skipping each pair of runs
+    whose keys all come after its queries: a zig-zag rank's early chunk is not computed against
+    a late block. Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    lse = q.new_full(q.shape[:-1], float("-inf"))
+    for qs in runs(q_pos):
+        for ks in runs(k_pos):
+            if k_pos[ks.start] > q_pos[qs.stop - 1]:  # every key after every query: no work
+                continue
+            o, s = dense_attention(q[..., qs, :], k[..., ks, :], v[..., ks, :], q_pos[qs],
+                                   k_pos[ks])
+            out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, s)
+    return out, lse
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+          lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention over two disjoint sets of keys from each one's ``(out, lse)``: weight each
+    part by its share of the total denominator. Exact: the same as one softmax over both.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = lse.clamp_min(torch.finfo(lse.dtype).min)  # both parts empty: lse = -inf, weights 0
+    wa, wb = torch.exp(lse_a - safe).unsqueeze(-1), torch.exp(lse_b - safe).unsqueeze(-1)
+    return wa * out_a + wb * out_b, lse
+
+
+# ---------------------------------------------------------------- around the ring
+def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor, tag: int, step: int,
+              what: str) -> list:
+    """Post the receive from the left and the send to the right (receive first, as ``sendrecv``
+    does: a ring of them cannot deadlock)."""
+    left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
+    try:
+        return [comm.irecv(recv, left, tag=tag), comm.isend(send, right, tag=tag)]
+    except CommError as e:
+        raise CommError(f"ring attention, {what} step {step}: {e}") from e
+
+
+def _wait(requests: list, step: int, what: str) -> None:
+    for req in requests:
+        try:
+            req.wait()
+        except CommError as e:
+            raise type(e)(f"ring attention, {what} step {step}: {e}") from e
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention over the whole sequence, each rank holding the queries, keys and values
+    of its positions (``positions[r]`` for rank r, every rank knowing all of them). Forward: the
+    key/value blocks go around the ring, each next block's transfer overlapping the attention to
+    the current one. Backward: around again with the blocks' key/value gradients.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, comm, positions, stats, merge_blocks):
+        N, r = comm.world_size, comm.rank
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
+        block = torch.stack([k, v])  # one message per step: this block's keys and values
+        for step in range(N):
+            owner = (r - step) % N  # whose block this rank holds at this step
+            pending = []
+            if step < N - 1:  # the next block travels while this one is computed
+                incoming = torch.empty_like(block)
+                pending = _exchange(comm, block, incoming, TAG_KV, step, "forward")
+            t = time.thread_time()  # CPU time: fair even when ranks share cores
+            if causal_pairs(positions[r], positions[owner]):  # a block wholly in the future: skip
+                o, s = block_attention(q, block[0], block[1], positions[r], positions[owner])
+                out, lse = merge_blocks(out, lse, o, s)
+                stats["blocks"] = stats.get("blocks", 0) + 1
+            stats["busy_s"] = stats.get("busy_s", 0.0) + time.thread_time() - t
+            _wait(pending, step, "forward")
+            if pending:
+                block = incoming
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm, ctx.positions, ctx.stats = comm, positions, stats
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm, positions = ctx.comm, ctx.positions
+        N, r, scale = comm.world_size, comm.rank, 1 / math.sqrt(q.shape[-1])
+        dout = dout.contiguous()
+        delta = (dout * out).sum(-1, keepdim=True)  # D_i = sum_j P_ij dP_ij, from the output
+        dq = torch.zeros_like(q)
+        # the block and the gradients of its keys and values, which travel with it
+        block = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+        safe_lse = lse.clamp_min(torch.finfo(lse.dtype).min).unsqueeze(-1)
+        for step in range(N):
+            owner = (r - step) % N
+            kb, vb = block[0], block[1]
+            if causal_pairs(positions[r], positions[owner]):
+                scores = q @ kb.transpose(-2, -1) * scale
+                future = positions[owner][None, :] > positions[r][:, None]
+                p = torch.exp(scores.masked_fill(future, float("-inf")) - safe_lse)  # final P
+                block[3] += p.transpose(-2, -1) @ dout                 # dV += P^T dO
+                ds = p * (dout @ vb.transpose(-2, -1) - delta)         # dS = P * (dP - D)
+                dq += ds @ kb * scale                                  # dQ += dS K / sqrt(d)
+                block[2] += ds.transpose(-2, -1) @ q * scale           # dK += dS^T Q / sqrt(d)
+            if step < N - 1:  # pass the block on (after its gradients were added here)
+                incoming = torch.empty_like(block)
+                _wait(_exchange(comm, block, incoming, TAG_GRAD, step, "backward"), step,
+                      "backward")
+                block = incoming
+        # now rank r holds the block of rank r + 1: one more hop takes every gradient home
+        home = torch.empty_like(block[2:])
+        _wait(_exchange(comm, block[2:].contiguous(), home, TAG_GRAD, N, "backward"), N,
+              "backward")
+        return dq, home[0], home[1], None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
+                   positions: list[torch.Tensor], stats: dict | None = None,
+                   merge_blocks: Callable = merge) -> torch.Tensor:
+    """This rank's causal attention output for its queries, over every rank's keys (see
+    :class:`RingAttention`); q, k, v: ``(..., T_r, d)`` with ``T_r = len(positions[rank])``.
+    ``merge_blocks`` merges each block's partial result into the running one (lab 14 passes
+    its own). ``stats`` (a dict) collects this rank's ``busy_s`` (CPU seconds of the forward's block
+    computations: torch computes on the calling thread here) and ``blocks`` (blocks attended).
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    if len(positions) != comm.world_size:
+        raise ValueError(f"positions names {len(positions)} ranks; the comm has "
+                         f"{comm.world_size}")
+    mine = len(positions[comm.rank])
+    if not (q.shape[-2] == k.shape[-2] == v.shape[-2] == mine):
+        raise ValueError(f"rank {comm.rank}: q, k, v hold {q.shape[-2]}, {k.shape[-2]}, "
+                         f"{v.shape[-2]} positions; positions[{comm.rank}] has {mine}")
+    if len({len(p) for p in positions}) != 1:
+        raise ValueError(f"every rank must hold as many positions (the blocks travel in one "
+                         f"buffer), got {[len(p) for p in positions]}")
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), comm, positions,
+                               {} if stats is None else stats, merge_blocks)

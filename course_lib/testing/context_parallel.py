@@ -1,0 +1,72 @@
+"""Ring attention on a cluster's ranks against one process: what tests, the demo and notebook 14
+run on every rank (real Gloo messages, float64)."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from course_lib import context_parallel as cp
+from course_lib import transformer as tf
+from course_lib.comm import get_comm
+
+
+def ring_attention_error_on_rank(length: int = 16, seed: int = 0, layout: str = "zigzag",
+                                 timeout: float = 20.0, batch: int = 2, heads: int = 3,
+                                 dim: int = 8) -> dict:
+    """Random q, k, v (the same on every rank, from ``seed``), this rank's positions of the
+    ``layout``; ring attention forward and backward against :func:`transformer.causal_attention`
+    on the whole sequence. Returns this rank's largest error and its busy seconds."""
+    comm = get_comm("torch", timeout=timeout)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, length, dim, dtype=torch.float64,
+                           generator=gen).requires_grad_() for _ in range(3))
+    pos = (cp.zigzag_positions if layout == "zigzag" else cp.contiguous_positions)(
+        length, comm.world_size)
+    p = pos[comm.rank]
+    mine = [t.detach()[..., p, :].clone().requires_grad_() for t in (q, k, v)]
+    stats: dict = {}
+    out = cp.ring_attention(*mine, comm, pos, stats)
+    out.sum().backward()
+    ref = tf.causal_attention(q, k, v)
+    ref.sum().backward()
+    pairs = [(out, ref[..., p, :]), (mine[0].grad, q.grad[..., p, :]),
+             (mine[1].grad, k.grad[..., p, :]), (mine[2].grad, v.grad[..., p, :])]
+    return dict(error=max(float((a - b).abs().max()) for a, b in pairs), **stats)
+
+
+def transformer_on_rank(length: int = 32, seed: int = 0, layout: str = "zigzag",
+                        timeout: float = 20.0, **config) -> dict:
+    """The transformer (float64, ``GPTConfig(**config)``) on this rank's positions of one batch
+    of two windows, ring attention inside; returns this rank's loss sum and its parameters'
+    gradients (flat): summed over the ranks they must equal :func:`transformer_reference`."""
+    comm = get_comm("torch", timeout=timeout)
+    model, x, y = _model_and_batch(length, seed, config)
+    pos = (cp.zigzag_positions if layout == "zigzag" else cp.contiguous_positions)(
+        length, comm.world_size)
+    p = pos[comm.rank]
+    attention = functools.partial(cp.ring_attention, comm=comm, positions=pos)
+    _, loss_sum = model(x[:, p], y[:, p], positions=p, attention=attention)
+    loss_sum.backward()
+    return dict(loss_sum=loss_sum.item(), grads=_flat_grads(model))
+
+
+def transformer_reference(length: int = 32, seed: int = 0, **config) -> dict:
+    """The same model and batch as :func:`transformer_on_rank`, in one process."""
+    model, x, y = _model_and_batch(length, seed, config)
+    _, loss_sum = model(x, y)
+    loss_sum.backward()
+    return dict(loss_sum=loss_sum.item(), grads=_flat_grads(model))
+
+
+def _model_and_batch(length, seed, config):
+    model = tf.GPT(tf.GPTConfig(**{"context": length, **config})).double()
+    data = tf.encode(tf.load_text()[:20_000])
+    x, y = tf.get_batch(data, 2, length, np.random.default_rng(seed))
+    return model, x, y
+
+
+def _flat_grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()

@@ -1,0 +1,151 @@
+"""Ring attention equals one process (output and every gradient, float64), for the attention alone
+and for the whole transformer; zig-zag balances the causal work; bad layouts and a silent rank
+end in clear errors. Ranks run as threads of one process (the recording transport), then on the
+cluster's real Gloo transport."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import context_parallel as cp
+from course_lib import transformer as tf
+from course_lib.comm import CommTimeout, run_ranks
+from course_lib.testing.context_parallel import ring_attention_error_on_rank
+
+CLUSTER_SIZE = 2
+
+
+def random_qkv(T=16, B=2, H=3, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, T, d, dtype=torch.float64, generator=gen).requires_grad_()
+            for _ in range(3)]
+
+
+def test_the_merge_of_two_blocks_is_one_softmax_over_both():
+    q, k, v = (t.detach() for t in random_qkv(T=12))
+    pos = torch.arange(12)
+    whole, whole_lse = cp.block_attention(q, k, v, pos, pos)
+    a, b = pos[:5], pos[5:]  # keys split in two; early queries see none of the second part
+    merged, lse = cp.merge(*cp.block_attention(q, k[..., :5, :], v[..., :5, :], pos, a),
+                           *cp.block_attention(q, k[..., 5:, :], v[..., 5:, :], pos, b))
+    assert torch.allclose(merged, whole, atol=1e-14, rtol=0)
+    assert torch.allclose(lse, whole_lse, atol=1e-14, rtol=0)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(merged, ref, atol=1e-14, rtol=0)
+    assert torch.allclose(tf.causal_attention(q, k, v), ref, atol=1e-14, rtol=0)
+
+
+def ring_on_threads(layout, N, T=16):
+    """Each thread-rank attends its positions; returns (outputs and grads assembled, stats)."""
+    q, k, v = random_qkv(T)
+    ref = tf.causal_attention(q, k, v)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    pos = layout(T, N)
+
+    def rank(_, comm):
+        mine = [t.detach()[..., pos[comm.rank], :].clone().requires_grad_() for t in (q, k, v)]
+        stats = {}
+        out = cp.ring_attention(*mine, comm, pos, stats)
+        out.backward(dout[..., pos[comm.rank], :])
+        return [out.detach()] + [t.grad for t in mine], stats
+
+    results, _ = run_ranks(rank, [None] * N, check_sizes=False, timeout=20)
+    got = [torch.empty_like(ref) for _ in range(4)]
+    for r, (tensors, _) in enumerate(results):
+        for g, t in zip(got, tensors, strict=True):
+            g[..., pos[r], :] = t
+    return got, [ref.detach(), q.grad, k.grad, v.grad], [s for _, s in results]
+
+
+@pytest.mark.parametrize("N", [2, 4])
+@pytest.mark.parametrize("layout", [cp.contiguous_positions, cp.zigzag_positions])
+def test_ring_attention_equals_one_process_forward_and_backward(layout, N):
+    got, want, stats = ring_on_threads(layout, N)
+    for name, g, w in zip(["output", "dq", "dk", "dv"], got, want, strict=True):
+        assert (g - w).abs().max() < 1e-12, name
+    blocks = [s["blocks"] for s in stats]
+    if layout is cp.contiguous_positions:
+        assert blocks == list(range(1, N + 1))  # rank r attends to r + 1 blocks: imbalanced
+    else:
+        assert blocks == [N] * N                 # every rank the same work
+
+
+def test_zigzag_gives_every_rank_the_same_causal_work():
+    for N in (2, 4, 8):
+        work = [sum(cp.causal_pairs(p, k) for k in cp.zigzag_positions(64, N))
+                for p in cp.zigzag_positions(64, N)]
+        contiguous = [sum(cp.causal_pairs(p, k) for k in cp.contiguous_positions(64, N))
+                      for p in cp.contiguous_positions(64, N)]
+        assert len(set(work)) == 1 and sum(work) == sum(contiguous) == 64 * 65 // 2
+        assert max(contiguous) / np.mean(contiguous) > 1.5 if N >= 4 else True
+
+
+def test_the_whole_transformer_on_split_sequences_equals_one_process():
+    """Every rank runs the model on its positions (ring attention inside); the loss sums and
+    the parameters' gradients summed over the ranks equal one process on the whole sequence."""
+    cfg = tf.GPTConfig(context=32, d_model=32, n_heads=4, n_layers=2)
+    data = tf.encode(tf.load_text()[:5000])
+    x, y = tf.get_batch(data, 2, 32, np.random.default_rng(0))
+    one = tf.GPT(cfg).double()
+    _, loss = one(x, y)
+    loss.backward()
+    for layout in (cp.contiguous_positions, cp.zigzag_positions):
+        pos = layout(32, 4)
+        # made here: the threads share torch's random generator, which seeding uses
+        models = [tf.GPT(cfg).double() for _ in range(4)]
+
+        def rank(_, comm, pos=pos, models=models):
+            model = models[comm.rank]
+            p = pos[comm.rank]
+            attention = functools.partial(cp.ring_attention, comm=comm, positions=pos)
+            _, part = model(x[:, p], y[:, p], positions=p, attention=attention)
+            part.backward()
+            return part.item(), [q.grad for q in model.parameters()]
+
+        results, _ = run_ranks(rank, [None] * 4, check_sizes=False, timeout=30)
+        assert abs(sum(r[0] for r in results) - loss.item()) < 1e-9
+        for i, q in enumerate(one.parameters()):
+            summed = sum(r[1][i] for r in results)  # what an allreduce of the gradients gives
+            assert (summed - q.grad).abs().max() < 1e-10
+
+
+def test_bad_layouts_are_refused_before_any_message():
+    with pytest.raises(ValueError, match="divisible by 2N = 8"):
+        cp.zigzag_positions(20, 4)
+    q, k, v = random_qkv(T=8)
+    pos = cp.contiguous_positions(8, 2)
+
+    def rank(_, comm):
+        mine = [t.detach()[..., : 3 + comm.rank, :] for t in (q, k, v)]  # 3 and 4 positions
+        return cp.ring_attention(*mine, comm, pos)
+
+    with pytest.raises(ValueError, match=r"rank \d: q, k, v hold 3, 3, 3 positions"):
+        run_ranks(rank, [None] * 2, check_sizes=False, timeout=5)
+    with pytest.raises(ValueError, match="as many positions"):
+        run_ranks(lambda _, comm: cp.ring_attention(
+            *(t.detach()[..., :3 + 2 * comm.rank, :] for t in (q, k, v)), comm,
+            [torch.arange(3), torch.arange(3, 8)]), [None] * 2, check_sizes=False, timeout=5)
+
+
+def test_a_rank_that_stops_sending_ends_the_others_within_the_deadline():
+    q, k, v = random_qkv(T=8)
+    pos = cp.contiguous_positions(8, 2)
+
+    def rank(_, comm):
+        if comm.rank == 1:
+            return None  # never sends its keys and values
+        return cp.ring_attention(*(t.detach()[..., pos[0], :] for t in (q, k, v)), comm, pos)
+
+    with pytest.raises(CommTimeout, match=r"ring attention, forward step 0: rank 0: .*rank 1"):
+        run_ranks(rank, [None] * 2, check_sizes=False, timeout=1)
+
+
+def test_ring_attention_on_the_cluster_over_gloo(cluster):
+    for layout in ("zigzag", "contiguous"):
+        rows = cluster.run(ring_attention_error_on_rank, 16, 3, layout)
+        assert max(r["error"] for r in rows) < 1e-12
+        assert [r["blocks"] for r in rows] == ([2, 2] if layout == "zigzag" else [1, 2])
