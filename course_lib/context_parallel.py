@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -138,7 +139,8 @@ class RingAttention(torch.autograd.Function):
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, positions, stats, merge_blocks):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
+                positions: list[torch.Tensor], stats: dict, merge_blocks: Callable) -> torch.Tensor:
         N, r = comm.world_size, comm.rank
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
@@ -163,7 +165,7 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         comm, positions = ctx.comm, ctx.positions
         N, r, scale = comm.world_size, comm.rank, 1 / math.sqrt(q.shape[-1])

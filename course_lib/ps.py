@@ -30,7 +30,9 @@ from __future__ import annotations
 import heapq
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,6 +47,9 @@ from course_lib.ps_server import (
     serve_restarting,
 )
 from course_lib.sharding import shard_bounds
+
+if TYPE_CHECKING:  # for the hints only: the cluster imports ipyparallel
+    from course_lib.cluster import Cluster
 
 __all__ = ["Asynchronous", "PSConfig", "PSError", "PSResult", "Policy", "Shard", "Synchronous",
            "apply_push", "make_spec", "run_role", "simulate_async", "train", "worker_step"]
@@ -180,7 +185,8 @@ class Asynchronous(Policy):
         return "applied"
 
 
-def worker_step(problem, pull, push, Xb: np.ndarray, yb: np.ndarray) -> float:
+def worker_step(problem: Any, pull: Callable[[], tuple], push: Callable[..., None],
+                Xb: np.ndarray, yb: np.ndarray) -> float:
     """One worker step: ``theta, version = pull()``; push the gradient SUM over the batch and its
     size: ``push(grad_sum, len(Xb), version)``. Returns the batch loss sum at the pulled theta.
     Introduced in notebooks/04_parameter_server.ipynb."""
@@ -306,7 +312,8 @@ def _work(spec: dict, addresses: list[str], problem, X, y, theta0, cfg: PSConfig
         conn.close()
 
 
-def run_role(spec: dict, addresses: list[str], problem, X, y, theta0, cfg: PSConfig) -> dict:
+def run_role(spec: dict, addresses: list[str], problem: Any, X: np.ndarray, y: np.ndarray,
+             theta0: np.ndarray, cfg: PSConfig) -> dict:
     """Runs on every rank (``cluster.run``): serve, work, or stay idle, as ``spec`` says.
 
     Introduced in notebooks/04_parameter_server.ipynb."""
@@ -368,8 +375,8 @@ class PSResult:
         return [s["bytes_in"] + s["bytes_out"] for s in self.servers]
 
 
-def train(cluster, spec: dict, problem, X, y, theta0, host: str = "127.0.0.1",
-          **options) -> PSResult:
+def train(cluster: Cluster, spec: dict, problem: Any, X: np.ndarray, y: np.ndarray,
+          theta0: np.ndarray, host: str = "127.0.0.1", **options: Any) -> PSResult:
     """Train ``problem`` on (X, y) with the servers and workers of ``spec`` on ``cluster``;
     ``options`` are :class:`PSConfig`'s (``lr`` at least).
 
@@ -421,7 +428,7 @@ def train(cluster, spec: dict, problem, X, y, theta0, host: str = "127.0.0.1",
 
 
 # ---------------------------------------------------------------- in one process, for plots
-def simulate_async(problem, X: np.ndarray, y: np.ndarray, theta0: np.ndarray, lr: float,
+def simulate_async(problem: Any, X: np.ndarray, y: np.ndarray, theta0: np.ndarray, lr: float,
                    num_workers: int, num_updates: int, batch_size: int = 32,
                    staleness_aware: bool = False, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Asynchronous SGD simulated in one process: ``num_workers`` workers with random compute

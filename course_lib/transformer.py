@@ -19,7 +19,7 @@ The text is ``pydoc_data.topics`` of the standard library: the reference manual'
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,7 +115,8 @@ class GPT(nn.Module):
                     nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, attention: Callable = causal_attention):
+                positions: torch.Tensor | None = None, attention: Callable = causal_attention,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = idx.shape[-1]
         if positions is None:
             positions = torch.arange(T, device=idx.device)
@@ -168,7 +169,7 @@ def encode(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
 
-def decode(tokens) -> str:
+def decode(tokens: Iterable[int]) -> str:
     """Token ids back to text (a broken UTF-8 sequence shows as the replacement character).
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
