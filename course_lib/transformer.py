@@ -137,11 +137,11 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def activation_bytes(model: GPT, idx: torch.Tensor) -> int:
-    """Bytes of the tensors autograd keeps for the backward pass of one forward and loss on
-    ``idx`` (each storage counted once, the parameters left out): the activations.
+def activation_bytes_of(forward: Callable[[], object], module: nn.Module) -> int:
+    """Bytes of the tensors autograd keeps for backward while ``forward()`` runs (each storage
+    counted once, ``module``'s parameters left out): the activations.
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     kept: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -151,8 +151,14 @@ def activation_bytes(model: GPT, idx: torch.Tensor) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(idx[:, :-1], idx[:, 1:])
+        forward()
     return sum(kept.values())
+
+
+def activation_bytes(model: GPT, idx: torch.Tensor) -> int:
+    """The activation bytes of one forward and loss of ``model`` on ``idx`` (its windows, each
+    token's target the next). Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    return activation_bytes_of(lambda: model(idx[:, :-1], idx[:, 1:]), model)
 
 
 # ---------------------------------------------------------------- text, batches, training

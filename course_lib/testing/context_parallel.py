@@ -1,5 +1,5 @@
-"""Ring attention on a cluster's ranks against one process: what tests, the demo and notebook 14
-run on every rank (real Gloo messages, float64)."""
+"""Ring attention, tensor and sequence parallelism on a cluster's ranks against one process: what
+tests, the demo and notebook 14 run on every rank (real Gloo messages, float64)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import numpy as np
 import torch
 
 from course_lib import context_parallel as cp
+from course_lib import sequence_parallel as sp
 from course_lib import transformer as tf
 from course_lib.comm import get_comm
+from course_lib.tensor_parallel import TensorParallel
 
 
 def ring_attention_error_on_rank(length: int = 16, seed: int = 0, layout: str = "zigzag",
@@ -70,3 +72,39 @@ def _model_and_batch(length, seed, config):
 
 def _flat_grads(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
+
+
+def block_split_on_rank(sequence_parallel: bool, batch: int = 2, length: int = 64,
+                        d_model: int = 32, heads: int = 4, seed: int = 0,
+                        timeout: float = 20.0) -> dict:
+    """A float64 transformer block split over this cluster's ranks (tensor parallelism, with
+    sequence parallelism or not) against the same block in one process: this rank's largest
+    error (output, input gradient, its shard of every parameter gradient), the collectives it
+    ran and the activation bytes it kept."""
+    comm = get_comm("torch", timeout=timeout)
+    gen = torch.Generator().manual_seed(seed)
+    block = tf.Block(tf.GPTConfig(d_model=d_model, n_heads=heads)).double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, dtype=p.dtype, generator=gen))
+    x = torch.randn(batch, length, d_model, dtype=torch.float64, generator=gen,
+                    requires_grad=True)
+    dout = torch.randn(batch, length, d_model, dtype=torch.float64, generator=gen)
+    out = block(x)
+    out.backward(dout)
+    tp = TensorParallel(comm)
+    part = sp.ParallelBlock(block, tp, sequence_parallel)
+    N, r = comm.world_size, comm.rank
+    tokens = slice(r * length // N, (r + 1) * length // N) if sequence_parallel else slice(None)
+    mine = x.detach()[:, tokens].clone().requires_grad_()
+    outputs: list = []
+    kept = tf.activation_bytes_of(lambda: outputs.append(part(mine)), part)
+    outputs[0].backward(dout[:, tokens])
+    sp.allreduce_replicated_grads([part])
+    params = dict(part.named_parameters())
+    errors = [(outputs[0] - out[:, tokens]).abs().max(),
+              (mine.grad - x.grad[:, tokens]).abs().max()]
+    errors += [(params[sp.SHARD_NAMES[n]].grad - sp.shard_of(part, n, p.grad)).abs().max()
+               for n, p in block.named_parameters()]
+    return dict(error=float(max(errors)), counts=dict(tp.counts), kept=kept,
+                one_process=tf.activation_bytes_of(lambda: block(x), block))

@@ -1,0 +1,237 @@
+"""Megatron tensor parallelism for a whole transformer block, and sequence parallelism on top.
+
+Introduced in notebooks/14_transformers_and_long_sequences.ipynb, on notebook 09's layers.
+**Tensor parallelism** (Shoeybi et al. 2019) splits attention by heads: Q, K and V column-wise
+(rank r holds its heads' rows of the QKV projection), the output projection row-wise; the MLP
+column then row. Each rank computes its heads on the whole sequence, and an allreduce after each
+row-parallel layer adds the partial outputs: two allreduces forward, two backward, per block.
+LayerNorm and the residual stream stay whole on every rank: each rank keeps its own copy of
+those activations, which do not shrink with N.
+
+**Sequence parallelism** (Korthikanti et al. 2022) splits those regions by the sequence: a rank
+keeps T/N tokens of the residual stream and runs LayerNorm on them alone. The allreduce becomes
+its two halves, an all-gather of the sequence before the column-parallel layer and a
+reduce-scatter after the row-parallel one: the same bytes, and the LayerNorm and residual
+activations divided by N. A column-parallel layer keeps only its rank's tokens and gathers them
+again in backward (:class:`GatheredLinear`), so nothing is kept whole: the bytes each rank keeps
+are :func:`activation_bytes_formula`'s, exactly. LayerNorm's weights see only a rank's tokens, so
+their gradients are summed over the ranks after backward (:func:`allreduce_replicated_grads`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib.collectives import ring_allgather, ring_reduce_scatter
+from course_lib.tensor_parallel import (
+    CopyToParallelRegion,
+    ReduceFromParallelRegion,
+    TensorParallel,
+)
+from course_lib.transformer import Block, causal_attention
+
+
+def _split_sequence(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(B, T, d) -> (N, B, T/N, d), contiguous: chunk r of the flat buffer is rank r's tokens."""
+    B, T, d = x.shape
+    return x.reshape(B, n, T // n, d).movedim(1, 0).contiguous()
+
+
+def gather_sequence(x: torch.Tensor, tp: TensorParallel, phase: str = "forward") -> torch.Tensor:
+    """Every rank's tokens ``(B, T/N, d)`` joined in rank order into ``(B, T, d)``: one ring
+    all-gather, counted. Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    n = tp.world_size
+    buf = x.new_zeros((n, *x.shape))
+    buf[tp.rank] = x
+    ring_allgather(buf, tp.comm, check=False)
+    tp.counts[phase] += 1
+    return buf.movedim(0, 1).reshape(x.shape[0], n * x.shape[1], x.shape[2])
+
+
+def reduce_scatter_sequence(x: torch.Tensor, tp: TensorParallel,
+                            phase: str = "forward") -> torch.Tensor:
+    """The sum over the ranks of ``x`` ``(B, T, d)``, of which this rank keeps its T/N tokens:
+    one ring reduce-scatter, counted. Introduced in
+    notebooks/14_transformers_and_long_sequences.ipynb."""
+    buf = _split_sequence(x, tp.world_size)
+    ring_reduce_scatter(buf, tp.comm, check=False)
+    tp.counts[phase] += 1
+    return buf[tp.rank].clone()
+
+
+class GatherSequence(torch.autograd.Function):
+    """Forward: all-gather the sequence (entering a column-parallel layer). Backward: reduce-
+    scatter the gradient (each rank's heads sent back a part of every token's gradient).
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return gather_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return reduce_scatter_sequence(grad, ctx.tp, "backward"), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """Forward: reduce-scatter the row-parallel layer's partial outputs, keeping this rank's
+    tokens. Backward: all-gather the gradient of those tokens.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        return reduce_scatter_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return gather_sequence(grad.contiguous(), ctx.tp, "backward"), None
+
+
+class GatheredLinear(torch.autograd.Function):
+    """``linear(all-gather of x along the sequence)``, keeping only this rank's ``x`` for
+    backward: backward gathers it again (Korthikanti et al.: the gathered tensor, N times
+    larger, is not kept), then reduce-scatters the input's gradient.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        ctx.save_for_backward(x, weight)
+        return F.linear(gather_sequence(x, tp), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight = ctx.saved_tensors
+        full = gather_sequence(x, ctx.tp, "backward")  # once more, instead of keeping it
+        grad_x = reduce_scatter_sequence(grad @ weight, ctx.tp, "backward")
+        flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), full.reshape(-1, full.shape[-1])
+        return grad_x, flat_grad.T @ flat_x, flat_grad.sum(0), None
+
+
+def _rows(linear: nn.Linear, pieces: list[tuple[int, int]]) -> nn.Parameter:
+    return nn.Parameter(torch.cat([linear.weight.detach()[a:b] for a, b in pieces]).clone())
+
+
+class ParallelBlock(nn.Module):
+    """This rank's part of a :class:`transformer.Block`: its heads of attention, its columns of
+    the MLP's hidden layer; the LayerNorms whole. ``sequence_parallel=False``: input and output
+    ``(B, T, d)``, the same on every rank. ``True``: this rank's ``T/N`` tokens in and out.
+    Built from a block (its weights copied, the block unchanged).
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+
+    def __init__(self, block: Block, tp: TensorParallel, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        attn, n, r = block.attn, tp.world_size, tp.rank
+        d = attn.qkv.in_features
+        if attn.n_heads % n:
+            raise ValueError(f"{attn.n_heads} heads do not split over {n} ranks")
+        self.tp, self.sequence_parallel, self.heads = tp, sequence_parallel, attn.n_heads // n
+        self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
+        share = d // n  # this rank's heads are features [r*share, (r+1)*share) of Q, K and V
+        mine = [(part * d + r * share, part * d + (r + 1) * share) for part in range(3)]
+        self.qkv_weight = _rows(attn.qkv, mine)  # column-parallel: rows of [Q; K; V]
+        self.qkv_bias = nn.Parameter(torch.cat([attn.qkv.bias.detach()[a:b] for a, b in mine]))
+        self.proj_weight = nn.Parameter(attn.proj.weight.detach()[:, r * share:(r + 1) * share]
+                                        .clone())  # row-parallel: this rank's input columns
+        self.proj_bias = nn.Parameter(attn.proj.bias.detach().clone())
+        fc, act, out = block.mlp
+        hidden = fc.out_features // n
+        self.fc_weight = _rows(fc, [(r * hidden, (r + 1) * hidden)])
+        self.fc_bias = nn.Parameter(fc.bias.detach()[r * hidden:(r + 1) * hidden].clone())
+        self.act = act
+        self.out_weight = nn.Parameter(out.weight.detach()[:, r * hidden:(r + 1) * hidden].clone())
+        self.out_bias = nn.Parameter(out.bias.detach().clone())
+
+    def column(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """A column-parallel layer: f then the linear (TP), or the all-gather of the sequence
+        then the linear (SP)."""
+        if self.sequence_parallel:
+            return GatheredLinear.apply(x, weight, bias, self.tp)
+        return F.linear(CopyToParallelRegion.apply(x, self.tp), weight, bias)
+
+    def leave(self, partial: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """Out of a row-parallel layer: g (TP) or the reduce-scatter (SP); then the bias, once."""
+        if self.sequence_parallel:
+            return ReduceScatterSequence.apply(partial, self.tp) + bias
+        return ReduceFromParallelRegion.apply(partial, self.tp) + bias
+
+    def attention(self, h: torch.Tensor) -> torch.Tensor:
+        qkv = self.column(h, self.qkv_weight, self.qkv_bias)  # (B, T, 3 d / N): whole sequence
+        B, T, _ = qkv.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        y = causal_attention(q, k, v).transpose(1, 2).reshape(B, T, -1)  # this rank's heads
+        return F.linear(y, self.proj_weight)  # a partial sum of the output projection
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.leave(self.attention(self.ln1(x)), self.proj_bias)
+        hidden = self.act(self.column(self.ln2(x), self.fc_weight, self.fc_bias))
+        return x + self.leave(F.linear(hidden, self.out_weight), self.out_bias)
+
+    def replicated(self) -> list[nn.Parameter]:
+        """The parameters every rank holds whole (LayerNorms, the row-parallel biases)."""
+        return [*self.ln1.parameters(), *self.ln2.parameters(), self.proj_bias, self.out_bias]
+
+
+def activation_bytes_formula(batch: int, length: int, d_model: int, heads: int, world_size: int,
+                             sequence_parallel: bool, itemsize: int = 8) -> int:
+    """The bytes one block keeps for backward on each rank, counted tensor by tensor (this
+    module's block: no dropout, GELU). Whole on every rank with TP, divided by N with SP: the
+    LayerNorms' inputs and the tensors they hand to the next layer, 4 B T d, and their
+    statistics, 4 B T. Split by heads or hidden units in both: Q, K, V (3 B T d), the attention
+    output (B T d), the MLP's hidden layer before and after GELU (8 B T d) and the attention
+    probabilities (B h T^2): ``(12 B T d + B h T^2) / N``. Plus the causal mask, T^2 booleans.
+    Korthikanti et al. count the same way for GPT (with dropout masks, in 16-bit):
+    ``s b h (10 + 24/t + 5 a s / (h t))`` for TP and ``s b h / t (34 + 5 a s / h)`` with SP.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    B, T, d, N = batch, length, d_model, world_size
+    whole = 4 * B * T * d + 4 * B * T
+    split = 12 * B * T * d + B * heads * T * T
+    return int(itemsize * ((whole / N if sequence_parallel else whole) + split / N) + T * T)
+
+
+def allreduce_replicated_grads(blocks: list[ParallelBlock]) -> None:
+    """With sequence parallelism a replicated parameter saw only this rank's tokens: sum its
+    gradient over the ranks (one allreduce per tensor), as Megatron does after backward.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    for block in blocks:
+        if block.sequence_parallel:
+            for p in block.replicated():
+                p.grad = block.tp.allreduce(p.grad, "backward")
+
+
+def shard_of(block: ParallelBlock, name: str, full: torch.Tensor) -> torch.Tensor:
+    """The part of the unsplit block's tensor ``name`` (as ``Block.named_parameters`` names it)
+    that ``block`` holds, to compare gradients with one process. Introduced in
+    notebooks/14_transformers_and_long_sequences.ipynb."""
+    n, r = block.tp.world_size, block.tp.rank
+    if name.startswith(("ln1", "ln2")) or name in ("attn.proj.bias", "mlp.2.bias"):
+        return full
+    if name in ("attn.qkv.weight", "attn.qkv.bias"):
+        d = full.shape[0] // 3
+        share = d // n
+        return torch.cat([full[p * d + r * share:p * d + (r + 1) * share] for p in range(3)])
+    if name == "attn.proj.weight":
+        share = full.shape[1] // n
+        return full[:, r * share:(r + 1) * share]
+    if name in ("mlp.0.weight", "mlp.0.bias"):
+        hidden = full.shape[0] // n
+        return full[r * hidden:(r + 1) * hidden]
+    if name == "mlp.2.weight":
+        hidden = full.shape[1] // n
+        return full[:, r * hidden:(r + 1) * hidden]
+    raise KeyError(name)
+
+
+SHARD_NAMES = {"attn.qkv.weight": "qkv_weight", "attn.qkv.bias": "qkv_bias",
+               "attn.proj.weight": "proj_weight", "attn.proj.bias": "proj_bias",
+               "mlp.0.weight": "fc_weight", "mlp.0.bias": "fc_bias",
+               "mlp.2.weight": "out_weight", "mlp.2.bias": "out_bias",
+               **{f"{ln}.{p}": f"{ln}.{p}" for ln in ("ln1", "ln2") for p in ("weight", "bias")}}

@@ -1,0 +1,100 @@
+"""Megatron tensor parallelism for a whole transformer block, and sequence parallelism on top:
+output, input gradient and every parameter gradient equal one process (float64); the same
+bytes as tensor parallelism's allreduces; fewer activation bytes kept per rank."""
+
+import pytest
+import torch
+
+from course_lib import sequence_parallel as sp
+from course_lib import transformer as tf
+from course_lib.comm import run_ranks
+from course_lib.tensor_parallel import TensorParallel
+from course_lib.testing.context_parallel import block_split_on_rank
+
+B, T, D = 2, 16, 32
+CLUSTER_SIZE = 2  # the shared cluster of tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    block = tf.Block(tf.GPTConfig(d_model=D, n_heads=4)).double()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)  # LayerNorms and biases far from 1 and 0
+    x = torch.randn(B, T, D, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(B, T, D, dtype=torch.float64)
+    out = block(x)
+    out.backward(dout)
+    return block, x, dout, out.detach()
+
+
+def run_block(reference, N, sequence_parallel):
+    block, x, dout, _ = reference
+
+    def rank(_, comm):
+        tp = TensorParallel(comm)
+        part = sp.ParallelBlock(block, tp, sequence_parallel)
+        tokens = slice(comm.rank * T // N, (comm.rank + 1) * T // N) if sequence_parallel \
+            else slice(None)
+        mine = x.detach()[:, tokens].clone().requires_grad_()
+        outputs = []  # the forward measured is the one that backward then runs through
+        kept = tf.activation_bytes_of(lambda: outputs.append(part(mine)), part)
+        out = outputs[0]
+        out.backward(dout[:, tokens])
+        sp.allreduce_replicated_grads([part])
+        grads = {name: dict(part.named_parameters())[sp.SHARD_NAMES[name]].grad
+                 for name, _ in block.named_parameters()}
+        return dict(out=out.detach(), dx=mine.grad, grads=grads, counts=dict(tp.counts),
+                    tokens=tokens, part=part, kept=kept)
+
+    return run_ranks(rank, [None] * N, check_sizes=False, timeout=20)
+
+
+@pytest.mark.parametrize("N", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_split_block_equals_one_process(reference, N, sequence_parallel):
+    block, x, _, out = reference
+    results, _ = run_block(reference, N, sequence_parallel)
+    for r in results:
+        assert (r["out"] - out[:, r["tokens"]]).abs().max() < 1e-12
+        assert (r["dx"] - x.grad[:, r["tokens"]]).abs().max() < 1e-12
+        for name, p in block.named_parameters():
+            assert (r["grads"][name] - sp.shard_of(r["part"], name, p.grad)).abs().max() < 1e-12
+    # two allreduces each way (TP), or their all-gather and reduce-scatter halves (SP); SP's
+    # backward gathers the two column-parallel inputs again (not kept) and allreduces each
+    # replicated tensor's gradient (two LayerNorms' weight and bias, two biases)
+    assert results[0]["counts"] == ({"forward": 4, "backward": 4 + 2 + 6} if sequence_parallel
+                                    else {"forward": 2, "backward": 2})
+    assert [r["kept"] for r in results] == [sp.activation_bytes_formula(
+        B, T, D, 4, N, sequence_parallel)] * N  # the activation bytes, tensor by tensor
+
+
+def test_sequence_parallelism_sends_the_same_bytes_and_keeps_fewer(reference):
+    """The all-gather and reduce-scatter move what the allreduce moved, plus backward's
+    re-gathers of what it did not keep."""
+    N = 4
+    _, tp_messages = run_block(reference, N, False)
+    sp_results, sp_messages = run_block(reference, N, True)
+    tp_results, _ = run_block(reference, N, False)
+    replicated = 6 * 2 * (N - 1) * N  # the replicated gradients' allreduces: tiny messages
+    regather = 2 * (N - 1) * N        # backward's two all-gathers of the kept inputs
+    collectives = sorted(m.nbytes for m in sp_messages)[replicated:]
+    assert sum(collectives) == sum(m.nbytes for m in tp_messages) + regather * B * T * D * 8 // N
+    # the LayerNorm and residual regions hold T/N tokens: fewer activation bytes per rank
+    assert max(r["kept"] for r in sp_results) < 0.8 * min(r["kept"] for r in tp_results)
+
+
+def test_heads_that_do_not_split_are_refused(reference):
+    block = reference[0]
+    with pytest.raises(ValueError, match="4 heads do not split over 3 ranks"):
+        run_ranks(lambda _, comm: sp.ParallelBlock(block, TensorParallel(comm)), [None] * 3,
+                  check_sizes=False, timeout=5)
+
+
+
+def test_the_split_block_on_the_cluster_over_gloo(cluster):
+    for sequence_parallel in (False, True):
+        rows = cluster.run(block_split_on_rank, sequence_parallel)
+        assert max(r["error"] for r in rows) < 1e-12
+        assert [r["kept"] for r in rows] == [sp.activation_bytes_formula(
+            2, 64, 32, 4, 2, sequence_parallel)] * 2
