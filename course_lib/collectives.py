@@ -26,6 +26,7 @@ own tag; NCCL ignores tags, which is fine because messages between two ranks arr
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Union
 
 import numpy as np
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # for the annotations only: torch takes seconds to import
 Buffer = Union[np.ndarray, "torch.Tensor"]  # what every collective reduces in place
 
 TAG_NAIVE, TAG_TREE_UP, TAG_TREE_DOWN, TAG_RS, TAG_AG = 12, 13, 14, 15, 16
+TAG_A2A = 17
 _NUMPY_OPS = {"sum": np.add, "average": np.add, "max": np.maximum, "min": np.minimum}
 _SCRATCH = threading.local()  # receive buffers, reused from call to call
 
@@ -291,3 +293,48 @@ def allreduce(buf: Buffer, comm: Comm, algorithm: str = "ring", op: str = "sum",
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {tuple(ALGORITHMS)}, not {algorithm!r}")
     return ALGORITHMS[algorithm](buf, comm, op=op, check=check)
+
+
+def all_to_all(send: Buffer, recv: Buffer, comm: Comm, send_counts: Sequence[int] | None = None,
+               recv_counts: Sequence[int] | None = None) -> Buffer:
+    """All-to-all by pairwise exchange: rank r's block for rank q (rows of ``send``, its first
+    dimension cut into N blocks of ``send_counts`` rows, equal by default) lands in rank q's
+    ``recv`` as block r (``recv_counts`` rows). N - 1 steps: at step s rank r sends to r + s and
+    receives from r - s, so every pair meets once and nobody waits on a rank that is busy with
+    another (its own block is copied). Each step moves one block: about (N-1)/N of the buffer
+    in all, with N - 1 latencies. Uneven counts (a mixture of experts' tokens per expert) are
+    checked against the ones the other ranks declare before anything moves.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    n, r = comm.world_size, comm.rank
+    rows = send.shape[0]
+    send_counts_given, recv_counts_given = send_counts is not None, recv_counts is not None
+    send_counts = list(send_counts) if send_counts is not None else [rows // n] * n
+    recv_counts = list(recv_counts) if recv_counts is not None else [recv.shape[0] // n] * n
+    if len(send_counts) != n or sum(send_counts) != rows:
+        raise ValueError(f"rank {r}: send_counts {send_counts} must give {n} blocks that add "
+                         f"up to send's {rows} rows")
+    if len(recv_counts) != n or sum(recv_counts) != recv.shape[0]:
+        raise ValueError(f"rank {r}: recv_counts {recv_counts} must give {n} blocks that add "
+                         f"up to recv's {recv.shape[0]} rows")
+    if send.shape[1:] != recv.shape[1:]:
+        raise ValueError(f"rank {r}: send rows {tuple(send.shape[1:])} and recv rows "
+                         f"{tuple(recv.shape[1:])} differ")
+    # uneven blocks: every rank checks that its receives match what the others will send (a
+    # count that disagrees would otherwise reach the transport as a size mismatch); equal
+    # blocks need no round of their own (the transport's size check covers them)
+    if n > 1 and (send_counts_given or recv_counts_given):
+        gathered = np.zeros((n, n), np.int64)  # row q: what rank q sends to each rank
+        gathered[r] = send_counts
+        ring_allgather(gathered, comm, check=False)
+        expected = gathered[:, r].tolist()
+        if expected != recv_counts:
+            raise ValueError(f"rank {r}: recv_counts {recv_counts}, but the ranks send it "
+                             f"{expected} rows")
+    send_at = np.concatenate([[0], np.cumsum(send_counts)]).tolist()
+    recv_at = np.concatenate([[0], np.cumsum(recv_counts)]).tolist()
+    recv[recv_at[r]:recv_at[r + 1]] = send[send_at[r]:send_at[r + 1]]  # its own block: a copy
+    for step in range(1, n):
+        to, frm = (r + step) % n, (r - step) % n
+        comm.sendrecv(send[send_at[to]:send_at[to + 1]], to,
+                      recv[recv_at[frm]:recv_at[frm + 1]], frm, tag=TAG_A2A, check_size=False)
+    return recv

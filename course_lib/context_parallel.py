@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
+from course_lib.collectives import all_to_all
 from course_lib.comm import Comm, CommError
 from course_lib.sharding import shard_bounds
+from course_lib.transformer import causal_attention
 
 TAG_KV, TAG_GRAD = 7100, 7101  # message tags of the forward blocks and the backward ones
 
@@ -219,3 +221,70 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
                          f"buffer), got {[len(p) for p in positions]}")
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), comm, positions,
                                {} if stats is None else stats, merge_blocks)
+
+
+# ---------------------------------------------------------------- Ulysses: switch to heads
+def sequence_to_heads(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """``(B, H, T/N, d)``, this rank's tokens of every head, to ``(B, H/N, T, d)``, every token of
+    this rank's heads: one all-to-all (block q of what rank r sends: its tokens of q's heads).
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    B, H, t, d = x.shape
+    n = comm.world_size
+    send = x.reshape(B, n, H // n, t, d).movedim(1, 0).contiguous()  # block q: q's heads
+    recv = torch.empty_like(send)                                    # block q: q's tokens
+    all_to_all(send.view(n, -1), recv.view(n, -1), comm)
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, H // n, n * t, d)  # tokens in rank order
+
+
+def heads_to_sequence(y: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The inverse of :func:`sequence_to_heads`: ``(B, H/N, T, d)`` back to ``(B, H, T/N, d)``.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    B, h, T, d = y.shape
+    n = comm.world_size
+    send = y.reshape(B, h, n, T // n, d).permute(2, 0, 1, 3, 4).contiguous()  # block q: q's tokens
+    recv = torch.empty_like(send)                                             # block q: q's heads
+    all_to_all(send.view(n, -1), recv.view(n, -1), comm)
+    return recv.movedim(0, 1).reshape(B, n * h, T // n, d)
+
+
+class SequenceToHeads(torch.autograd.Function):
+    """:func:`sequence_to_heads` forward; its inverse on the gradient backward.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return sequence_to_heads(x, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return heads_to_sequence(grad.contiguous(), ctx.comm), None
+
+
+class HeadsToSequence(torch.autograd.Function):
+    """:func:`heads_to_sequence` forward; its inverse on the gradient backward.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return heads_to_sequence(y, comm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return sequence_to_heads(grad.contiguous(), ctx.comm), None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      comm: Comm) -> torch.Tensor:
+    """DeepSpeed-Ulysses (Jacobs et al. 2023): q, k, v hold this rank's contiguous T/N tokens of
+    every head; one all-to-all gives each rank every token of H/N heads, attention runs there
+    whole (no merging: a head's softmax is all on one rank), and a second all-to-all returns
+    the output to the tokens' ranks. The same bytes whatever N, (N-1)/N of the tensors; needs
+    the heads divisible by N. Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    n = comm.world_size
+    if q.shape[1] % n:
+        raise ValueError(f"Ulysses splits the heads: {q.shape[1]} heads over {n} ranks")
+    qkv = torch.cat([q, k, v])  # one all-to-all for the three: (3B, H, T/N, d)
+    qh, kh, vh = SequenceToHeads.apply(qkv.contiguous(), comm).chunk(3)
+    return HeadsToSequence.apply(causal_attention(qh, kh, vh).contiguous(), comm)

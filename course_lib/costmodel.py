@@ -175,6 +175,15 @@ def allreduce_time(algorithm: str, n_bytes: Number, p: Number, link: Link) -> Nu
     return _scalar_or_array(a * link.alpha + b * n * link.beta + c * n * link.gamma)
 
 
+def all_to_all_time(n_bytes: Number, p: Number, link: Link) -> Number:
+    """Predicted seconds for a pairwise-exchange all-to-all in which every rank holds ``n_bytes``
+    in p equal blocks: p - 1 steps, each one message of n/p bytes, (p-1) alpha + (p-1)/p n beta.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    p = np.asarray(p, dtype=float)
+    n = np.asarray(n_bytes, dtype=float)
+    return _scalar_or_array((p - 1) * link.alpha + (p - 1) / p * n * link.beta)
+
+
 def lower_bound(n_bytes: Number, p: Number, link: Link) -> Number:
     """The bandwidth term no allreduce can beat: 2 (p-1)/p * n * beta = 2 (p-1)/p * n / B.
 

@@ -8,6 +8,7 @@ import functools
 import numpy as np
 import torch
 
+from course_lib import collectives
 from course_lib import context_parallel as cp
 from course_lib import sequence_parallel as sp
 from course_lib import transformer as tf
@@ -108,3 +109,25 @@ def block_split_on_rank(sequence_parallel: bool, batch: int = 2, length: int = 6
                for n, p in block.named_parameters()]
     return dict(error=float(max(errors)), counts=dict(tp.counts), kept=kept,
                 one_process=tf.activation_bytes_of(lambda: block(x), block))
+
+
+def all_to_all_against_torch_on_rank(seed: int = 0, timeout: float = 20.0) -> dict:
+    """The course's all-to-all against ``dist.all_to_all_single`` (equal and uneven blocks,
+    float64, over Gloo), and Ulysses attention on this cluster against one process."""
+    import torch.distributed as dist  # the engines have it loaded already
+    comm = get_comm("torch", timeout=timeout)
+    n, r = comm.world_size, comm.rank
+    counts = [[(q + s) % 3 + 1 for q in range(n)] for s in range(n)]  # counts[s][q]: s -> q
+    send = torch.arange(sum(counts[r]), dtype=torch.float64) + 100 * r
+    recv_counts = [counts[s][r] for s in range(n)]
+    mine = collectives.all_to_all(send.reshape(-1, 1), torch.empty(sum(recv_counts), 1,
+                                  dtype=torch.float64), comm, counts[r], recv_counts)
+    theirs = torch.empty(sum(recv_counts), dtype=torch.float64)
+    dist.all_to_all_single(theirs, send, recv_counts, counts[r])
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2 * n, 8 * n, 4, dtype=torch.float64, generator=gen)
+               for _ in range(3))
+    t = slice(r * 8, (r + 1) * 8)
+    out = cp.ulysses_attention(q[:, :, t], k[:, :, t], v[:, :, t], comm)
+    error = float((out - tf.causal_attention(q, k, v)[:, :, t]).abs().max())
+    return dict(equal=bool(torch.equal(mine.reshape(-1), theirs)), ulysses_error=error)
