@@ -32,6 +32,7 @@ from course_lib.collectives import all_to_all
 from course_lib.comm import Comm, CommError
 from course_lib.sharding import shard_bounds
 from course_lib.transformer import causal_attention
+from course_lib.zero import DoesNotFit
 
 TAG_KV, TAG_GRAD = 7100, 7101  # message tags of the forward blocks and the backward ones
 
@@ -288,3 +289,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qkv = torch.cat([q, k, v])  # one all-to-all for the three: (3B, H, T/N, d)
     qh, kh, vh = SequenceToHeads.apply(qkv.contiguous(), comm).chunk(3)
     return HeadsToSequence.apply(causal_attention(qh, kh, vh).contiguous(), comm)
+
+
+def check_budget(kept_bytes: int, budget: int, who: str) -> None:
+    """Raise :class:`zero.DoesNotFit` when ``who`` keeps more activation bytes for backward than
+    its ``budget``: checked on the first forward, before any step.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    if kept_bytes > budget:
+        raise DoesNotFit(f"{who} keeps {kept_bytes / 2**20:.1f} MiB of activations for "
+                         f"backward, over the budget of {budget / 2**20:.1f} MiB")

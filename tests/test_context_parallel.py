@@ -149,3 +149,17 @@ def test_ring_attention_on_the_cluster_over_gloo(cluster):
         rows = cluster.run(ring_attention_error_on_rank, 16, 3, layout)
         assert max(r["error"] for r in rows) < 1e-12
         assert [r["blocks"] for r in rows] == ([2, 2] if layout == "zigzag" else [1, 2])
+
+
+def test_a_sequence_over_one_process_budget_trains_split_over_the_ranks(cluster):
+    from course_lib.cluster import RemoteError
+    from course_lib.testing.context_parallel import long_sequence_training_on_rank
+    one = tf.activation_bytes(tf.GPT(tf.GPTConfig(context=256)),
+                              torch.from_numpy(tf.encode(tf.load_text()[:300]))[None, :257])
+    budget = one // 2
+    with pytest.raises(cp.DoesNotFit, match="over the budget"):
+        cp.check_budget(one, budget, "one process")
+    rows = cluster.run(long_sequence_training_on_rank, 256, budget, 3)
+    assert all(r["kept"] <= budget for r in rows) and rows[0]["losses"][-1] < rows[0]["losses"][0]
+    with pytest.raises(RemoteError, match=r"rank \d of 2, 256 tokens split keeps .* budget"):
+        cluster.run(long_sequence_training_on_rank, 256, rows[0]["kept"] // 2, 1)

@@ -131,3 +131,44 @@ def all_to_all_against_torch_on_rank(seed: int = 0, timeout: float = 20.0) -> di
     out = cp.ulysses_attention(q[:, :, t], k[:, :, t], v[:, :, t], comm)
     error = float((out - tf.causal_attention(q, k, v)[:, :, t]).abs().max())
     return dict(equal=bool(torch.equal(mine.reshape(-1), theirs)), ulysses_error=error)
+
+
+def long_sequence_training_on_rank(length: int = 1024, budget: int = 12 * 2**20, steps: int = 3,
+                                   seed: int = 0, timeout: float = 60.0) -> dict:
+    """The transformer (float32) trained on windows of ``length`` tokens split over this
+    cluster's ranks (zig-zag, ring attention), each rank allowed ``budget`` bytes of
+    activations: the forward's kept bytes are measured first and a rank over budget raises
+    :class:`zero.DoesNotFit` (:func:`context_parallel.check_budget`) before any step. Returns
+    this rank's kept bytes and the losses (nats per token, whole sequence) of the steps."""
+    comm = get_comm("torch", timeout=timeout)
+    N, r = comm.world_size, comm.rank
+    model = tf.GPT(tf.GPTConfig(context=length), seed=seed)
+    data = tf.encode(tf.load_text())
+    pos = cp.zigzag_positions(length, N) if N > 1 else [torch.arange(length)]
+    p = pos[r]
+    attention = (functools.partial(cp.ring_attention, comm=comm, positions=pos) if N > 1
+                 else tf.causal_attention)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng, losses, kept = np.random.default_rng(seed), [], None
+    for _ in range(steps):
+        x, y = tf.get_batch(data, 1, length, rng)
+        outputs: list = []
+
+        def forward(x=x, y=y, outputs=outputs):
+            outputs.append(model(x[:, p], y[:, p], positions=p, attention=attention))
+
+        measured = tf.activation_bytes_of(forward, model)
+        if kept is None:
+            kept = measured
+            cp.check_budget(kept, budget, f"rank {r} of {N}, {length} tokens split")
+        _, loss_sum = outputs[0]
+        opt.zero_grad()
+        (loss_sum / length).backward()  # this rank's share of the mean over the whole sequence
+        total = loss_sum.detach().reshape(1).clone()
+        if N > 1:
+            for param in model.parameters():  # the gradients of the whole sequence: a sum
+                collectives.allreduce(param.grad, comm, check=False)
+            collectives.allreduce(total, comm, check=False)
+        opt.step()
+        losses.append(float(total) / length)
+    return dict(kept=kept, losses=losses)
