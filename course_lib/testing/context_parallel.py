@@ -4,11 +4,12 @@ tests, the demo and notebook 14 run on every rank (real Gloo messages, float64).
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import torch
 
-from course_lib import collectives
+from course_lib import collectives, netem
 from course_lib import context_parallel as cp
 from course_lib import sequence_parallel as sp
 from course_lib import transformer as tf
@@ -172,3 +173,32 @@ def long_sequence_training_on_rank(length: int = 1024, budget: int = 12 * 2**20,
         opt.step()
         losses.append(float(total) / length)
     return dict(kept=kept, losses=losses)
+
+
+def time_attention_on_rank(method: str, length: int, layout: str = "zigzag", repeats: int = 3,
+                           batch: int = 1, heads: int = 4, dim: int = 32,
+                           timeout: float = 60.0) -> dict:
+    """Seconds of one forward of ``method`` ("ring" or "ulysses") on this rank's part of a
+    ``length``-token sequence (float32, the process's emulated link if any), median of
+    ``repeats`` started together; this rank's attention CPU seconds (ring: ``busy_s``)."""
+    comm = get_comm("torch", timeout=timeout)
+    n, r = comm.world_size, comm.rank
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, dim, generator=gen) for _ in range(3))
+    if method == "ring":
+        pos = (cp.zigzag_positions if layout == "zigzag" else cp.contiguous_positions)(length, n)
+    else:
+        pos = cp.contiguous_positions(length, n)
+    mine = [t[..., pos[r], :].contiguous() for t in (q, k, v)]
+    times, busy = [], []
+    with torch.no_grad():
+        for _ in range(repeats + 1):  # the first one warms up
+            stats: dict = {}
+            start = netem.start_clock(comm)
+            if method == "ring":
+                cp.ring_attention(*mine, comm, pos, stats)
+            else:
+                cp.ulysses_attention(*mine, comm)
+            times.append(time.monotonic() - start)
+            busy.append(stats.get("busy_s", 0.0))
+    return dict(seconds=float(np.median(times[1:])), busy_s=float(np.median(busy[1:])))
