@@ -17,6 +17,13 @@ query ignores the keys after it: split contiguously, rank 0 attends to one block
 N, and everyone waits for the last. The zig-zag assignment (rank r holds chunks r and 2N-1-r of
 2N) gives every rank the same work: counted in pairs of chunks, 2N+1 each, against 4(r+1) for
 contiguous rank r (a diagonal block is computed whole, its masked half too).
+
+Ulysses (:func:`ulysses_attention`) splits the other way: an all-to-all switches every rank from
+T/N tokens of every head to every token of H/N heads. PyTorch's own context parallelism
+(``torch.distributed.tensor.experimental.context_parallel``, head-tail balanced: the zig-zag)
+dispatches the GPU attention kernels only; on CPU in torch 2.13 it raises NotImplementedError
+(no sharding strategy for ``aten._scaled_dot_product_flash_attention_for_cpu``), so this module
+is checked against one process.
 """
 
 from __future__ import annotations
