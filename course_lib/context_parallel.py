@@ -187,15 +187,21 @@ class RingAttention(torch.autograd.Function):
         safe_lse = lse.clamp_min(torch.finfo(lse.dtype).min).unsqueeze(-1)
         for step in range(N):
             owner = (r - step) % N
-            kb, vb = block[0], block[1]
-            if causal_pairs(positions[r], positions[owner]):
-                scores = q @ kb.transpose(-2, -1) * scale
-                future = positions[owner][None, :] > positions[r][:, None]
-                p = torch.exp(scores.masked_fill(future, float("-inf")) - safe_lse)  # final P
-                block[3] += p.transpose(-2, -1) @ dout                 # dV += P^T dO
-                ds = p * (dout @ vb.transpose(-2, -1) - delta)         # dS = P * (dP - D)
-                dq += ds @ kb * scale                                  # dQ += dS K / sqrt(d)
-                block[2] += ds.transpose(-2, -1) @ q * scale           # dK += dS^T Q / sqrt(d)
+            q_pos, k_pos = positions[r], positions[owner]
+            for qs in runs(q_pos):  # as in the forward: skip the pairs wholly in the future
+                for ks in runs(k_pos):
+                    if k_pos[ks.start] > q_pos[qs.stop - 1]:
+                        continue
+                    qb, do = q[..., qs, :], dout[..., qs, :]
+                    kb, vb = block[0][..., ks, :], block[1][..., ks, :]
+                    future = k_pos[ks][None, :] > q_pos[qs][:, None]
+                    scores = (qb @ kb.transpose(-2, -1) * scale).masked_fill(future,
+                                                                             float("-inf"))
+                    p = torch.exp(scores - safe_lse[..., qs, :])        # the final P
+                    block[3][..., ks, :] += p.transpose(-2, -1) @ do    # dV += P^T dO
+                    ds = p * (do @ vb.transpose(-2, -1) - delta[..., qs, :])  # dS = P (dP - D)
+                    dq[..., qs, :] += ds @ kb * scale                   # dQ += dS K / sqrt(d)
+                    block[2][..., ks, :] += ds.transpose(-2, -1) @ qb * scale  # dK += dS^T Q
             if step < N - 1:  # pass the block on (after its gradients were added here)
                 incoming = torch.empty_like(block)
                 _wait(_exchange(comm, block, incoming, TAG_GRAD, step, "backward"), step,
