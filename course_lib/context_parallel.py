@@ -261,32 +261,20 @@ def heads_to_sequence(y: torch.Tensor, comm: Comm) -> torch.Tensor:
     return recv.movedim(0, 1).reshape(B, n * h, T // n, d)
 
 
-class SequenceToHeads(torch.autograd.Function):
-    """:func:`sequence_to_heads` forward; its inverse on the gradient backward.
+class Switch(torch.autograd.Function):
+    """A change of layout across the ranks, ``there(x, comm)``, whose gradient goes back through
+    the inverse change, ``back(grad, comm)``: Ulysses' two all-to-alls.
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return sequence_to_heads(x, comm)
+    def forward(ctx: Any, x: torch.Tensor, comm: Comm, there: Callable, back: Callable
+                ) -> torch.Tensor:
+        ctx.comm, ctx.back = comm, back
+        return there(x, comm)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return heads_to_sequence(grad.contiguous(), ctx.comm), None
-
-
-class HeadsToSequence(torch.autograd.Function):
-    """:func:`heads_to_sequence` forward; its inverse on the gradient backward.
-    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
-        return heads_to_sequence(y, comm)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return sequence_to_heads(grad.contiguous(), ctx.comm), None
+        return ctx.back(grad.contiguous(), ctx.comm), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -300,8 +288,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if q.shape[1] % n:
         raise ValueError(f"Ulysses splits the heads: {q.shape[1]} heads over {n} ranks")
     qkv = torch.cat([q, k, v])  # one all-to-all for the three: (3B, H, T/N, d)
-    qh, kh, vh = SequenceToHeads.apply(qkv.contiguous(), comm).chunk(3)
-    return HeadsToSequence.apply(causal_attention(qh, kh, vh).contiguous(), comm)
+    qh, kh, vh = Switch.apply(qkv.contiguous(), comm, sequence_to_heads,
+                              heads_to_sequence).chunk(3)
+    return Switch.apply(causal_attention(qh, kh, vh).contiguous(), comm, heads_to_sequence,
+                        sequence_to_heads)
 
 
 def check_budget(kept_bytes: int, budget: int, who: str) -> None:

@@ -64,21 +64,6 @@ def reduce_scatter_sequence(x: torch.Tensor, tp: TensorParallel,
     return buf[tp.rank].clone()
 
 
-class GatherSequence(torch.autograd.Function):
-    """Forward: all-gather the sequence (entering a column-parallel layer). Backward: reduce-
-    scatter the gradient (each rank's heads sent back a part of every token's gradient).
-    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-        ctx.tp = tp
-        return gather_sequence(x, tp)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return reduce_scatter_sequence(grad, ctx.tp, "backward"), None
-
-
 class ReduceScatterSequence(torch.autograd.Function):
     """Forward: reduce-scatter the row-parallel layer's partial outputs, keeping this rank's
     tokens. Backward: all-gather the gradient of those tokens.
