@@ -10,10 +10,12 @@ def _bench(*args, timeout=240):
 
 
 def test_a_small_run_prints_every_column(tmp_path):
-    out = _bench("--world-sizes", "2", "--lengths", "64", "--repeats", "1",
+    out = _bench("--world-sizes", "2", "--lengths", "64", "--repeats", "1", "--links",
+                 "1Gbit/s,50us;100Mbit/s,100us",
                  "--csv", str(tmp_path / "a.csv"))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "slowest/mean contiguous" in out.stdout and "Ulysses ms" in out.stdout
+    assert "TP ms" in out.stdout and "100 Mbit/s, 100 us" in out.stdout
     assert "# ceiling: memcpy" in out.stdout
     assert (tmp_path / "a.csv").read_text().startswith("world_size,length,")
 

@@ -6,15 +6,16 @@ For each world size N and sequence length T (float32, 4 heads of 32, one sequenc
 * **balance**: each rank's attention CPU time in ring attention's forward, contiguous chunks
   against the zig-zag, as the slowest rank over the mean (counted in pairs of chunks of T/2N:
   4N against a mean of 2(N+1) for contiguous ranks, 2N+1 each for the zig-zag);
-* **the link**: one forward's seconds on the emulated ``--link``, ring attention (zig-zag)
-  against Ulysses, beside the alpha-beta model of their messages (ring: N - 1 key/value blocks
-  passed on, each hidden under a block's computation if it takes longer; Ulysses: two
-  all-to-alls, of Q, K, V and of the output) and torch's own attention on the whole sequence
-  in one process, the native baseline;
+* **the links**: one forward's seconds on each emulated link of ``--links``, slower and
+  slower: ring attention (zig-zag), Ulysses and tensor parallelism's attention (H/N heads of
+  every token, then its output projection's allreduce), each beside the alpha-beta model of its
+  messages (ring: N - 1 key/value blocks passed on, each hidden under a block's computation if
+  that takes longer; Ulysses: two all-to-alls; TP: one ring allreduce of the output), and
+  torch's own attention on the whole sequence in one process, the native baseline;
 * **memory**: the activation bytes one block keeps per rank with TP and TP + SP, by formula.
 
     python -m course_lib bench attention                     # N = 2, 4; T = 512, 1024
-    python -m course_lib bench attention --lengths 2048 --link 1Gbit/s,50us --csv attention.csv
+    python -m course_lib bench attention --lengths 2048 --links "1Gbit/s,50us" --csv a.csv
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from course_lib.bench.common import argtype, memcpy_bandwidth, parse_list, text_
 from course_lib.cluster import start_cluster
 from course_lib.testing.context_parallel import time_attention_on_rank
 
-HELP = "ring attention (contiguous, zig-zag) and Ulysses: balance, time on a link, memory"
+HELP = "ring attention (contiguous, zig-zag), Ulysses, TP: balance, time as the link slows"
 HEADS, DIM, ITEM = 4, 32, 4  # the timed attention: heads, head size, float32
 
 
@@ -41,13 +42,19 @@ def ints(text: str) -> list[int]:
     return parse_list(text, what="world sizes and lengths", example="2,4")
 
 
+def links(text: str) -> list[netem.Link]:
+    """'10Gbit/s,10us;1Gbit/s,50us' -> two emulated links."""
+    return [netem.make_link(part.strip()) for part in text.split(";") if part.strip()]
+
+
 def arguments(parser):
     """The options of ``python -m course_lib bench attention``."""
     a = parser.add_argument
     a("--world-sizes", type=argtype(ints), default=[2, 4], help="comma list (default 2,4)")
     a("--lengths", type=argtype(ints), default=[512, 1024], help="comma list (default 512,1024)")
-    a("--link", type=argtype(netem.make_link), default=netem.make_link("1Gbit/s,50us"),
-      help="the emulated network of the timed forwards (default 1Gbit/s,50us)")
+    a("--links", type=argtype(links), default=links("10Gbit/s,10us;1Gbit/s,50us;100Mbit/s,100us"),
+      help="emulated networks of the timed forwards, ';'-separated "
+           "(default 10Gbit/s,10us;1Gbit/s,50us;100Mbit/s,100us)")
     a("--repeats", type=int, default=3, help="forwards per point (default 3)")
     a("--csv", help="also write the rows to this CSV file")
 
@@ -72,8 +79,11 @@ def model_seconds(method: str, length: int, n: int, link: netem.Link, busy_s: fl
         block = 2 * HEADS * (length // n) * DIM * ITEM  # keys and values of one rank
         per_step = busy_s / n
         return (n - 1) * max(model.alpha + block * model.beta, per_step) + per_step
+    dense = busy_s * 4 * n / (2 * n + 1)  # whole heads: every pair of chunks computed
+    if method == "tp":  # every token of H/N heads, then the output projection's allreduce
+        return dense + costmodel.allreduce_time("ring", HEADS * length * DIM * ITEM, n, model)
     qkv = 3 * HEADS * (length // n) * DIM * ITEM  # this rank's Q, K and V of every head
-    return (costmodel.all_to_all_time(qkv, n, model) + busy_s * 4 * n / (2 * n + 1)
+    return (costmodel.all_to_all_time(qkv, n, model) + dense
             + costmodel.all_to_all_time(qkv / 3, n, model))
 
 
@@ -87,46 +97,52 @@ def main(args):
             print(f"# starting {n} engines", file=sys.stderr)
             with start_cluster(n=n, timeout=300) as cluster:
                 for length in args.lengths:
-                    if length % (2 * n):
-                        raise ValueError(f"length {length} is not divisible by 2N = {2 * n}")
-                    busy = {lay: [r["busy_s"] for r in cluster.run(
-                        time_attention_on_rank, "ring", length, lay, args.repeats)]
-                        for lay in ("contiguous", "zigzag")}
-                    cluster.set_link(args.link)
-                    try:
-                        ring = max(r["seconds"] for r in cluster.run(
-                            time_attention_on_rank, "ring", length, "zigzag", args.repeats))
-                        ulysses = max(r["seconds"] for r in cluster.run(
-                            time_attention_on_rank, "ulysses", length, "zigzag", args.repeats))
-                    finally:
-                        cluster.set_link(None)
-                    native = one_process_seconds(length, args.repeats)
-                    compute = float(np.mean(busy["zigzag"]))  # a rank's, balanced
-                    rows.append(dict(
-                        world_size=n, length=length,
-                        contiguous_imbalance=max(busy["contiguous"]) / np.mean(busy["contiguous"]),
-                        zigzag_imbalance=max(busy["zigzag"]) / np.mean(busy["zigzag"]),
-                        ring_ms=1e3 * ring, ring_model_ms=1e3 * model_seconds(
-                            "ring", length, n, args.link, compute),
-                        ulysses_ms=1e3 * ulysses, ulysses_model_ms=1e3 * model_seconds(
-                            "ulysses", length, n, args.link, compute),
-                        native_ms=1e3 * native,
-                        tp_kib=sp.activation_bytes_formula(1, length, 128, 4, n, False, 4) / 1024,
-                        tp_sp_kib=sp.activation_bytes_formula(1, length, 128, 4, n, True, 4)
-                        / 1024))
+                    if length % (2 * n) or HEADS % n:
+                        raise ValueError(f"length {length} is not divisible by 2N = {2 * n} "
+                                         f"(or {HEADS} heads by N)")
+                    rows += measure(cluster, n, length, args.links, args.repeats)
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"bench attention: {e}", file=sys.stderr)
         return 1
-    header = ["N", "T", "slowest/mean contiguous", "zig-zag", f"ring ms ({args.link})", "model",
-              "Ulysses ms", "model", "one process ms (torch)", "TP KiB/rank", "TP+SP KiB/rank"]
+    header = ["N", "T", "link", "slowest/mean contiguous", "zig-zag", "ring ms", "model",
+              "Ulysses ms", "model", "TP ms", "model", "torch 1 proc ms", "TP KiB", "TP+SP KiB"]
     print("\n".join(text_table(header, [[
-        r["world_size"], r["length"], f"{r['contiguous_imbalance']:.2f}",
-        f"{r['zigzag_imbalance']:.2f}", f"{r['ring_ms']:.1f}", f"{r['ring_model_ms']:.1f}",
-        f"{r['ulysses_ms']:.1f}", f"{r['ulysses_model_ms']:.1f}", f"{r['native_ms']:.2f}",
-        f"{r['tp_kib']:.0f}", f"{r['tp_sp_kib']:.0f}"] for r in rows])))
+        r["world_size"], r["length"], r["link"], f"{r['contiguous_imbalance']:.2f}",
+        f"{r['zigzag_imbalance']:.2f}"] + [f"{r[k]:.1f}" for k in (
+            "ring_ms", "ring_model_ms", "ulysses_ms", "ulysses_model_ms", "tp_ms", "tp_model_ms")]
+        + [f"{r['native_ms']:.2f}", f"{r['tp_kib']:.0f}", f"{r['tp_sp_kib']:.0f}"]
+        for r in rows])))
     print(f"# ceiling: memcpy {memcpy_bandwidth():.1f} GB/s on one core. Work of the slowest "
-          "rank over the mean, in pairs of chunks: contiguous 2N/(N+1), zig-zag 1.00. Memory: "
-          "one block of d = 128, float32, by sequence_parallel.activation_bytes_formula")
+          "rank over the mean, in pairs of chunks: contiguous 2N/(N+1), zig-zag 1.00. Memory "
+          "per rank: one block of d = 128, float32, by sequence_parallel.activation_bytes_formula")
     if args.csv:
         write_csv(rows, args.csv)
     return 0
+
+
+def measure(cluster, n: int, length: int, link_list: list, repeats: int) -> list[dict]:
+    """One row per link: the balance (off the link), then each method's forward on the link."""
+    busy = {lay: [r["busy_s"] for r in cluster.run(time_attention_on_rank, "ring", length, lay,
+                                                   repeats)]
+            for lay in ("contiguous", "zigzag")}
+    compute = float(np.mean(busy["zigzag"]))  # a rank's attention, balanced
+    native = one_process_seconds(length, repeats)
+    rows = []
+    for link in link_list:
+        cluster.set_link(link)
+        try:
+            ms = {m: 1e3 * max(r["seconds"] for r in cluster.run(
+                time_attention_on_rank, m, length, "zigzag", repeats))
+                for m in ("ring", "ulysses", "tp")}
+        finally:
+            cluster.set_link(None)
+        rows.append(dict(
+            world_size=n, length=length, link=str(link),
+            contiguous_imbalance=max(busy["contiguous"]) / np.mean(busy["contiguous"]),
+            zigzag_imbalance=max(busy["zigzag"]) / np.mean(busy["zigzag"]),
+            **{f"{m}_ms": ms[m] for m in ms},
+            **{f"{m}_model_ms": 1e3 * model_seconds(m, length, n, link, compute) for m in ms},
+            native_ms=1e3 * native,
+            tp_kib=sp.activation_bytes_formula(1, length, 128, 4, n, False, 4) / 1024,
+            tp_sp_kib=sp.activation_bytes_formula(1, length, 128, 4, n, True, 4) / 1024))
+    return rows

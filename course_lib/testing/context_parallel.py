@@ -178,9 +178,11 @@ def long_sequence_training_on_rank(length: int = 1024, budget: int = 12 * 2**20,
 def time_attention_on_rank(method: str, length: int, layout: str = "zigzag", repeats: int = 3,
                            batch: int = 1, heads: int = 4, dim: int = 32,
                            timeout: float = 60.0) -> dict:
-    """Seconds of one forward of ``method`` ("ring" or "ulysses") on this rank's part of a
-    ``length``-token sequence (float32, the process's emulated link if any), median of
-    ``repeats`` started together; this rank's attention CPU seconds (ring: ``busy_s``)."""
+    """Seconds of one forward of ``method`` on this rank's part of a ``length``-token sequence
+    (float32, the process's emulated link if any), median of ``repeats`` started together, and
+    this rank's attention CPU seconds (ring: ``busy_s``). "ring": its tokens, ring attention;
+    "ulysses": its tokens, two all-to-alls; "tp": every token of its H/N heads, then the
+    allreduce that tensor parallelism's output projection runs (of the attention's output)."""
     comm = get_comm("torch", timeout=timeout)
     n, r = comm.world_size, comm.rank
     gen = torch.Generator().manual_seed(0)
@@ -189,7 +191,11 @@ def time_attention_on_rank(method: str, length: int, layout: str = "zigzag", rep
         pos = (cp.zigzag_positions if layout == "zigzag" else cp.contiguous_positions)(length, n)
     else:
         pos = cp.contiguous_positions(length, n)
-    mine = [t[..., pos[r], :].contiguous() for t in (q, k, v)]
+    if method == "tp":  # this rank's heads, every token
+        h = heads // n
+        mine = [t[:, r * h:(r + 1) * h].contiguous() for t in (q, k, v)]
+    else:
+        mine = [t[..., pos[r], :].contiguous() for t in (q, k, v)]
     times, busy = [], []
     with torch.no_grad():
         for _ in range(repeats + 1):  # the first one warms up
@@ -197,8 +203,12 @@ def time_attention_on_rank(method: str, length: int, layout: str = "zigzag", rep
             start = netem.start_clock(comm)
             if method == "ring":
                 cp.ring_attention(*mine, comm, pos, stats)
-            else:
+            elif method == "ulysses":
                 cp.ulysses_attention(*mine, comm)
+            else:  # g: the heads' partial outputs summed (as if projected: same bytes)
+                out = tf.causal_attention(*mine).transpose(1, 2).reshape(batch, length, -1)
+                collectives.allreduce(torch.cat([out] * n, dim=-1).contiguous(), comm,
+                                      check=False)
             times.append(time.monotonic() - start)
             busy.append(stats.get("busy_s", 0.0))
     return dict(seconds=float(np.median(times[1:])), busy_s=float(np.median(busy[1:])))
