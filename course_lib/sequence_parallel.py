@@ -101,10 +101,6 @@ class GatheredLinear(torch.autograd.Function):
         return grad_x, flat_grad.T @ flat_x, flat_grad.sum(0), None
 
 
-def _rows(linear: nn.Linear, pieces: list[tuple[int, int]]) -> nn.Parameter:
-    return nn.Parameter(torch.cat([linear.weight.detach()[a:b] for a, b in pieces]).clone())
-
-
 class ParallelBlock(nn.Module):
     """This rank's part of a :class:`transformer.Block`: its heads of attention, its columns of
     the MLP's hidden layer; the LayerNorms whole. ``sequence_parallel=False``: input and output
@@ -115,25 +111,16 @@ class ParallelBlock(nn.Module):
     def __init__(self, block: Block, tp: TensorParallel, sequence_parallel: bool = False) -> None:
         super().__init__()
         attn, n, r = block.attn, tp.world_size, tp.rank
-        d = attn.qkv.in_features
         if attn.n_heads % n:
             raise ValueError(f"{attn.n_heads} heads do not split over {n} ranks")
         self.tp, self.sequence_parallel, self.heads = tp, sequence_parallel, attn.n_heads // n
         self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
-        share = d // n  # this rank's heads are features [r*share, (r+1)*share) of Q, K and V
-        mine = [(part * d + r * share, part * d + (r + 1) * share) for part in range(3)]
-        self.qkv_weight = _rows(attn.qkv, mine)  # column-parallel: rows of [Q; K; V]
-        self.qkv_bias = nn.Parameter(torch.cat([attn.qkv.bias.detach()[a:b] for a, b in mine]))
-        self.proj_weight = nn.Parameter(attn.proj.weight.detach()[:, r * share:(r + 1) * share]
-                                        .clone())  # row-parallel: this rank's input columns
-        self.proj_bias = nn.Parameter(attn.proj.bias.detach().clone())
-        fc, act, out = block.mlp
-        hidden = fc.out_features // n
-        self.fc_weight = _rows(fc, [(r * hidden, (r + 1) * hidden)])
-        self.fc_bias = nn.Parameter(fc.bias.detach()[r * hidden:(r + 1) * hidden].clone())
-        self.act = act
-        self.out_weight = nn.Parameter(out.weight.detach()[:, r * hidden:(r + 1) * hidden].clone())
-        self.out_bias = nn.Parameter(out.bias.detach().clone())
+        full = dict(block.named_parameters())
+        for name, attribute in SHARD_NAMES.items():  # this rank's shard of every split tensor
+            if "." not in attribute:
+                shard = _shard(name, full[name].detach(), r, n)
+                setattr(self, attribute, nn.Parameter(shard.clone()))
+        self.act = block.mlp[1]
 
     def column(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """A column-parallel layer: f then the linear (TP), or the all-gather of the sequence
@@ -192,27 +179,29 @@ def allreduce_replicated_grads(blocks: list[ParallelBlock]) -> None:
                 p.grad = block.tp.allreduce(p.grad, "backward")
 
 
+def _shard(name: str, full: torch.Tensor, r: int, n: int) -> torch.Tensor:
+    """Rank r of n's part of the unsplit block's tensor ``name``: its heads' rows of Q, K and V
+    and its columns of the output projection, its hidden units of the MLP, the rest whole."""
+    if name in ("attn.qkv.weight", "attn.qkv.bias"):  # rows of [Q; K; V]: three pieces
+        d = full.shape[0] // 3
+        share = d // n
+        return torch.cat([full[p * d + r * share:p * d + (r + 1) * share] for p in range(3)])
+    if name in ("mlp.0.weight", "mlp.0.bias"):  # column-parallel: this rank's output rows
+        hidden = full.shape[0] // n
+        return full[r * hidden:(r + 1) * hidden]
+    if name in ("attn.proj.weight", "mlp.2.weight"):  # row-parallel: this rank's input columns
+        share = full.shape[1] // n
+        return full[:, r * share:(r + 1) * share]
+    return full  # LayerNorms and the row-parallel biases: whole on every rank
+
+
 def shard_of(block: ParallelBlock, name: str, full: torch.Tensor) -> torch.Tensor:
     """The part of the unsplit block's tensor ``name`` (as ``Block.named_parameters`` names it)
     that ``block`` holds, to compare gradients with one process. Introduced in
     notebooks/14_transformers_and_long_sequences.ipynb."""
-    n, r = block.tp.world_size, block.tp.rank
-    if name.startswith(("ln1", "ln2")) or name in ("attn.proj.bias", "mlp.2.bias"):
-        return full
-    if name in ("attn.qkv.weight", "attn.qkv.bias"):
-        d = full.shape[0] // 3
-        share = d // n
-        return torch.cat([full[p * d + r * share:p * d + (r + 1) * share] for p in range(3)])
-    if name == "attn.proj.weight":
-        share = full.shape[1] // n
-        return full[:, r * share:(r + 1) * share]
-    if name in ("mlp.0.weight", "mlp.0.bias"):
-        hidden = full.shape[0] // n
-        return full[r * hidden:(r + 1) * hidden]
-    if name == "mlp.2.weight":
-        hidden = full.shape[1] // n
-        return full[:, r * hidden:(r + 1) * hidden]
-    raise KeyError(name)
+    if name not in SHARD_NAMES:
+        raise KeyError(name)
+    return _shard(name, full, block.tp.rank, block.tp.world_size)
 
 
 SHARD_NAMES = {"attn.qkv.weight": "qkv_weight", "attn.qkv.bias": "qkv_bias",
