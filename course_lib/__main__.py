@@ -12,7 +12,7 @@
     bench scaling ...    parameter server (1 and S servers) vs ring, emulated link; model to 4096
     bench hpsearch ...   random, SH, ASHA, Hyperband, Optuna: accuracy, epochs, busy; speed-up
     bench staging ...    a transfer staged through host memory vs direct; GPUDirect's model
-    bench attention ...  ring attention (contiguous, zig-zag), Ulysses, TP as the link slows
+    bench attention ...  ring attention, Ulysses, TP: balance, link, overlap, memory
     faults [--repeat K] [--only A,B] [--list]
                          every promise tried: faults injected, deadlines, leftovers, exposure
     cluster clean [--all] stop clusters left behind by a killed notebook kernel

@@ -150,7 +150,8 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
-                positions: list[torch.Tensor], stats: dict, merge_blocks: Callable) -> torch.Tensor:
+                positions: list[torch.Tensor], stats: dict, merge_blocks: Callable,
+                overlap: bool) -> torch.Tensor:
         N, r = comm.world_size, comm.rank
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
@@ -158,7 +159,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(N):
             owner = (r - step) % N  # whose block this rank holds at this step
             pending = []
-            if step < N - 1:  # the next block travels while this one is computed
+            if step < N - 1 and overlap:  # the next block travels while this one is computed
                 incoming = torch.empty_like(block)
                 pending = _exchange(comm, block, incoming, TAG_KV, step, "forward")
             t = time.thread_time()  # CPU time: fair even when ranks share cores
@@ -167,6 +168,9 @@ class RingAttention(torch.autograd.Function):
                 out, lse = merge_blocks(out, lse, o, s)
                 stats["blocks"] = stats.get("blocks", 0) + 1
             stats["busy_s"] = stats.get("busy_s", 0.0) + time.thread_time() - t
+            if step < N - 1 and not overlap:  # the naive ring: compute, then pass the block on
+                incoming = torch.empty_like(block)
+                pending = _exchange(comm, block, incoming, TAG_KV, step, "forward")
             _wait(pending, step, "forward")
             if pending:
                 block = incoming
@@ -211,17 +215,19 @@ class RingAttention(torch.autograd.Function):
         home = torch.empty_like(block[2:])
         _wait(_exchange(comm, block[2:].contiguous(), home, TAG_GRAD, N, "backward"), N,
               "backward")
-        return dq, home[0], home[1], None, None, None, None
+        return dq, home[0], home[1], None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
                    positions: list[torch.Tensor], stats: dict | None = None,
-                   merge_blocks: Callable = merge) -> torch.Tensor:
+                   merge_blocks: Callable = merge, overlap: bool = True) -> torch.Tensor:
     """This rank's causal attention output for its queries, over every rank's keys (see
     :class:`RingAttention`); q, k, v: ``(..., T_r, d)`` with ``T_r = len(positions[rank])``.
     ``merge_blocks`` merges each block's partial result into the running one (lab 14 passes
-    its own). ``stats`` (a dict) collects this rank's ``busy_s`` (CPU seconds of the forward's block
-    computations: torch computes on the calling thread here) and ``blocks`` (blocks attended).
+    its own); ``overlap=False`` sends each block on only after computing with it (the naive
+    ring, to measure what the overlap saves). ``stats`` (a dict) collects this rank's ``busy_s``
+    (CPU seconds of the forward's block computations: torch computes on the calling thread
+    here) and ``blocks`` (blocks attended).
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     if len(positions) != comm.world_size:
         raise ValueError(f"positions names {len(positions)} ranks; the comm has "
@@ -234,7 +240,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
         raise ValueError(f"every rank must hold as many positions (the blocks travel in one "
                          f"buffer), got {[len(p) for p in positions]}")
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), comm, positions,
-                               {} if stats is None else stats, merge_blocks)
+                               {} if stats is None else stats, merge_blocks, overlap)
 
 
 # ---------------------------------------------------------------- Ulysses: switch to heads

@@ -184,6 +184,23 @@ def all_to_all_time(n_bytes: Number, p: Number, link: Link) -> Number:
     return _scalar_or_array((p - 1) * link.alpha + (p - 1) / p * n * link.beta)
 
 
+def ring_attention_time(block_bytes: Number, p: Number, compute_s: Number, link: Link,
+                        overlap: bool = True) -> Number:
+    """Predicted seconds of ring attention's forward on p ranks: p steps, each a block's
+    computation (``compute_s / p``, a balanced rank's); between them p - 1 key/value blocks of
+    ``block_bytes`` passed on. Overlapped, each transfer hides under a step's computation when
+    that takes longer: (p-1) max(alpha + n beta, c/p) + c/p. Not overlapped (compute, then
+    send): c + (p-1)(alpha + n beta). The transfer hides once c/p > alpha + n beta: compute
+    grows as T^2, a block as T, so a long enough sequence always hides it.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    p = np.asarray(p, dtype=float)
+    step = np.asarray(compute_s, dtype=float) / p
+    send = link.alpha + np.asarray(block_bytes, dtype=float) * link.beta
+    if overlap:
+        return _scalar_or_array((p - 1) * np.maximum(send, step) + step)
+    return _scalar_or_array(p * step + (p - 1) * send)
+
+
 def lower_bound(n_bytes: Number, p: Number, link: Link) -> Number:
     """The bandwidth term no allreduce can beat: 2 (p-1)/p * n * beta = 2 (p-1)/p * n / B.
 

@@ -152,21 +152,37 @@ class ParallelBlock(nn.Module):
         return [*self.ln1.parameters(), *self.ln2.parameters(), self.proj_bias, self.out_bias]
 
 
+SPLITS = ("tp", "tp+sp", "ring", "ulysses")  # the ways notebook 14 splits a block
+
+
 def activation_bytes_formula(batch: int, length: int, d_model: int, heads: int, world_size: int,
-                             sequence_parallel: bool, itemsize: int = 8) -> int:
+                             split: str, itemsize: int = 8) -> int:
     """The bytes one block keeps for backward on each rank, counted tensor by tensor (this
-    module's block: no dropout, GELU). Whole on every rank with TP, divided by N with SP: the
-    LayerNorms' inputs and the tensors they hand to the next layer, 4 B T d, and their
-    statistics, 4 B T. Split by heads or hidden units in both: Q, K, V (3 B T d), the attention
-    output (B T d), the MLP's hidden layer before and after GELU (8 B T d) and the attention
-    probabilities (B h T^2): ``(12 B T d + B h T^2) / N``. Plus the causal mask, T^2 booleans.
+    module's block: no dropout, GELU), for each ``split`` of :data:`SPLITS`.
+
+    * Whole on every rank with TP ("tp"), divided by N otherwise: the LayerNorms' inputs and the
+      tensors they hand to the next layer, 4 B T d, and their statistics, 4 B T.
+    * Divided by N in every split (by heads and hidden units, or by tokens): Q, K, V (3 B T d),
+      the attention output (B T d), the MLP's hidden layer before and after GELU (8 B T d).
+    * Attention's probabilities, B h T^2 / N (heads split: TP, TP + SP, Ulysses), plus the causal
+      mask, T^2 booleans. Ring attention keeps neither: it recomputes each block's
+      probabilities in backward from its log-denominators (B h T / N) and keeps its output a
+      second time (B T d / N, the output projection's input is a copy). So its bytes grow as T,
+      the others' as T^2.
+
     Korthikanti et al. count the same way for GPT (with dropout masks, in 16-bit):
     ``s b h (10 + 24/t + 5 a s / (h t))`` for TP and ``s b h / t (34 + 5 a s / h)`` with SP.
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: one of {SPLITS}")
     B, T, d, N = batch, length, d_model, world_size
     whole = 4 * B * T * d + 4 * B * T
-    split = 12 * B * T * d + B * heads * T * T
-    return int(itemsize * ((whole / N if sequence_parallel else whole) + split / N) + T * T)
+    split_bytes = 12 * B * T * d
+    if split == "ring":
+        return int(itemsize * (whole + split_bytes + B * T * d + B * heads * T) / N)
+    if split == "tp":
+        return int(itemsize * (whole + (split_bytes + B * heads * T * T) / N) + T * T)
+    return int(itemsize * (whole + split_bytes + B * heads * T * T) / N + T * T)
 
 
 def allreduce_replicated_grads(blocks: list[ParallelBlock]) -> None:

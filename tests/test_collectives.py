@@ -124,9 +124,9 @@ def _launch(n, args, tmp_path, timeout=120):
 @needs_mpiexec
 @pytest.mark.parametrize("n, args", [
     (1, []),
-    (2, ["--containers", "numpy,torch", "--mismatch"]),
-    (3, ["--mismatch"]),
-    (4, ["--dtypes", "float16,float32,int64", "--mismatch"]),
+    (2, ["--containers", "numpy,torch", "--mismatch", "--all-to-all"]),
+    (3, ["--mismatch", "--all-to-all"]),
+    (4, ["--dtypes", "float16,float32,int64", "--mismatch", "--all-to-all"]),
     (8, ["--lengths", "0,1,7,9,100", "--dtypes", "float16,float64,int32", "--ops",
          "sum,average,max", "--containers", "numpy"]),  # 8 ranks on few cores: short cases
 ], ids=["n1", "n2", "n3", "n4", "n8"])
@@ -138,7 +138,7 @@ def test_every_algorithm_matches_mpi_allreduce(n, args, tmp_path):
 @needs_mpiexec
 def test_torch_transport_under_mpiexec(tmp_path):
     problems = _launch(3, ["--transport", "torch", "--dtypes", "float32,int64", "--ops",
-                           "sum,average", "--mismatch"], tmp_path)
+                           "sum,average", "--mismatch", "--all-to-all"], tmp_path)
     assert problems == [], "\n".join(problems[:10])
 
 

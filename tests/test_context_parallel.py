@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import context_parallel as cp
+from course_lib import costmodel
 from course_lib import transformer as tf
 from course_lib.comm import CommTimeout, run_ranks
 from course_lib.testing.context_parallel import ring_attention_error_on_rank
@@ -38,7 +39,7 @@ def test_the_merge_of_two_blocks_is_one_softmax_over_both():
     assert torch.allclose(tf.causal_attention(q, k, v), ref, atol=1e-14, rtol=0)
 
 
-def ring_on_threads(layout, N, T=16):
+def ring_on_threads(layout, N, T=16, overlap=True):
     """Each thread-rank attends its positions; returns (outputs and grads assembled, stats)."""
     q, k, v = random_qkv(T)
     ref = tf.causal_attention(q, k, v)
@@ -49,7 +50,7 @@ def ring_on_threads(layout, N, T=16):
     def rank(_, comm):
         mine = [t.detach()[..., pos[comm.rank], :].clone().requires_grad_() for t in (q, k, v)]
         stats = {}
-        out = cp.ring_attention(*mine, comm, pos, stats)
+        out = cp.ring_attention(*mine, comm, pos, stats, overlap=overlap)
         out.backward(dout[..., pos[comm.rank], :])
         return [out.detach()] + [t.grad for t in mine], stats
 
@@ -72,6 +73,22 @@ def test_ring_attention_equals_one_process_forward_and_backward(layout, N):
         assert blocks == list(range(1, N + 1))  # rank r attends to r + 1 blocks: imbalanced
     else:
         assert blocks == [N] * N                 # every rank the same work
+
+
+def test_the_naive_ring_that_sends_after_computing_gives_the_same_result():
+    got, want, _ = ring_on_threads(cp.zigzag_positions, 4, overlap=False)
+    for name, g, w in zip(["output", "dq", "dk", "dv"], got, want, strict=True):
+        assert (g - w).abs().max() < 1e-12, name
+
+
+def test_the_ring_model_hides_a_transfer_shorter_than_a_step():
+    link = costmodel.Link("test", alpha=1e-4, beta=1e-8)  # 1e5 bytes: 1.1 ms
+    hidden = costmodel.ring_attention_time(1e5, 4, 0.008, link)      # steps of 2 ms
+    assert hidden == pytest.approx(0.008)
+    exposed = costmodel.ring_attention_time(1e5, 4, 0.002, link)     # steps of 0.5 ms
+    assert exposed == pytest.approx(3 * 1.1e-3 + 0.5e-3)
+    assert costmodel.ring_attention_time(1e5, 4, 0.008, link, overlap=False) == pytest.approx(
+        0.008 + 3 * 1.1e-3)
 
 
 def test_zigzag_gives_every_rank_the_same_causal_work():

@@ -66,7 +66,7 @@ def test_a_split_block_equals_one_process(reference, N, sequence_parallel):
     assert results[0]["counts"] == ({"forward": 4, "backward": 4 + 2 + 6} if sequence_parallel
                                     else {"forward": 2, "backward": 2})
     assert [r["kept"] for r in results] == [sp.activation_bytes_formula(
-        B, T, D, 4, N, sequence_parallel)] * N  # the activation bytes, tensor by tensor
+        B, T, D, 4, N, "tp+sp" if sequence_parallel else "tp")] * N  # tensor by tensor
 
 
 def test_sequence_parallelism_sends_the_same_bytes_and_keeps_fewer(reference):
@@ -92,9 +92,23 @@ def test_heads_that_do_not_split_are_refused(reference):
 
 
 
-def test_the_split_block_on_the_cluster_over_gloo(cluster):
-    for sequence_parallel in (False, True):
-        rows = cluster.run(block_split_on_rank, sequence_parallel)
-        assert max(r["error"] for r in rows) < 1e-12
+def test_every_split_of_the_block_on_the_cluster_over_gloo(cluster):
+    """TP, TP + SP, ring attention and Ulysses: one process's output and gradients, and the
+    bytes their formula counts; ring attention keeps the fewest, no T x T tensor."""
+    kept = {}
+    for split in sp.SPLITS:
+        rows = cluster.run(block_split_on_rank, split)
+        assert max(r["error"] for r in rows) < 1e-12, split
         assert [r["kept"] for r in rows] == [sp.activation_bytes_formula(
-            2, 64, 32, 4, 2, sequence_parallel)] * 2
+            2, 64, 32, 4, 2, split)] * 2, split
+        kept[split] = rows[0]["kept"]
+    assert kept["ring"] < kept["ulysses"] == kept["tp+sp"] < kept["tp"] < rows[0]["one_process"]
+
+
+def test_the_memory_formula_names_its_splits():
+    with pytest.raises(ValueError, match="one of"):
+        sp.activation_bytes_formula(1, 8, 4, 1, 2, "zigzag")
+    # ring attention's bytes grow as T, the head-split ones' faster
+    ring = [sp.activation_bytes_formula(1, t, 32, 4, 4, "ring") for t in (256, 512)]
+    ulysses = [sp.activation_bytes_formula(1, t, 32, 4, 4, "ulysses") for t in (256, 512)]
+    assert ring[1] == 2 * ring[0] and ulysses[1] > 3 * ulysses[0]

@@ -210,6 +210,39 @@ def _mismatch_report(comm, algorithms):
     return problems
 
 
+def compare_all_to_all_with_native(seed: int = 0, transport: str = "torch",
+                                   timeout: float = 30.0) -> list[str]:
+    """:func:`collectives.all_to_all` against the native all-to-all on the same uneven blocks
+    (some empty): ``dist.all_to_all_single`` (torch) or ``Alltoallv`` (MPI), int64 and float64,
+    single values and rows of 3. Returns one string per case that differs; runs on every rank.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    comm = get_comm(transport, timeout=timeout)
+    n, r = comm.world_size, comm.rank
+    counts = np.random.default_rng([seed, n]).integers(0, 4, size=(n, n))  # [s, q]: s sends q
+    send_counts, recv_counts = counts[r], counts[:, r]
+    problems = []
+    for dtype in ("int64", "float64"):
+        for width in (1, 3):
+            x = (np.arange(send_counts.sum() * width) + 1000 * r).astype(dtype).reshape(-1, width)
+            empty = np.zeros((recv_counts.sum(), width), dtype)
+            ours = C.all_to_all(make_buffer(x, comm, buffer_kind(comm)),
+                                make_buffer(empty, comm, buffer_kind(comm)), comm,
+                                send_counts.tolist(), recv_counts.tolist())
+            if comm.transport == "mpi":
+                theirs = empty.copy()
+                comm.mpi.Alltoallv([x, (send_counts * width).tolist()],
+                                   [theirs, (recv_counts * width).tolist()])
+            else:
+                send, theirs = make_buffer(x, comm, "torch"), make_buffer(empty, comm, "torch")
+                comm.dist.all_to_all_single(theirs, send, recv_counts.tolist(),
+                                            send_counts.tolist(), group=comm.group)
+            if not np.array_equal(to_numpy(ours), to_numpy(theirs)):
+                problems.append(f"rank {r}: all_to_all {dtype} rows of {width}, counts "
+                                f"{counts.tolist()}: {to_numpy(ours).ravel().tolist()} != native "
+                                f"{to_numpy(theirs).ravel().tolist()}")
+    return problems
+
+
 # ---------------------------------------------------------------- under a launcher
 def main(argv=None):
     """Under mpiexec / torchrun: check the algorithms on every rank; report as JSON per rank."""
@@ -223,6 +256,8 @@ def main(argv=None):
     a("--ops", default=",".join(C.OPS))
     a("--containers", default=None, help="numpy,torch (default: by transport)")
     a("--mismatch", action="store_true", help="also check the errors of mismatched calls")
+    a("--all-to-all", action="store_true",
+      help="also check all_to_all against Alltoallv / all_to_all_single, uneven blocks")
     a("--timeout", type=float, default=30.0)
     a("--out", default=None, help="write rank<r>.json into this folder instead of printing")
     args = p.parse_args(argv)
@@ -238,6 +273,8 @@ def main(argv=None):
         algorithms, None if args.lengths is None else [int(n) for n in args.lengths.split(",")],
         args.dtypes.split(","), args.ops.split(","), transport=args.transport,
         timeout=args.timeout, containers=args.containers and tuple(args.containers.split(",")))
+    if args.all_to_all:
+        problems += compare_all_to_all_with_native(transport=args.transport, timeout=args.timeout)
     if args.mismatch:
         problems += _mismatch_report(comm, [x for x in algorithms if x in C.ALGORITHMS])
     comm.barrier()

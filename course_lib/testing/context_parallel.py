@@ -3,6 +3,7 @@ tests, the demo and notebook 14 run on every rank (real Gloo messages, float64).
 
 from __future__ import annotations
 
+import copy
 import functools
 import time
 
@@ -76,38 +77,52 @@ def _flat_grads(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy()
 
 
-def block_split_on_rank(sequence_parallel: bool, batch: int = 2, length: int = 64,
-                        d_model: int = 32, heads: int = 4, seed: int = 0,
-                        timeout: float = 20.0) -> dict:
-    """A float64 transformer block split over this cluster's ranks (tensor parallelism, with
-    sequence parallelism or not) against the same block in one process: this rank's largest
-    error (output, input gradient, its shard of every parameter gradient), the collectives it
-    ran and the activation bytes it kept."""
+def block_split_on_rank(split: str, batch: int = 2, length: int = 64, d_model: int = 32,
+                        heads: int = 4, seed: int = 0, timeout: float = 20.0,
+                        dtype: torch.dtype = torch.float64) -> dict:
+    """A transformer block split over this cluster's ranks (``split``: one of
+    :data:`sequence_parallel.SPLITS`) against the same block in one process: this rank's
+    largest error (output, input gradient, its part of every parameter gradient), the
+    collectives of tensor parallelism it ran and the activation bytes it kept. Ring attention
+    holds the zig-zag's positions, TP + SP and Ulysses contiguous ones, TP every token."""
     comm = get_comm("torch", timeout=timeout)
     gen = torch.Generator().manual_seed(seed)
-    block = tf.Block(tf.GPTConfig(d_model=d_model, n_heads=heads)).double()
+    block = tf.Block(tf.GPTConfig(d_model=d_model, n_heads=heads)).to(dtype)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(0.3 * torch.randn(p.shape, dtype=p.dtype, generator=gen))
-    x = torch.randn(batch, length, d_model, dtype=torch.float64, generator=gen,
-                    requires_grad=True)
-    dout = torch.randn(batch, length, d_model, dtype=torch.float64, generator=gen)
+    x = torch.randn(batch, length, d_model, dtype=dtype, generator=gen, requires_grad=True)
+    dout = torch.randn(batch, length, d_model, dtype=dtype, generator=gen)
     out = block(x)
     out.backward(dout)
-    tp = TensorParallel(comm)
-    part = sp.ParallelBlock(block, tp, sequence_parallel)
     N, r = comm.world_size, comm.rank
-    tokens = slice(r * length // N, (r + 1) * length // N) if sequence_parallel else slice(None)
+    positions = (cp.zigzag_positions if split == "ring" else cp.contiguous_positions)(length, N)
+    tokens = torch.arange(length) if split == "tp" else positions[r]
     mine = x.detach()[:, tokens].clone().requires_grad_()
+    tp = TensorParallel(comm)
+    if split in ("tp", "tp+sp"):
+        part = sp.ParallelBlock(block, tp, split == "tp+sp")
+        run = part
+    else:  # every rank holds the whole block; attention crosses the ranks
+        part = copy.deepcopy(block)
+        part.zero_grad()
+        attention = (functools.partial(cp.ring_attention, comm=comm, positions=positions)
+                     if split == "ring" else functools.partial(cp.ulysses_attention, comm=comm))
+        run = functools.partial(part, attention=attention)
     outputs: list = []
-    kept = tf.activation_bytes_of(lambda: outputs.append(part(mine)), part)
+    kept = tf.activation_bytes_of(lambda: outputs.append(run(mine)), part)
     outputs[0].backward(dout[:, tokens])
-    sp.allreduce_replicated_grads([part])
-    params = dict(part.named_parameters())
     errors = [(outputs[0] - out[:, tokens]).abs().max(),
               (mine.grad - x.grad[:, tokens]).abs().max()]
-    errors += [(params[sp.SHARD_NAMES[n]].grad - sp.shard_of(part, n, p.grad)).abs().max()
-               for n, p in block.named_parameters()]
+    if split in ("tp", "tp+sp"):
+        sp.allreduce_replicated_grads([part])
+        params = dict(part.named_parameters())
+        errors += [(params[sp.SHARD_NAMES[n]].grad - sp.shard_of(part, n, p.grad)).abs().max()
+                   for n, p in block.named_parameters()]
+    else:  # each rank's gradients cover its tokens: summed, the whole sequence's
+        for mine_p, p in zip(part.parameters(), block.parameters(), strict=True):
+            collectives.allreduce(mine_p.grad, comm, check=False)
+            errors.append((mine_p.grad - p.grad).abs().max())
     return dict(error=float(max(errors)), counts=dict(tp.counts), kept=kept,
                 one_process=tf.activation_bytes_of(lambda: block(x), block))
 
@@ -176,13 +191,15 @@ def long_sequence_training_on_rank(length: int = 1024, budget: int = 12 * 2**20,
 
 
 def time_attention_on_rank(method: str, length: int, layout: str = "zigzag", repeats: int = 3,
-                           batch: int = 1, heads: int = 4, dim: int = 32,
+                           batch: int = 1, heads: int = 4, dim: int = 32, overlap: bool = True,
                            timeout: float = 60.0) -> dict:
     """Seconds of one forward of ``method`` on this rank's part of a ``length``-token sequence
-    (float32, the process's emulated link if any), median of ``repeats`` started together, and
-    this rank's attention CPU seconds (ring: ``busy_s``). "ring": its tokens, ring attention;
-    "ulysses": its tokens, two all-to-alls; "tp": every token of its H/N heads, then the
-    allreduce that tensor parallelism's output projection runs (of the attention's output)."""
+    (float32, the process's emulated link if any), median of ``repeats`` started together; the
+    CPU seconds of this process during it (``cpu_s``, every thread: computing and copying
+    messages, not waiting) and its attention's alone (ring: ``busy_s``). "ring": its tokens,
+    ring attention (``overlap=False``: the naive ring); "ulysses": its tokens, two
+    all-to-alls; "tp": every token of its H/N heads, then the allreduce that tensor
+    parallelism's output projection runs (of the attention's output)."""
     comm = get_comm("torch", timeout=timeout)
     n, r = comm.world_size, comm.rank
     gen = torch.Generator().manual_seed(0)
@@ -196,13 +213,14 @@ def time_attention_on_rank(method: str, length: int, layout: str = "zigzag", rep
         mine = [t[:, r * h:(r + 1) * h].contiguous() for t in (q, k, v)]
     else:
         mine = [t[..., pos[r], :].contiguous() for t in (q, k, v)]
-    times, busy = [], []
+    times, cpu, busy = [], [], []
     with torch.no_grad():
         for _ in range(repeats + 1):  # the first one warms up
             stats: dict = {}
             start = netem.start_clock(comm)
+            cpu_start = time.process_time()
             if method == "ring":
-                cp.ring_attention(*mine, comm, pos, stats)
+                cp.ring_attention(*mine, comm, pos, stats, overlap=overlap)
             elif method == "ulysses":
                 cp.ulysses_attention(*mine, comm)
             else:  # g: the heads' partial outputs summed (as if projected: same bytes)
@@ -210,5 +228,7 @@ def time_attention_on_rank(method: str, length: int, layout: str = "zigzag", rep
                 collectives.allreduce(torch.cat([out] * n, dim=-1).contiguous(), comm,
                                       check=False)
             times.append(time.monotonic() - start)
+            cpu.append(time.process_time() - cpu_start)
             busy.append(stats.get("busy_s", 0.0))
-    return dict(seconds=float(np.median(times[1:])), busy_s=float(np.median(busy[1:])))
+    return dict(seconds=float(np.median(times[1:])), cpu_s=float(np.median(cpu[1:])),
+                busy_s=float(np.median(busy[1:])))
