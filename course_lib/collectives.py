@@ -295,34 +295,26 @@ def allreduce(buf: Buffer, comm: Comm, algorithm: str = "ring", op: str = "sum",
     return ALGORITHMS[algorithm](buf, comm, op=op, check=check)
 
 
-def all_to_all(send: Buffer, recv: Buffer, comm: Comm, send_counts: Sequence[int] | None = None,
-               recv_counts: Sequence[int] | None = None) -> Buffer:
-    """All-to-all by pairwise exchange: rank r's block for rank q (rows of ``send``, its first
-    dimension cut into N blocks of ``send_counts`` rows, equal by default) lands in rank q's
-    ``recv`` as block r (``recv_counts`` rows). N - 1 steps: at step s rank r sends to r + s and
-    receives from r - s, so every pair meets once and nobody waits on a rank that is busy with
-    another (its own block is copied). Each step moves one block: about (N-1)/N of the buffer
-    in all, with N - 1 latencies. Uneven counts (a mixture of experts' tokens per expert) are
-    checked against the ones the other ranks declare before anything moves.
-    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+def _all_to_all_offsets(send, recv, comm, send_counts, recv_counts, check):
+    """Where each rank's block starts in ``send`` and ``recv`` (rows; N + 1 offsets each), after
+    checking the counts: each list has N blocks adding up to its buffer's rows, and (``check``,
+    counts given) every rank receives what the others declare they send it, one small
+    all-gather of the counts before any data moves (a count that disagrees would otherwise reach
+    the transport as a size mismatch; equal blocks need no round of their own)."""
     n, r = comm.world_size, comm.rank
-    rows = send.shape[0]
-    send_counts_given, recv_counts_given = send_counts is not None, recv_counts is not None
-    send_counts = list(send_counts) if send_counts is not None else [rows // n] * n
+    given = send_counts is not None or recv_counts is not None
+    send_counts = list(send_counts) if send_counts is not None else [send.shape[0] // n] * n
     recv_counts = list(recv_counts) if recv_counts is not None else [recv.shape[0] // n] * n
-    if len(send_counts) != n or sum(send_counts) != rows:
+    if len(send_counts) != n or sum(send_counts) != send.shape[0]:
         raise ValueError(f"rank {r}: send_counts {send_counts} must give {n} blocks that add "
-                         f"up to send's {rows} rows")
+                         f"up to send's {send.shape[0]} rows")
     if len(recv_counts) != n or sum(recv_counts) != recv.shape[0]:
         raise ValueError(f"rank {r}: recv_counts {recv_counts} must give {n} blocks that add "
                          f"up to recv's {recv.shape[0]} rows")
-    if send.shape[1:] != recv.shape[1:]:
-        raise ValueError(f"rank {r}: send rows {tuple(send.shape[1:])} and recv rows "
-                         f"{tuple(recv.shape[1:])} differ")
-    # uneven blocks: every rank checks that its receives match what the others will send (a
-    # count that disagrees would otherwise reach the transport as a size mismatch); equal
-    # blocks need no round of their own (the transport's size check covers them)
-    if n > 1 and (send_counts_given or recv_counts_given):
+    if send.shape[1:] != recv.shape[1:] or send.dtype != recv.dtype:
+        raise ValueError(f"rank {r}: send rows {tuple(send.shape[1:])} {send.dtype} and recv "
+                         f"rows {tuple(recv.shape[1:])} {recv.dtype} differ")
+    if n > 1 and given and check:
         gathered = np.zeros((n, n), np.int64)  # row q: what rank q sends to each rank
         gathered[r] = send_counts
         ring_allgather(gathered, comm, check=False)
@@ -330,11 +322,80 @@ def all_to_all(send: Buffer, recv: Buffer, comm: Comm, send_counts: Sequence[int
         if expected != recv_counts:
             raise ValueError(f"rank {r}: recv_counts {recv_counts}, but the ranks send it "
                              f"{expected} rows")
-    send_at = np.concatenate([[0], np.cumsum(send_counts)]).tolist()
-    recv_at = np.concatenate([[0], np.cumsum(recv_counts)]).tolist()
+    return (np.concatenate([[0], np.cumsum(send_counts)]).tolist(),
+            np.concatenate([[0], np.cumsum(recv_counts)]).tolist())
+
+
+def all_to_all(send: Buffer, recv: Buffer, comm: Comm, send_counts: Sequence[int] | None = None,
+               recv_counts: Sequence[int] | None = None, check: bool = True) -> Buffer:
+    """All-to-all by pairwise exchange: rank r's block for rank q (rows of ``send``, its first
+    dimension cut into N blocks of ``send_counts`` rows, equal by default) lands in rank q's
+    ``recv`` as block r (``recv_counts`` rows). N - 1 steps: at step s rank r sends to r + s and
+    receives from r - s, so every pair meets once and nobody waits on a rank that is busy with
+    another (its own block is copied). Each step moves one block: about (N-1)/N of the buffer
+    in all, with N - 1 latencies. Uneven counts (a mixture of experts' tokens per expert) are
+    checked against the ones the other ranks declare before anything moves (``check=False``
+    skips that round when the counts were just exchanged).
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    n, r = comm.world_size, comm.rank
+    send_at, recv_at = _all_to_all_offsets(send, recv, comm, send_counts, recv_counts, check)
     recv[recv_at[r]:recv_at[r + 1]] = send[send_at[r]:send_at[r + 1]]  # its own block: a copy
     for step in range(1, n):
         to, frm = (r + step) % n, (r - step) % n
         comm.sendrecv(send[send_at[to]:send_at[to + 1]], to,
                       recv[recv_at[frm]:recv_at[frm + 1]], frm, tag=TAG_A2A, check_size=False)
     return recv
+
+
+def naive_all_to_all(send: Buffer, recv: Buffer, comm: Comm,
+                     send_counts: Sequence[int] | None = None,
+                     recv_counts: Sequence[int] | None = None, check: bool = True) -> Buffer:
+    """All-to-all through rank 0, the naive way: every rank sends its whole buffer (and its
+    counts) to rank 0, which cuts every buffer into blocks and sends each rank the blocks for
+    it. Rank 0's link carries everything, twice: 2 (N-1) messages of a whole buffer, where the
+    pairwise exchange (:func:`all_to_all`) sends N - 1 blocks per rank, all links at once.
+    Introduced in notebooks/15_mixture_of_experts.ipynb."""
+    n, r = comm.world_size, comm.rank
+    send_at, recv_at = _all_to_all_offsets(send, recv, comm, send_counts, recv_counts, check)
+    if n == 1:
+        recv[:] = send
+        return recv
+    counts = np.diff(np.asarray([send_at], np.int64), axis=1)  # (1, N): what this rank sends
+    if r != 0:
+        comm.send(counts, 0, tag=TAG_A2A, check_size=False)
+        comm.send(send, 0, tag=TAG_A2A, check_size=False)
+        comm.recv(recv, 0, tag=TAG_A2A, check_size=False)
+        return recv
+    table = np.zeros((n, n), np.int64)  # row q: what rank q sends to each rank
+    table[0] = counts[0]
+    buffers = [send]
+    for src in range(1, n):
+        comm.recv(table[src:src + 1], src, tag=TAG_A2A, check_size=False)
+        whole = _rows_like(send, int(table[src].sum()))
+        buffers.append(comm.recv(whole, src, tag=TAG_A2A, check_size=False))
+    starts = np.concatenate([np.zeros((n, 1), np.int64), np.cumsum(table, axis=1)], axis=1)
+    for dst in range(n):  # dst's buffer: block dst of every rank's, in rank order
+        blocks = _concat([buffers[src][starts[src, dst]:starts[src, dst + 1]]
+                          for src in range(n)])
+        if dst == 0:
+            recv[:] = blocks
+        else:
+            comm.send(blocks, dst, tag=TAG_A2A, check_size=False)
+    return recv
+
+
+def _rows_like(like, rows):
+    """An empty buffer of ``rows`` rows shaped, typed and placed like ``like``'s."""
+    if is_numpy(like):
+        return np.empty((rows, *like.shape[1:]), like.dtype)
+    return like.new_empty((rows, *like.shape[1:]))
+
+
+def _concat(parts):
+    if is_numpy(parts[0]):
+        return np.concatenate(parts)
+    import torch  # a torch buffer's process has torch loaded already
+    return torch.cat(parts)
+
+
+ALL_TO_ALL = {"pairwise": all_to_all, "naive": naive_all_to_all}

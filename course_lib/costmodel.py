@@ -175,12 +175,20 @@ def allreduce_time(algorithm: str, n_bytes: Number, p: Number, link: Link) -> Nu
     return _scalar_or_array(a * link.alpha + b * n * link.beta + c * n * link.gamma)
 
 
-def all_to_all_time(n_bytes: Number, p: Number, link: Link) -> Number:
-    """Predicted seconds for a pairwise-exchange all-to-all in which every rank holds ``n_bytes``
-    in p equal blocks: p - 1 steps, each one message of n/p bytes, (p-1) alpha + (p-1)/p n beta.
+def all_to_all_time(n_bytes: Number, p: Number, link: Link, algorithm: str = "pairwise"
+                    ) -> Number:
+    """Predicted seconds for an all-to-all in which every rank holds ``n_bytes`` in p equal
+    blocks. Pairwise exchange: p - 1 steps, each one message of n/p bytes,
+    (p-1) alpha + (p-1)/p n beta. Naive, through rank 0: the root receives p - 1 counts and
+    p - 1 whole buffers, then sends p - 1 buffers, one after another on its link:
+    3 (p-1) alpha + 2 (p-1) n beta.
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     p = np.asarray(p, dtype=float)
     n = np.asarray(n_bytes, dtype=float)
+    if algorithm == "naive":
+        return _scalar_or_array(3 * (p - 1) * link.alpha + 2 * (p - 1) * n * link.beta)
+    if algorithm != "pairwise":
+        raise ValueError(f"unknown all-to-all {algorithm!r}: pairwise or naive")
     return _scalar_or_array((p - 1) * link.alpha + (p - 1) / p * n * link.beta)
 
 

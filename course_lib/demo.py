@@ -29,6 +29,7 @@ from course_lib.parallel_gd import check_full_gradient
 from course_lib.pipeline import bubble_fraction
 from course_lib.testing import context_parallel as context_runs
 from course_lib.testing import ddp as ddp_check
+from course_lib.testing import moe as moe_runs
 from course_lib.testing import pipeline as pipeline_runs
 from course_lib.testing import zero as zero_runs
 
@@ -247,8 +248,28 @@ def long_sequences(cluster: Cluster, out_dir: Path) -> list[Row]:
              and len(set(blocks["zigzag"])) == 1)]
 
 
+def mixture_of_experts(cluster: Cluster, out_dir: Path) -> list[Row]:
+    """Expert parallelism over every rank (float64, top-2, capacity 1.0: tokens dropped) against
+    one process, and the course's all-to-all against Gloo's on 1 MiB per rank
+    (notebooks/15_mixture_of_experts.ipynb)."""
+    experts = 2 * cluster.n
+    rows = cluster.run(moe_runs.expert_parallel_error_on_rank, experts, 2, 1.0)
+    error = max(r["error"] for r in rows)
+    same = all(r["same_dropped"] for r in rows)
+    ours, native = (max(cluster.run(moe_runs.all_to_all_time_on_rank, a, 2**20))
+                    for a in ("pairwise", "native"))
+    return [(f"expert parallelism, {experts} experts on {cluster.n} ranks",
+             f"output and gradients differ from one process by {error:.1e}; the same "
+             f"{sum(r['dropped'] for r in rows)} choices dropped: {same}",
+             error < 1e-10 and same),
+            ("all-to-all, pairwise exchange vs Gloo (1 MiB per rank)",
+             f"{1e3 * ours:.2f} ms vs {1e3 * native:.2f} ms: {ours / native:.1f}x native's time",
+             ours > 0 and native > 0)]
+
+
 PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel,
-         pipeline, sharded, fault_tolerance, hyperparameter_search, long_sequences]
+         pipeline, sharded, fault_tolerance, hyperparameter_search, long_sequences,
+         mixture_of_experts]
 
 
 def _plot_losses(runs, best, path):

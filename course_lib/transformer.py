@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from course_lib.moe import MoE, expert_mlp
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -38,6 +40,11 @@ class GPTConfig:
     d_model: int = 64
     n_heads: int = 4
     n_layers: int = 2
+    hidden: int | None = None  # the MLP's hidden units (each expert's): 4 d_model by default
+    experts: int = 0          # > 0: each block's MLP is a mixture of this many experts
+    top_k: int = 1            # experts per token
+    capacity_factor: float | None = None  # None: no expert ever full, no token dropped
+    aux_weight: float = 0.01  # the load-balancing loss's weight in the training loss
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -84,8 +91,9 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
-                                 nn.Linear(4 * cfg.d_model, cfg.d_model))
+        hidden = cfg.hidden or 4 * cfg.d_model
+        self.mlp = (MoE(cfg.d_model, cfg.experts, cfg.top_k, cfg.capacity_factor, hidden)
+                    if cfg.experts else expert_mlp(cfg.d_model, hidden))
 
     def forward(self, x: torch.Tensor, attention: Callable = causal_attention) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), attention)
@@ -102,6 +110,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        self.balance_loss: torch.Tensor | None = None  # experts: the last forward's, weighted
         with torch.random.fork_rng():  # the same weights on every rank, the global RNG untouched
             torch.manual_seed(seed)
             self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -131,6 +140,9 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                reduction="sum")
+        if self.cfg.experts:  # the load-balancing losses, a sum over the tokens too
+            self.balance_loss = self.cfg.aux_weight * sum(b.mlp.aux_sum for b in self.blocks)
+            loss = loss + self.balance_loss
         return logits, loss
 
     def num_parameters(self) -> int:
@@ -193,8 +205,11 @@ def get_batch(data: np.ndarray, batch_size: int, length: int,
 
 
 def train(model: GPT, data: np.ndarray, steps: int = 200, batch_size: int = 16,
-          lr: float = 3e-3, seed: int = 0, length: int | None = None) -> list[float]:
-    """AdamW on random windows of ``data``; returns the mean loss (nats per token) of each step.
+          lr: float = 3e-3, seed: int = 0, length: int | None = None,
+          after_step: Callable[[GPT], None] | None = None) -> list[float]:
+    """AdamW on random windows of ``data``; returns the cross-entropy (nats per token) of each
+    step (a mixture of experts trains on it plus its load-balancing loss). ``after_step(model)``
+    runs after each step (to record the experts' load, say).
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     length = length or model.cfg.context
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -206,7 +221,10 @@ def train(model: GPT, data: np.ndarray, steps: int = 200, batch_size: int = 16,
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        balance = model.balance_loss.item() / y.numel() if model.cfg.experts else 0.0
+        losses.append(loss.item() - balance)
+        if after_step is not None:
+            after_step(model)
     return losses
 
 

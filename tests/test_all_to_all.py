@@ -92,3 +92,32 @@ def test_all_to_all_against_torch_distributed_on_the_cluster(cluster):
     assert all(r["equal"] for r in rows), rows
     assert np.isfinite([r["ulysses_error"] for r in rows]).all()
     assert max(r["ulysses_error"] for r in rows) < 1e-12
+
+
+@pytest.mark.parametrize("N", [1, 2, 3, 4])
+def test_the_naive_all_to_all_through_rank_0_gives_what_the_pairwise_one_gives(N):
+    counts = np.random.default_rng(N).integers(0, 4, size=(N, N))  # some blocks empty
+
+    def rank(_, comm):
+        r = comm.rank
+        x = torch.arange(counts[r].sum() * 2, dtype=torch.float64).reshape(-1, 2) + 100 * r
+        out = [collectives.ALL_TO_ALL[a](x, torch.empty(counts[:, r].sum(), 2, dtype=x.dtype), comm,
+                                         counts[r].tolist(), counts[:, r].tolist())
+               for a in ("pairwise", "naive")]
+        return out
+
+    results, _ = run_ranks(rank, [None] * N, check_sizes=False, timeout=10)
+    for r, (pairwise, naive) in enumerate(results):
+        assert torch.equal(pairwise, naive)
+        want = torch.cat([torch.arange(counts[s].sum() * 2, dtype=torch.float64).reshape(-1, 2)
+                          [counts[s][:r].sum():counts[s][:r + 1].sum()] + 100 * s
+                          for s in range(N)])
+        assert torch.equal(naive, want)
+
+
+def test_the_naive_all_to_all_costs_2n_times_more_on_its_root():
+    link = costmodel.Link("test", alpha=1e-5, beta=1e-9)
+    assert costmodel.all_to_all_time(4e6, 4, link, "naive") == pytest.approx(
+        9 * 1e-5 + 6 * 4e6 * 1e-9)
+    with pytest.raises(ValueError, match="unknown all-to-all 'ring'"):
+        costmodel.all_to_all_time(4e6, 4, link, "ring")

@@ -212,9 +212,10 @@ def _mismatch_report(comm, algorithms):
 
 def compare_all_to_all_with_native(seed: int = 0, transport: str = "torch",
                                    timeout: float = 30.0) -> list[str]:
-    """:func:`collectives.all_to_all` against the native all-to-all on the same uneven blocks
-    (some empty): ``dist.all_to_all_single`` (torch) or ``Alltoallv`` (MPI), int64 and float64,
-    single values and rows of 3. Returns one string per case that differs; runs on every rank.
+    """Each all-to-all of :data:`collectives.ALL_TO_ALL` (pairwise, naive) against the native
+    one on the same uneven blocks (some empty): ``dist.all_to_all_single`` (torch) or
+    ``Alltoallv`` (MPI), int64 and float64, single values and rows of 3. Returns one string
+    per case that differs; runs on every rank.
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     comm = get_comm(transport, timeout=timeout)
     n, r = comm.world_size, comm.rank
@@ -225,9 +226,10 @@ def compare_all_to_all_with_native(seed: int = 0, transport: str = "torch",
         for width in (1, 3):
             x = (np.arange(send_counts.sum() * width) + 1000 * r).astype(dtype).reshape(-1, width)
             empty = np.zeros((recv_counts.sum(), width), dtype)
-            ours = C.all_to_all(make_buffer(x, comm, buffer_kind(comm)),
-                                make_buffer(empty, comm, buffer_kind(comm)), comm,
-                                send_counts.tolist(), recv_counts.tolist())
+            ours = [C.ALL_TO_ALL[a](make_buffer(x, comm, buffer_kind(comm)),
+                                    make_buffer(empty, comm, buffer_kind(comm)), comm,
+                                    send_counts.tolist(), recv_counts.tolist())
+                    for a in C.ALL_TO_ALL]
             if comm.transport == "mpi":
                 theirs = empty.copy()
                 comm.mpi.Alltoallv([x, (send_counts * width).tolist()],
@@ -236,10 +238,11 @@ def compare_all_to_all_with_native(seed: int = 0, transport: str = "torch",
                 send, theirs = make_buffer(x, comm, "torch"), make_buffer(empty, comm, "torch")
                 comm.dist.all_to_all_single(theirs, send, recv_counts.tolist(),
                                             send_counts.tolist(), group=comm.group)
-            if not np.array_equal(to_numpy(ours), to_numpy(theirs)):
-                problems.append(f"rank {r}: all_to_all {dtype} rows of {width}, counts "
-                                f"{counts.tolist()}: {to_numpy(ours).ravel().tolist()} != native "
-                                f"{to_numpy(theirs).ravel().tolist()}")
+            for algorithm, got in zip(C.ALL_TO_ALL, ours, strict=True):
+                if not np.array_equal(to_numpy(got), to_numpy(theirs)):
+                    problems.append(f"rank {r}: {algorithm} all_to_all {dtype} rows of {width}, "
+                                    f"counts {counts.tolist()}: {to_numpy(got).ravel().tolist()} "
+                                    f"!= native {to_numpy(theirs).ravel().tolist()}")
     return problems
 
 

@@ -1,0 +1,34 @@
+"""bench moe: one small real run through the command line, and its errors."""
+
+import csv
+import subprocess
+import sys
+
+
+def _bench(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "course_lib", "bench", "moe", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_small_run_prints_every_table(tmp_path):
+    out = _bench("--world-sizes", "2", "--steps", "3", "--sizes", "1KiB,8KiB", "--repeats", "1",
+                 "--capacity-factors", "none,1.0", "--links", "1Gbit/s,50us",
+                 "--csv", str(tmp_path / "m.csv"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    for table in ("# balance", "# capacity", "# all-to-all", "# experts split", "# ceiling"):
+        assert table in out.stdout
+    rows = list(csv.DictReader((tmp_path / "m.csv").open()))
+    assert [r["table"] for r in rows] == ["balance"] * 4 + ["capacity"] * 2 + \
+        ["all_to_all"] * 2 + ["split"]
+    capacity = rows[4:6]
+    assert int(capacity[0]["dropped"]) == 0 < int(capacity[1]["dropped"])  # skewed: drops
+    split = rows[-1]
+    assert 0 < int(split["ep_sent"]) < int(split["tp_sent"])  # experts split send less
+    for r in rows[6:8]:
+        assert float(r["naive_ms"]) > 0 and float(r["pairwise_model_ms"]) > 0
+
+
+def test_bad_options_are_refused():
+    assert _bench("--world-sizes", "3", "--steps", "1").returncode == 1  # 4 experts over 3
+    assert _bench("--repeats", "0").returncode == 1
+    assert _bench("--sizes", "x").returncode == 2
