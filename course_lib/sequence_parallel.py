@@ -21,6 +21,7 @@ their gradients are summed over the ranks after backward (:func:`allreduce_repli
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -135,15 +136,17 @@ class ParallelBlock(nn.Module):
             return ReduceScatterSequence.apply(partial, self.tp) + bias
         return ReduceFromParallelRegion.apply(partial, self.tp) + bias
 
-    def attention(self, h: torch.Tensor) -> torch.Tensor:
+    def attention(self, h: torch.Tensor, attention: Callable = causal_attention) -> torch.Tensor:
         qkv = self.column(h, self.qkv_weight, self.qkv_bias)  # (B, T, 3 d / N): whole sequence
         B, T, _ = qkv.shape
         q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
-        y = causal_attention(q, k, v).transpose(1, 2).reshape(B, T, -1)  # this rank's heads
+        y = attention(q, k, v).transpose(1, 2).reshape(B, T, -1)  # this rank's heads
         return F.linear(y, self.proj_weight)  # a partial sum of the output projection
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.leave(self.attention(self.ln1(x)), self.proj_bias)
+    def forward(self, x: torch.Tensor, attention: Callable = causal_attention) -> torch.Tensor:
+        """As :meth:`transformer.Block.forward`; ``attention`` runs on this rank's heads (ring
+        attention there splits the sequence too)."""
+        x = x + self.leave(self.attention(self.ln1(x), attention), self.proj_bias)
         hidden = self.act(self.column(self.ln2(x), self.fc_weight, self.fc_bias))
         return x + self.leave(F.linear(hidden, self.out_weight), self.out_bias)
 

@@ -112,11 +112,16 @@ class TorchComm(Comm):
         req.handle = None if t.numel() == 0 else self._start(req, self.dist.isend, t, tag)
         return req
 
+    def global_rank(self, peer: int) -> int:
+        """The rank in the whole world of this comm's rank ``peer`` (torch's point-to-point
+        calls name peers by world rank, whatever the group: a mesh's groups are not prefixes)."""
+        return peer if self.group is None else self.dist.get_global_rank(self.group, peer)
+
     def _start(self, req, post, t, tag):
         """Post one isend/irecv of ``req``: Gloo raises at once when the peer's connection is
         already gone (a crashed process), which becomes a CommError naming both ranks."""
         try:
-            return post(t, req.peer, group=self.group, tag=tag)
+            return post(t, self.global_rank(req.peer), group=self.group, tag=tag)
         except RuntimeError as e:
             raise CommError(f"{req.what()} failed: {str(e).splitlines()[0]}") from e
 
@@ -154,10 +159,12 @@ class TorchComm(Comm):
                 # the message must still be received (into scratch of its own size): Gloo would
                 # abort the process on a size mismatch, and the next message must not read it
                 r.error = r.size_error(sent)
-                r.handle = self.dist.irecv(torch.empty(sent, dtype=torch.uint8), r.peer,
-                                           group=self.group, tag=r.tag) if sent else None
+                r.handle = self.dist.irecv(torch.empty(sent, dtype=torch.uint8),
+                                           self.global_rank(r.peer), group=self.group,
+                                           tag=r.tag) if sent else None
             elif sent:
-                r.handle = self.dist.irecv(t, r.peer, group=self.group, tag=r.tag)
+                r.handle = self.dist.irecv(t, self.global_rank(r.peer), group=self.group,
+                                           tag=r.tag)
             r.posted = True
         return True
 
@@ -188,8 +195,8 @@ class TorchComm(Comm):
                   "recv", recvbuf),
                  (self.dist.isend, self._tensor(sendbuf), self.check_peer(dst, "sendrecv"),
                   "send", sendbuf)]
-        live = [self.dist.P2POp(op, t, peer, self.group, tag) for op, t, peer, _, _ in pairs
-                if t.numel()]
+        live = [self.dist.P2POp(op, t, self.global_rank(peer), self.group, tag)
+                for op, t, peer, _, _ in pairs if t.numel()]
         works = iter(self.dist.batch_isend_irecv(live) if live else ())
         wait_all([Request(self, "sendrecv", kind, peer, buf, next(works) if t.numel() else None,
                           tag)

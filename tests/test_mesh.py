@@ -1,0 +1,47 @@
+"""The device mesh: coordinates and groups as torch's ``init_device_mesh`` lays them out, the
+course's collectives over groups that are not the first ranks, and the transformer trained on
+meshes of 4 and 8 ranks against one process (losses and parameters, float64)."""
+
+import pytest
+
+from course_lib import mesh as M
+from course_lib.testing.mesh import groups_beside_torch, mesh_training_on_rank
+
+CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
+
+
+def test_groups_and_coordinates_are_row_major():
+    groups = M.mesh_groups({"dp": 2, "tp": 2})
+    assert groups == {"dp": [[0, 2], [1, 3]], "tp": [[0, 1], [2, 3]]}
+    assert M.mesh_groups({"pp": 2, "dp": 2, "tp": 2})["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert M.coordinates(6, {"pp": 2, "dp": 2, "tp": 2}) == {"pp": 1, "dp": 1, "tp": 0}
+
+
+def test_a_shape_that_does_not_fill_the_world_is_refused():
+    with pytest.raises(ValueError, match=r"holds 6 ranks; the world has 8"):
+        M.check_shape({"dp": 2, "tp": 3}, 8)
+    with pytest.raises(ValueError, match="at least 1"):
+        M.check_shape({"dp": 0}, 8)
+
+
+@pytest.mark.parametrize("shape", [{"dp": 2, "tp": 2}, {"a": 2, "b": 1, "c": 2}])
+def test_the_groups_are_torchs_and_collectives_run_on_them(cluster, shape):
+    for rank, out in enumerate(cluster.run(groups_beside_torch, shape)):
+        for name, g in out.items():
+            assert g["ours"] == g["torch"] == g["group"] and rank in g["group"], (rank, name)
+            assert g["total"] == sum(g["group"])  # the sum over its group, not the world
+
+
+@pytest.mark.parametrize("shape, experts", [
+    ({"dp": 4}, 0), ({"dp": 2, "tp": 2}, 0), ({"cp": 2, "tp": 2}, 0), ({"dp": 2, "cp": 2}, 0),
+    ({"dp": 2, "ep": 2}, 4)], ids=["dp4", "dp2-tp2", "cp2-tp2", "dp2-cp2", "dp2-ep2"])
+def test_the_transformer_on_a_mesh_of_4_trains_as_one_process(cluster, shape, experts):
+    rows = cluster.run(mesh_training_on_rank, shape, 3, experts)
+    assert max(r["loss_error"] for r in rows) < 1e-10
+    assert max(r["param_error"] for r in rows) < 1e-10
+    assert rows[0]["losses"][-1] < rows[0]["losses"][0]  # and it learns
+
+
+def test_tensor_parallelism_of_expert_blocks_is_refused(cluster):
+    with pytest.raises(Exception, match="split experts by ep"):
+        cluster.run(mesh_training_on_rank, {"dp": 2, "tp": 2}, 1, 4)
