@@ -22,9 +22,9 @@ What is checked:
    name *another* notebook's topic (``TOPICS``) unless they also name its own:
    ``saves checkpoints (notebook 10)`` fails, since checkpoints are notebook 11's;
    ``the parameter server of notebook 04`` passes.
-3. **Planned notebooks** (15-17 are planned) may be named only in a clause that says they are
+3. **Planned notebooks** (17 is planned) may be named only in a clause that says they are
    not there yet, with one of the words ``coming``, ``planned``, ``future`` or ``to come``:
-   "notebook 15 (coming: mixture of experts and the all-to-all)".
+   "notebook 17 (coming: a debugging clinic)".
 """
 
 import json
@@ -65,6 +65,9 @@ TOPICS = {
            "random search", "successive halving", "asha", "hyperband", "optuna"),
     "14": ("transformer", "long sequence", "ring attention", "zig-zag", "online softmax",
            "context parallel", "sequence length"),
+    "15": ("mixture of experts", "mixture-of-experts", "expert parallel", "router",
+           "capacity factor", "top-k dispatch", "load-balancing", "load balancing"),
+    "16": ("device mesh", "init_device_mesh"),
 }
 SUFFIX = r"(?:s|es|d|ed|ing|ped|ness)?\b"  # buckets, bucketed, overlapped, staleness
 KEYWORDS = {num: re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")" + SUFFIX, re.I)
