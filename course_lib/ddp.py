@@ -122,12 +122,15 @@ def bucket_groups(sizes_and_dtypes: list[tuple[int, torch.dtype]], strategy: str
     (``per_parameter``), one per dtype (``flat``), or :func:`assign_buckets` per dtype
     (``bucketed``, ``overlap``) with torch DDP's caps: ``bucket_cap_mb=None`` means 25 MiB and
     a first bucket of 1 MiB; a cap that is given caps the first bucket too, unless
-    ``first_bucket_mb`` says otherwise. ``sizes_and_dtypes``: (bytes, dtype) per parameter, in
-    model order. Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    ``first_bucket_mb`` says otherwise. Two caps name the extremes: ``0`` gives every tensor
+    its own bucket (under ``overlap``, one allreduce launched from each gradient's hook) and
+    ``math.inf`` one bucket for everything. ``sizes_and_dtypes``: (bytes, dtype) per
+    parameter, in model order. Introduced in notebooks/06_data_parallel_sgd.ipynb."""
     _check_choice(strategy, STRATEGIES, "strategy")
-    if not (bucket_cap_mb is None or bucket_cap_mb > 0):
-        raise ValueError(f"bucket_cap_mb must be > 0 or None, got {bucket_cap_mb!r}")
-    if strategy == "per_parameter":
+    if not (bucket_cap_mb is None or bucket_cap_mb >= 0):
+        raise ValueError(f"bucket_cap_mb must be >= 0 (0: a bucket per tensor) or None, got "
+                         f"{bucket_cap_mb!r}")
+    if strategy == "per_parameter" or (bucket_cap_mb == 0 and strategy != "flat"):
         return [[i] for i in reversed(range(len(sizes_and_dtypes)))]
     if first_bucket_mb is None and bucket_cap_mb is None:  # torch: 1 MiB at the default cap only
         first_bucket_mb = FIRST_BUCKET_MB
@@ -561,7 +564,9 @@ class DistributedDataParallel(torch.nn.Module):
     parameters on construction, and when ``loss.backward()`` returns every ``.grad`` holds the
     average over the ranks. ``buckets`` lists the parameter names of each bucket. The caps are
     torch DDP's (2.13): ``bucket_cap_mb=None`` means 25 MiB with a first bucket of 1 MiB; a
-    cap that is given applies to the first bucket too (``first_bucket_mb`` overrides it).
+    cap that is given applies to the first bucket too (``first_bucket_mb`` overrides it);
+    ``0`` gives each tensor its own allreduce, launched from its gradient's hook, and
+    ``math.inf`` one bucket for everything.
     Unlike torch, the buckets are made once, here, in reverse parameter order; torch DDP
     reduces everything in one bucket in its first step and then rebuilds its buckets by the
     same rule in the order the gradients became ready, which is the same buckets for a model

@@ -1,5 +1,7 @@
 """From-scratch data parallelism against one process on the global batch and against torch DDP."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -36,8 +38,10 @@ def test_the_first_bucket_is_1_mib_only_at_torchs_default_cap():
     assert bucket_groups(sizes, "bucketed", 25) == [[5, 4, 3, 2, 1, 0]]      # 25 given: no 1 MiB
     assert bucket_groups(sizes, "overlap", 1.5, first_bucket_mb=0.5) == [[5], [4, 3, 2, 1], [0]]
     assert bucket_groups(sizes, "flat") == [[5, 4, 3, 2, 1, 0]]
-    with pytest.raises(ValueError, match="bucket_cap_mb"):
-        bucket_groups(sizes, "overlap", 0)
+    assert bucket_groups(sizes, "overlap", 0) == [[5], [4], [3], [2], [1], [0]]  # one a tensor
+    assert bucket_groups(sizes, "bucketed", math.inf) == [[5, 4, 3, 2, 1, 0]]    # one for all
+    with pytest.raises(ValueError, match="bucket_cap_mb must be >= 0"):
+        bucket_groups(sizes, "overlap", -1)
 
 
 def test_buckets_equal_torch_ddps_from_its_second_step(cluster):
@@ -188,3 +192,12 @@ def test_a_missing_rank_fails_with_a_deadline_naming_the_bucket(cluster):
     assert message is not None and "rank 0" in message and "bucket 0" in message
     assert "elements, 4.7 KiB)" in message and "within 2s" in message
     assert waited < 15
+
+
+@pytest.mark.parametrize("cap", [0, math.inf], ids=["a-bucket-per-tensor", "one-bucket"])
+def test_the_two_extreme_caps_equal_torch_ddp(cluster, cap):
+    """bucket_cap_mb=0: one allreduce per tensor, each launched from its gradient's hook;
+    math.inf: one bucket. Both equal torch DDP."""
+    torch_ddp = cluster.run(ddp_check.train_on_rank, "torch", steps=2, batch=64)
+    runs = cluster.run(ddp_check.train_on_rank, "overlap", steps=2, batch=64, bucket_cap_mb=cap)
+    assert ddp_check.max_difference(runs, torch_ddp[0]["params"]) < 1e-12

@@ -189,3 +189,74 @@ def frozen_model(seed=0, frozen="first"):
 MODELS = {"small": (make_model, (5, 3)), "deep": (deep_model, (32, 32)),
           "frozen-first": (partial(frozen_model, frozen="first"), (5, 3)),
           "frozen-middle": (partial(frozen_model, frozen="middle"), (5, 3))}
+
+
+def sharded_optimizer_against_torch(steps: int = 3, seed: int = 0) -> dict:
+    """The course's :class:`zero_optimizer.ShardedOptimizer` and torch's
+    ``ZeroRedundancyOptimizer`` (Adam, two parameter groups) on two copies of one model, the
+    gradients of this rank's rows averaged over the ranks, ``steps`` steps; then each one's
+    consolidated state on rank 0, and a plain Adam in one process that continues from the
+    course's state. Returns the partitions, the largest difference of the parameters, of the
+    saved states, and of one more step taken by the plain Adam and by both sharded ones.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from course_lib.collectives import allreduce
+    from course_lib.zero_optimizer import ShardedOptimizer
+    comm = get_comm("torch")
+    ours, theirs = make_model(seed, (5, 16, 3)), make_model(seed, (5, 16, 3))  # the same
+
+    def groups(model):  # weights and biases apart, another learning rate for the biases
+        named = list(model.named_parameters())
+        return [{"params": [p for n, p in named if n.endswith("weight")]},
+                {"params": [p for n, p in named if n.endswith("bias")], "lr": 0.05}]
+
+    opts = [ShardedOptimizer(groups(ours), torch.optim.Adam, comm, lr=0.01),
+            ZeroRedundancyOptimizer(groups(theirs)[0]["params"], torch.optim.Adam, lr=0.01)]
+    opts[1].add_param_group(groups(theirs)[1])
+    x, y = make_data(12, (5, 16, 3))
+    rows = slice(*shard_bounds(12, comm.rank, comm.world_size))
+
+    def train(model, opt, n):
+        for _ in range(n):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            for p in model.parameters():
+                allreduce(p.grad, comm, op="average", check=False)
+            opt.step()
+
+    for model, opt in zip((ours, theirs), opts, strict=True):
+        train(model, opt, steps)
+    params = max(float((a - b).abs().max()) for a, b in zip(ours.parameters(),
+                                                               theirs.parameters(), strict=True))
+    torch_owner = {id(p): r for r, groups_r in enumerate(opts[1]._partition_parameters())
+                   for g in groups_r for p in g["params"]}
+    every = [p for g in opts[1].param_groups for p in g["params"]]
+    for opt in opts:
+        opt.consolidate_state_dict(to=0)
+    out = dict(params=params, owners=opts[0].owners,
+               torch_owners=[torch_owner[id(p)] for p in every])
+    if comm.rank == 0:
+        mine, torch_state = opts[0].state_dict(), opts[1].state_dict()
+        out["state"] = max(float((mine["state"][i][k] - torch_state["state"][i][k]).abs().max())
+                           for i in mine["state"] for k in ("exp_avg", "exp_avg_sq"))
+        plain_model = copy.deepcopy(ours)  # one process continues from the course's state
+        plain = torch.optim.Adam(groups(plain_model)[0]["params"], lr=0.01)
+        plain.add_param_group(groups(plain_model)[1])
+        plain.load_state_dict(mine)
+        plain.zero_grad()
+        nn.functional.mse_loss(plain_model(x), y).backward()
+        plain.step()
+        out["plain_model"] = [p.detach().clone() for p in plain_model.parameters()]
+    dist.barrier()
+    for model, opt in zip((ours, theirs), opts, strict=True):  # one more step, whole batch
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    if comm.rank == 0:
+        out["continued"] = max(float((a - b).abs().max()) for a, b in zip(
+            ours.parameters(), out.pop("plain_model"), strict=True))
+        out["continued_torch"] = max(float((a - b).abs().max()) for a, b in zip(
+            ours.parameters(), theirs.parameters(), strict=True))
+    return out
