@@ -137,7 +137,7 @@ def share_of_batch(mesh: Mesh, idx: torch.Tensor, targets: torch.Tensor
         raise ValueError(f"{idx.shape[0]} sequences do not split over dp x ep = {groups}")
     part = mesh.coords.get("dp", 0) * size(mesh, "ep") + mesh.coords.get("ep", 0)
     rows = slice(part * idx.shape[0] // groups, (part + 1) * idx.shape[0] // groups)
-    idx, targets = idx[rows], targets[rows]
+    idx, targets = idx[rows].clone(), targets[rows].clone()  # its own rows, as a loader gives
     if size(mesh, "cp") == 1:
         return idx, targets, None, causal_attention
     positions = zigzag_positions(idx.shape[1], size(mesh, "cp"))

@@ -178,14 +178,30 @@ def activation_bytes_formula(batch: int, length: int, d_model: int, heads: int, 
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: one of {SPLITS}")
-    B, T, d, N = batch, length, d_model, world_size
-    whole = 4 * B * T * d + 4 * B * T
-    split_bytes = 12 * B * T * d
     if split == "ring":
-        return int(itemsize * (whole + split_bytes + B * T * d + B * heads * T) / N)
-    if split == "tp":
-        return int(itemsize * (whole + (split_bytes + B * heads * T * T) / N) + T * T)
-    return int(itemsize * (whole + split_bytes + B * heads * T * T) / N + T * T)
+        return block_activation_bytes(batch, length, d_model, heads, cp=world_size,
+                                      itemsize=itemsize)
+    # Ulysses keeps what TP + SP keeps: T/N tokens outside attention, H/N whole heads inside
+    return block_activation_bytes(batch, length, d_model, heads, tp=world_size,
+                                  sequence_parallel=split != "tp", itemsize=itemsize)
+
+
+def block_activation_bytes(batch: int, length: int, d_model: int, heads: int, tp: int = 1,
+                           cp: int = 1, sequence_parallel: bool = False,
+                           itemsize: int = 8) -> int:
+    """The bytes one block keeps per rank with tensor parallelism over ``tp`` ranks (with
+    sequence parallelism or not) and the sequence split over ``cp`` ranks by ring attention,
+    at once (see :func:`activation_bytes_formula`): a rank holds T' = T/cp positions; the
+    LayerNorm regions are whole over the ``tp`` ranks unless ``sequence_parallel``; the rest
+    is divided by ``tp``; attention keeps its probabilities (cp = 1) or its output again and
+    its log-denominators (ring attention, cp > 1).
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    B, T, d, h = batch, length // cp, d_model, heads
+    whole = 4 * B * T * d + 4 * B * T
+    numbers = (whole / tp if sequence_parallel else whole) + 12 * B * T * d / tp
+    if cp > 1:
+        return int(itemsize * (numbers + B * T * d / tp + B * h * T / tp))
+    return int(itemsize * (numbers + B * h * T * T / tp) + T * T)
 
 
 def allreduce_replicated_grads(blocks: list[ParallelBlock]) -> None:

@@ -5,7 +5,9 @@ meshes of 4 and 8 ranks against one process (losses and parameters, float64)."""
 import pytest
 
 from course_lib import mesh as M
-from course_lib.testing.mesh import groups_beside_torch, mesh_training_on_rank
+from course_lib import planner
+from course_lib import transformer as tf
+from course_lib.testing.mesh import groups_beside_torch, mesh_training_on_rank, plan_differences
 
 CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
 
@@ -40,6 +42,25 @@ def test_the_transformer_on_a_mesh_of_4_trains_as_one_process(cluster, shape, ex
     assert max(r["loss_error"] for r in rows) < 1e-10
     assert max(r["param_error"] for r in rows) < 1e-10
     assert rows[0]["losses"][-1] < rows[0]["losses"][0]  # and it learns
+    assert plan_differences(rows, shape, experts) == []  # the planner's bytes, kind by kind
+
+
+def test_zero_divides_the_state_over_dp_and_experts_count_on_their_rank():
+    cfg = tf.GPTConfig(context=16, d_model=16, n_heads=4)
+    whole = planner.memory_per_rank(cfg, planner.Layout(dp=4), 8, 16)
+    for stage, divided in [(1, ["optimizer"]), (2, ["optimizer", "gradients"]),
+                           (3, ["optimizer", "gradients", "parameters"])]:
+        plan = planner.memory_per_rank(cfg, planner.Layout(dp=4, zero=stage), 8, 16)
+        for kind in ("parameters", "gradients"):
+            assert plan[kind] == whole[kind] / (4 if kind in divided else 1)
+    moe = tf.GPTConfig(context=16, d_model=16, n_heads=4, experts=4)
+    one = planner.parameters_per_rank(moe, planner.Layout())
+    split = planner.parameters_per_rank(moe, planner.Layout(ep=4))
+    assert one - split == 2 * 3 * (2 * 16 * 64 + 64 + 16)  # 3 of 4 experts elsewhere, 2 blocks
+    assert one == tf.GPT(moe).num_parameters()
+    assert planner.parameters_per_rank(cfg, planner.Layout()) == tf.GPT(cfg).num_parameters()
+    with pytest.raises(ValueError, match="expert blocks"):
+        planner.activation_bytes_per_rank(moe, planner.Layout(), 8, 16)
 
 
 def test_tensor_parallelism_of_expert_blocks_is_refused(cluster):

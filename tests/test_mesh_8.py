@@ -3,7 +3,7 @@ process: loss after every step and every parameter, float64."""
 
 import pytest
 
-from course_lib.testing.mesh import mesh_training_on_rank
+from course_lib.testing.mesh import mesh_training_on_rank, plan_differences
 
 CLUSTER_SIZE = 8  # a shared cluster of tests/conftest.py, started for this module
 
@@ -16,3 +16,4 @@ def test_the_transformer_on_a_mesh_of_8_trains_as_one_process(cluster, shape, ex
     assert max(r["loss_error"] for r in rows) < 1e-10
     assert max(r["param_error"] for r in rows) < 1e-10
     assert len({tuple(r["coords"].values()) for r in rows}) == 8  # each rank its own place
+    assert plan_differences(rows, shape, experts) == []  # the planner's bytes, kind by kind
