@@ -29,6 +29,7 @@ from course_lib.parallel_gd import check_full_gradient
 from course_lib.pipeline import bubble_fraction
 from course_lib.testing import context_parallel as context_runs
 from course_lib.testing import ddp as ddp_check
+from course_lib.testing import mesh as mesh_runs
 from course_lib.testing import moe as moe_runs
 from course_lib.testing import pipeline as pipeline_runs
 from course_lib.testing import zero as zero_runs
@@ -267,9 +268,25 @@ def mixture_of_experts(cluster: Cluster, out_dir: Path) -> list[Row]:
              ours > 0 and native > 0)]
 
 
+def planning_a_run(cluster: Cluster, out_dir: Path) -> list[Row]:
+    """The transformer on a mesh of every rank (context and tensor parallelism when there
+    are 4, tensor parallelism on 2), equal to one process, and the planner's bytes per rank
+    beside what each rank held (notebooks/16_planning_a_run.ipynb)."""
+    shape = ({"dp": cluster.n} if cluster.n % 2 else
+             {"tp": 2} if cluster.n == 2 else {"cp": cluster.n // 2, "tp": 2})
+    rows = cluster.run(mesh_runs.mesh_training_on_rank, shape, 2)
+    error = max(max(r["loss_error"], r["param_error"]) for r in rows)
+    wrong = mesh_runs.plan_differences(rows, shape)
+    held = rows[0]["memory"]
+    return [(f"transformer on a mesh {shape}",
+             f"losses and parameters differ from one process by {error:.1e}; planned bytes per "
+             f"rank = held ({sum(held.values()) / 1024:.0f} KiB): {not wrong}",
+             error < 1e-10 and not wrong)]
+
+
 PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel,
          pipeline, sharded, fault_tolerance, hyperparameter_search, long_sequences,
-         mixture_of_experts]
+         mixture_of_experts, planning_a_run]
 
 
 def _plot_losses(runs, best, path):

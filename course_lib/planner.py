@@ -78,7 +78,8 @@ def activation_bytes_per_rank(cfg: GPTConfig, layout: Layout, batch: int, length
         raise ValueError("the activations of expert blocks are not in this count yet")
     b, T = batch // (layout.dp * layout.ep), length // layout.cp
     blocks = cfg.n_layers * block_activation_bytes(b, length, cfg.d_model, cfg.n_heads,
-                                                   layout.tp, layout.cp, itemsize=itemsize)
+                                                   layout.tp, layout.cp, itemsize=itemsize,
+                                                   recompute=cfg.recompute)
     # the head: final LayerNorm's input, output (the head's input) and two statistics per
     # token, the log-probabilities over the vocabulary, tokens and targets (int64); the
     # positions (int64) and the loss's scalar

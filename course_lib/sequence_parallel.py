@@ -187,21 +187,26 @@ def activation_bytes_formula(batch: int, length: int, d_model: int, heads: int, 
 
 
 def block_activation_bytes(batch: int, length: int, d_model: int, heads: int, tp: int = 1,
-                           cp: int = 1, sequence_parallel: bool = False,
-                           itemsize: int = 8) -> int:
+                           cp: int = 1, sequence_parallel: bool = False, itemsize: int = 8,
+                           recompute: str | None = None) -> int:
     """The bytes one block keeps per rank with tensor parallelism over ``tp`` ranks (with
     sequence parallelism or not) and the sequence split over ``cp`` ranks by ring attention,
     at once (see :func:`activation_bytes_formula`): a rank holds T' = T/cp positions; the
     LayerNorm regions are whole over the ``tp`` ranks unless ``sequence_parallel``; the rest
     is divided by ``tp``; attention keeps its probabilities (cp = 1) or its output again and
-    its log-denominators (ring attention, cp > 1).
-    Introduced in notebooks/16_planning_a_run.ipynb."""
+    its log-denominators (ring attention, cp > 1). ``recompute="full"`` keeps the block's
+    input only (B T' d, divided by tp with sequence parallelism); ``"attention"`` keeps
+    attention's inputs but not what its core adds (the probabilities and the mask, or ring
+    attention's output and log-denominators). Introduced in notebooks/16_planning_a_run.ipynb."""
     B, T, d, h = batch, length // cp, d_model, heads
+    if recompute == "full":
+        return int(itemsize * B * T * d / (tp if sequence_parallel else 1))
     whole = 4 * B * T * d + 4 * B * T
     numbers = (whole / tp if sequence_parallel else whole) + 12 * B * T * d / tp
+    core = recompute != "attention"  # what attention's core keeps beyond its inputs
     if cp > 1:
-        return int(itemsize * (numbers + B * T * d / tp + B * h * T / tp))
-    return int(itemsize * (numbers + B * h * T * T / tp) + T * T)
+        return int(itemsize * (numbers + core * (B * T * d + B * h * T) / tp))
+    return int(itemsize * (numbers + core * B * h * T * T / tp) + core * T * T)
 
 
 def allreduce_replicated_grads(blocks: list[ParallelBlock]) -> None:

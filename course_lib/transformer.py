@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from course_lib.moe import MoE, expert_mlp
 
@@ -45,10 +46,13 @@ class GPTConfig:
     top_k: int = 1            # experts per token
     capacity_factor: float | None = None  # None: no expert ever full, no token dropped
     aux_weight: float = 0.01  # the load-balancing loss's weight in the training loss
+    recompute: str | None = None  # "full": each block again in backward; "attention": its core
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute={self.recompute!r}: one of {RECOMPUTE}")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -61,6 +65,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     future = torch.ones(T, k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
     scores = scores.masked_fill(future, float("-inf"))  # query i may not look at key j > i
     return torch.softmax(scores, dim=-1) @ v
+
+
+RECOMPUTE = (None, "full", "attention")
+
+
+def recomputed(attention: Callable) -> Callable:
+    """``attention`` that keeps only its inputs for backward and runs again there (selective
+    activation recomputation, Korthikanti et al.: the T x T scores are cheap to recompute and
+    expensive to keep). Introduced in notebooks/16_planning_a_run.ipynb."""
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return checkpoint(attention, q, k, v, use_reentrant=False)
+    return run
 
 
 class CausalSelfAttention(nn.Module):
@@ -133,8 +149,13 @@ class GPT(nn.Module):
             raise ValueError(f"position {int(positions.max())} is beyond the model's context "
                              f"{self.cfg.context}")
         x = self.tok(idx) + self.pos(positions)
+        if self.cfg.recompute == "attention":  # keep q, k, v; compute the T x T scores again
+            attention = recomputed(attention)
         for block in self.blocks:
-            x = block(x, attention)
+            if self.cfg.recompute == "full":  # keep the block's input; run it again in backward
+                x = checkpoint(block, x, attention, use_reentrant=False)
+            else:
+                x = block(x, attention)
         logits = self.ln_f(x) @ self.tok.weight.T  # tied head: the embedding, read backwards
         if targets is None:
             return logits, None

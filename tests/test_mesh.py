@@ -66,3 +66,16 @@ def test_zero_divides_the_state_over_dp_and_experts_count_on_their_rank():
 def test_tensor_parallelism_of_expert_blocks_is_refused(cluster):
     with pytest.raises(Exception, match="split experts by ep"):
         cluster.run(mesh_training_on_rank, {"dp": 2, "tp": 2}, 1, 4)
+
+
+@pytest.mark.parametrize("shape", [{"dp": 2, "tp": 2}, {"cp": 2, "tp": 2}], ids=["dp2-tp2",
+                                                                                "cp2-tp2"])
+@pytest.mark.parametrize("recompute", ["full", "attention"])
+def test_recomputation_keeps_what_the_plan_says_and_changes_no_number(cluster, shape, recompute):
+    rows = cluster.run(mesh_training_on_rank, shape, 2, 0, recompute=recompute)
+    assert max(r["loss_error"] for r in rows) < 1e-10  # against one process without it
+    assert max(r["param_error"] for r in rows) < 1e-10
+    assert plan_differences(rows, shape, recompute=recompute) == []
+    whole = planner.activation_bytes_per_rank(tf.GPTConfig(context=16, d_model=16, n_heads=4),
+                                              planner.Layout.from_shape(shape), 8, 16)
+    assert rows[0]["memory"]["activations"] < whole  # it keeps less

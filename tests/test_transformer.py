@@ -55,3 +55,8 @@ def test_bad_sizes_are_refused(data):
     with pytest.raises(ValueError, match="beyond the model's context 16"):
         model(torch.from_numpy(data[:20])[None])
     assert tf.decode(tf.encode("héllo")) == "héllo"
+
+
+def test_a_recomputation_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="recompute='some': one of"):
+        tf.GPTConfig(recompute="some")

@@ -3,6 +3,8 @@ notebook 16 run on every rank (real Gloo messages, float64)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -18,7 +20,7 @@ UNSHARDED = {attribute: name for name, attribute in SHARD_NAMES.items()}  # qkv_
 
 def mesh_training_on_rank(shape: dict[str, int], steps: int = 3, experts: int = 0,
                           batch: int = 8, length: int = 16, seed: int = 0,
-                          timeout: float = 30.0) -> dict:
+                          timeout: float = 30.0, recompute: str | None = None) -> dict:
     """The transformer (float64, small) trained ``steps`` AdamW steps on a mesh of ``shape``
     (:func:`mesh.parallelize`, :func:`mesh.share_of_batch`, :func:`mesh.reduce_gradients`)
     and the same model in one process on the same global batches. Returns the mesh's loss per
@@ -28,8 +30,8 @@ def mesh_training_on_rank(shape: dict[str, int], steps: int = 3, experts: int = 
     mesh = M.make_mesh(shape, timeout=timeout)
     cfg = tf.GPTConfig(context=length, d_model=16, n_heads=4, experts=experts,
                        top_k=2 if experts else 1, aux_weight=0.0)
-    one = tf.GPT(cfg, seed=seed).double()
-    model = M.parallelize(tf.GPT(cfg, seed=seed).double(), mesh)
+    one = tf.GPT(cfg, seed=seed).double()  # recomputation changes no number: only the memory
+    model = M.parallelize(tf.GPT(replace(cfg, recompute=recompute), seed=seed).double(), mesh)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (one, model)]
     data = tf.encode(tf.load_text()[:20_000])
     rng, losses, errors = np.random.default_rng(seed), [], []
@@ -118,12 +120,13 @@ def matching_parameters(model: tf.GPT, one: tf.GPT) -> list[tuple]:
 
 
 def plan_differences(rows: list[dict], shape: dict[str, int], experts: int = 0,
-                     batch: int = 8, length: int = 16) -> list[str]:
+                     batch: int = 8, length: int = 16, recompute: str | None = None
+                     ) -> list[str]:
     """Where the planner's bytes per rank (:func:`planner.memory_per_rank`) differ from what
     the ranks of :func:`mesh_training_on_rank` held, kind by kind (activations: dense blocks
     only, the planner has no count for experts' yet); [] when every kind is exact."""
     cfg = tf.GPTConfig(context=length, d_model=16, n_heads=4, experts=experts,
-                       top_k=2 if experts else 1)
+                       top_k=2 if experts else 1, recompute=recompute)
     layout = planner.Layout.from_shape(shape)
     if experts:
         n = planner.parameters_per_rank(cfg, layout)
