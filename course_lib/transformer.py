@@ -127,17 +127,19 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.balance_loss: torch.Tensor | None = None  # experts: the last forward's, weighted
-        with torch.random.fork_rng():  # the same weights on every rank, the global RNG untouched
-            torch.manual_seed(seed)
+        with torch.random.fork_rng():  # the layers' own initialisation: the global RNG untouched
             self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
             self.pos = nn.Embedding(cfg.context, cfg.d_model)
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
             self.ln_f = nn.LayerNorm(cfg.d_model)
-            for name, p in self.named_parameters():  # GPT-2's initialisation
-                if p.dim() > 1:
-                    nn.init.normal_(p, std=0.02)
-                elif name.endswith("bias"):
-                    nn.init.zeros_(p)
+        # GPT-2's initialisation, drawn from this seed alone: the same weights on every rank,
+        # processes or threads (a generator of its own: threads share the global one)
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02, generator=gen)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, attention: Callable = causal_attention,

@@ -41,6 +41,7 @@ def test_the_transformer_on_a_mesh_of_4_trains_as_one_process(cluster, shape, ex
     rows = cluster.run(mesh_training_on_rank, shape, 3, experts)
     assert max(r["loss_error"] for r in rows) < 1e-10
     assert max(r["param_error"] for r in rows) < 1e-10
+    assert max(r["grad_error"] for r in rows) < 1e-10  # Adam would hide a scale
     assert rows[0]["losses"][-1] < rows[0]["losses"][0]  # and it learns
     assert plan_differences(rows, shape, experts) == []  # the planner's bytes, kind by kind
 
@@ -75,6 +76,7 @@ def test_recomputation_keeps_what_the_plan_says_and_changes_no_number(cluster, s
     rows = cluster.run(mesh_training_on_rank, shape, 2, 0, recompute=recompute)
     assert max(r["loss_error"] for r in rows) < 1e-10  # against one process without it
     assert max(r["param_error"] for r in rows) < 1e-10
+    assert max(r["grad_error"] for r in rows) < 1e-10  # Adam would hide a scale
     assert plan_differences(rows, shape, recompute=recompute) == []
     whole = planner.activation_bytes_per_rank(tf.GPTConfig(context=16, d_model=16, n_heads=4),
                                               planner.Layout.from_shape(shape), 8, 16)

@@ -45,6 +45,9 @@ def mesh_training_on_rank(shape: dict[str, int], steps: int = 3, experts: int = 
             opt.zero_grad()
             (loss / tokens).backward()
         M.reduce_gradients(model, mesh)
+        if not memory:  # Adam would hide a gradient scaled wrong: compare the first ones
+            grad_error = max(float((p - want).abs().max())
+                             for p, want in matching_parameters(model, one, grads=True))
         for opt in opts:
             opt.step()
         if not memory:  # what this rank holds, by kind, in the first step
@@ -60,6 +63,7 @@ def mesh_training_on_rank(shape: dict[str, int], steps: int = 3, experts: int = 
         losses.append(float(total) / tokens)
         errors.append(abs(float(total) - float(whole)) / tokens)
     return dict(losses=losses, coords=mesh.coords, loss_error=max(errors), memory=memory,
+                grad_error=grad_error,
                 param_error=max(float((p - want).abs().max())
                                 for p, want in matching_parameters(model, one)))
 
@@ -96,27 +100,31 @@ def groups_beside_torch(shape: dict[str, int], timeout: float = 10.0) -> dict:
     return out
 
 
-def matching_parameters(model: tf.GPT, one: tf.GPT) -> list[tuple]:
+def matching_parameters(model: tf.GPT, one: tf.GPT, grads: bool = False) -> list[tuple]:
     """Each parameter of the split ``model`` beside the part of ``one``'s it must equal: a
-    tensor-parallel block's shards, a rank's own experts, the rest whole."""
-    ref = dict(one.named_parameters())
+    tensor-parallel block's shards, a rank's own experts, the rest whole (``grads``: their
+    gradients instead)."""
+    def value(t):
+        return t.grad if grads else t.detach()
+
+    ref = {name: value(p) for name, p in one.named_parameters()}
     pairs = []
     for i, block in enumerate(model.blocks):
         prefix = f"blocks.{i}."
         for name, p in block.named_parameters():
             if isinstance(block, ParallelBlock):
                 full = UNSHARDED[name]
-                pairs.append((p, shard_of(block, full, ref[prefix + full])))
+                pairs.append((value(p), shard_of(block, full, ref[prefix + full])))
             elif isinstance(block.mlp, ExpertParallelMoE) and name.startswith("mlp.experts."):
                 e, rest = name[len("mlp.experts."):].split(".", 1)
                 global_name = f"{prefix}mlp.experts.{block.mlp.first + int(e)}.{rest}"
-                pairs.append((p, ref[global_name]))
+                pairs.append((value(p), ref[global_name]))
             else:
-                pairs.append((p, ref[prefix + name]))
+                pairs.append((value(p), ref[prefix + name]))
     for name, p in model.named_parameters():
         if not name.startswith("blocks."):
-            pairs.append((p, ref[name]))
-    return [(p.detach(), want.detach()) for p, want in pairs]
+            pairs.append((value(p), ref[name]))
+    return pairs
 
 
 def plan_differences(rows: list[dict], shape: dict[str, int], experts: int = 0,
