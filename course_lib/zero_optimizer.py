@@ -166,5 +166,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def settings(group: dict) -> dict:
-    """A parameter group's hyperparameters: everything but its parameters."""
+    """A parameter group's hyperparameters: everything but its parameters.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
     return {k: v for k, v in group.items() if k != "params"}
