@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from course_lib.sequence_parallel import block_activation_bytes
+from course_lib.sharding import shard_bounds
 from course_lib.transformer import GPTConfig
 
 
@@ -101,3 +102,59 @@ def memory_per_rank(cfg: GPTConfig, layout: Layout, batch: int, length: int,
                                                           itemsize))}
     out["total"] = math.fsum(out.values())
     return out
+
+
+# ---------------------------------------------------------------- what a step sends
+def tensor_sizes(cfg: GPTConfig, layout: Layout) -> list[int]:
+    """The elements of each parameter tensor one rank holds (dense or expert blocks; see
+    :func:`parameters_per_rank`). Introduced in notebooks/16_planning_a_run.ipynb."""
+    d, t, hidden = cfg.d_model, layout.tp, cfg.hidden or 4 * cfg.d_model
+    sizes = [cfg.vocab_size * d, cfg.context * d, d, d]  # embeddings, final LayerNorm
+    for _ in range(cfg.n_layers):
+        sizes += [d, d, d, d, 3 * d * d // t, 3 * d // t, d * d // t, d]  # LayerNorms, attention
+        if cfg.experts:
+            sizes += [d * cfg.experts] + cfg.experts // layout.ep * [hidden * d, hidden,
+                                                                     d * hidden, d]
+        else:
+            sizes += [hidden * d // t, hidden // t, d * hidden // t, d]
+    return sizes
+
+
+def ring_allreduce_elements(n: int, world_size: int, rank: int) -> int:
+    """The elements rank ``rank`` sends in the course's ring allreduce of ``n`` elements: every
+    chunk but its own in the reduce-scatter, every chunk but its right neighbour's in the
+    all-gather (chunks of :func:`sharding.shard_bounds`).
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    if world_size == 1 or n == 0:
+        return 0
+    size = [b - a for a, b in (shard_bounds(n, c, world_size) for c in range(world_size))]
+    return 2 * n - size[rank] - size[(rank + 1) % world_size]
+
+
+def bytes_per_step(cfg: GPTConfig, layout: Layout, batch: int, length: int,
+                   coords: dict[str, int], itemsize: int = 8) -> dict[str, int]:
+    """The bytes the rank at ``coords`` sends in one step, along each dimension of dense
+    blocks: tp, four allreduces per block of its B/dp sequences' T/cp positions (two in
+    forward, two in backward); cp, ring attention's key/value blocks (N - 1 forward, N - 1
+    backward with their gradients, and the last hop home) and the allreduce of every gradient;
+    dp, the allreduce of every gradient (the course's ring). Recomputation adds the
+    forward's messages it runs again. Introduced in notebooks/16_planning_a_run.ipynb."""
+    if cfg.experts:
+        raise ValueError("an expert block's all-to-alls depend on the routing: not counted")
+    b, T = batch // (layout.dp * layout.ep), length // layout.cp
+    out = {}
+    for dim in ("dp", "cp"):
+        n = getattr(layout, dim)
+        out[dim] = itemsize * sum(ring_allreduce_elements(k, n, coords.get(dim, 0))
+                                  for k in tensor_sizes(cfg, layout))
+    # recomputation runs forwards again in backward: a whole block's stops once backward has
+    # what it needs (torch's checkpoint), before the MLP's allreduce; attention's core, its ring
+    again = {None: (0, 0), "attention": (0, 1), "full": (1, 1)}[cfg.recompute]
+    out["tp"] = itemsize * (4 + again[0]) * cfg.n_layers * ring_allreduce_elements(
+        b * T * cfg.d_model, layout.tp, coords.get("tp", 0))
+    if layout.cp > 1:  # a block of keys and values: this rank's heads of its positions
+        kv = b * (cfg.n_heads // layout.tp) * T * (cfg.d_model // cfg.n_heads) * itemsize
+        forward = (layout.cp - 1) * 2 * kv
+        out["cp"] += cfg.n_layers * ((1 + again[1]) * forward + (layout.cp - 1) * 4 * kv
+                                     + 2 * kv)
+    return {dim: int(v) for dim, v in out.items() if getattr(layout, dim) > 1}

@@ -40,11 +40,15 @@ def mesh_training_on_rank(shape: dict[str, int], steps: int = 3, experts: int = 
         x, y = tf.get_batch(data, batch, length, rng)
         _, whole = one(x, y)
         xi, yi, positions, attention = M.share_of_batch(mesh, x, y)
+        before = {dim: mesh[dim].bytes_sent for dim in mesh.shape}
         kept, part = forward_kept(model, xi, yi, positions, attention)
         for loss, opt in ((whole, opts[0]), (part, opts[1])):
             opt.zero_grad()
             (loss / tokens).backward()
         M.reduce_gradients(model, mesh)
+        if not memory:  # the bytes this rank sent in the first step, along each dimension
+            sent = {dim: mesh[dim].bytes_sent - before[dim] for dim in mesh.shape
+                    if mesh.shape[dim] > 1}
         if not memory:  # Adam would hide a gradient scaled wrong: compare the first ones
             grad_error = max(float((p - want).abs().max())
                              for p, want in matching_parameters(model, one, grads=True))
@@ -63,7 +67,7 @@ def mesh_training_on_rank(shape: dict[str, int], steps: int = 3, experts: int = 
         losses.append(float(total) / tokens)
         errors.append(abs(float(total) - float(whole)) / tokens)
     return dict(losses=losses, coords=mesh.coords, loss_error=max(errors), memory=memory,
-                grad_error=grad_error,
+                grad_error=grad_error, sent=sent,
                 param_error=max(float((p - want).abs().max())
                                 for p, want in matching_parameters(model, one)))
 
@@ -131,8 +135,9 @@ def plan_differences(rows: list[dict], shape: dict[str, int], experts: int = 0,
                      batch: int = 8, length: int = 16, recompute: str | None = None
                      ) -> list[str]:
     """Where the planner's bytes per rank (:func:`planner.memory_per_rank`) differ from what
-    the ranks of :func:`mesh_training_on_rank` held, kind by kind (activations: dense blocks
-    only, the planner has no count for experts' yet); [] when every kind is exact."""
+    the ranks of :func:`mesh_training_on_rank` held, kind by kind, and its bytes sent per
+    dimension (:func:`planner.bytes_per_step`) from what they sent (activations and bytes
+    sent: dense blocks only); [] when every count is exact."""
     cfg = tf.GPTConfig(context=length, d_model=16, n_heads=4, experts=experts,
                        top_k=2 if experts else 1, recompute=recompute)
     layout = planner.Layout.from_shape(shape)
@@ -142,6 +147,12 @@ def plan_differences(rows: list[dict], shape: dict[str, int], experts: int = 0,
                          optimizer=16 * n + 4 * planner.tensors_per_rank(cfg, layout))
     else:
         predicted = planner.memory_per_rank(cfg, layout, batch, length)
-    return [f"rank {r}: {kind} held {row['memory'][kind]}, planned {predicted[kind]}"
-            for r, row in enumerate(rows) for kind in row["memory"]
-            if kind in predicted and row["memory"][kind] != predicted[kind]]
+    wrong = [f"rank {r}: {kind} held {row['memory'][kind]}, planned {predicted[kind]}"
+             for r, row in enumerate(rows) for kind in row["memory"]
+             if kind in predicted and row["memory"][kind] != predicted[kind]]
+    if not experts:  # the bytes sent along each dimension (experts': as the router decides)
+        for r, row in enumerate(rows):
+            plan = planner.bytes_per_step(cfg, layout, batch, length, row["coords"])
+            if row["sent"] != plan:
+                wrong.append(f"rank {r}: sent {row['sent']}, planned {plan}")
+    return wrong
