@@ -80,7 +80,7 @@ def activation_bytes_per_rank(cfg: GPTConfig, layout: Layout, batch: int, length
     b, T = batch // (layout.dp * layout.ep), length // layout.cp
     blocks = cfg.n_layers * block_activation_bytes(b, length, cfg.d_model, cfg.n_heads,
                                                    layout.tp, layout.cp, itemsize=itemsize,
-                                                   recompute=cfg.recompute)
+                                                   recompute=cfg.recompute, hidden=cfg.hidden)
     # the head: final LayerNorm's input, output (the head's input) and two statistics per
     # token, the log-probabilities over the vocabulary, tokens and targets (int64); the
     # positions (int64) and the loss's scalar

@@ -188,7 +188,7 @@ def activation_bytes_formula(batch: int, length: int, d_model: int, heads: int, 
 
 def block_activation_bytes(batch: int, length: int, d_model: int, heads: int, tp: int = 1,
                            cp: int = 1, sequence_parallel: bool = False, itemsize: int = 8,
-                           recompute: str | None = None) -> int:
+                           recompute: str | None = None, hidden: int | None = None) -> int:
     """The bytes one block keeps per rank with tensor parallelism over ``tp`` ranks (with
     sequence parallelism or not) and the sequence split over ``cp`` ranks by ring attention,
     at once (see :func:`activation_bytes_formula`): a rank holds T' = T/cp positions; the
@@ -197,12 +197,14 @@ def block_activation_bytes(batch: int, length: int, d_model: int, heads: int, tp
     its log-denominators (ring attention, cp > 1). ``recompute="full"`` keeps the block's
     input only (B T' d, divided by tp with sequence parallelism); ``"attention"`` keeps
     attention's inputs but not what its core adds (the probabilities and the mask, or ring
-    attention's output and log-denominators). Introduced in notebooks/16_planning_a_run.ipynb."""
+    attention's output and log-denominators). ``hidden``: the MLP's width (4 d by default).
+    Introduced in notebooks/16_planning_a_run.ipynb."""
     B, T, d, h = batch, length // cp, d_model, heads
     if recompute == "full":
         return int(itemsize * B * T * d / (tp if sequence_parallel else 1))
     whole = 4 * B * T * d + 4 * B * T
-    numbers = (whole / tp if sequence_parallel else whole) + 12 * B * T * d / tp
+    H = hidden or 4 * d  # the MLP's hidden layer is kept before and after GELU: 2 B T H
+    numbers = (whole / tp if sequence_parallel else whole) + (4 * B * T * d + 2 * B * T * H) / tp
     core = recompute != "attention"  # what attention's core keeps beyond its inputs
     if cp > 1:
         return int(itemsize * (numbers + core * (B * T * d + B * h * T) / tp))

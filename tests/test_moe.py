@@ -146,7 +146,7 @@ def test_tensor_parallel_experts_equal_one_process(N):
             errors += [(layer.w1[e].grad - mlp[0].weight.grad[cut]).abs().max(),
                        (layer.w2[e].grad - mlp[2].weight.grad[:, cut]).abs().max(),
                        (layer.b2[e].grad - mlp[2].bias.grad).abs().max()]
-        return float(torch.stack(errors).max()), dict(tp.counts)
+        return float(torch.stack(errors).max().detach()), dict(tp.counts)
 
     results, _ = run_ranks(rank, [None] * N, check_sizes=False, timeout=20)
     assert max(r[0] for r in results) < 1e-10
