@@ -154,15 +154,18 @@ def run_watched(manifest: dict, timeout: float = 180.0, poll: float = 0.05) -> J
         try:
             while True:
                 at = time.monotonic() - t0
-                for name, proc in procs.items():
-                    code, pod = proc.poll(), run.pods[name]
+                # one look at each process per round: the phases recorded and the decision to
+                # stop read the same exit codes (a process that exits in between is seen next)
+                codes = {name: proc.poll() for name, proc in procs.items()}
+                for name, code in codes.items():
+                    pod = run.pods[name]
                     phase = "Running" if code is None else "Succeeded" if code == 0 else "Failed"
                     if phase != pod.phase:
                         pod.phases.append((at, phase))
                         pod.exit_code = code
                         pod.reason = {"Succeeded": "Completed", "Failed": "Error"}.get(phase, "")
                 run.update(at)
-                if all(p.poll() is not None for p in procs.values()):
+                if all(code is not None for code in codes.values()):
                     break
                 if at > timeout:
                     for name, proc in procs.items():

@@ -184,11 +184,13 @@ def test_async_server_killed_comes_back_from_its_checkpoint(cluster, linear, tmp
     spec = ps.make_spec(1, 3, world_size=4)
     result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=6, batch_size=30,
                       mode="async", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=20,
-                      server_restarts=1, faults=["ps-server-update:kill@70"], timeout=10)
+                      server_restarts=1, faults=["ps-server-update:kill@50"], timeout=10)
+    # killed after update 50: before any worker can have finished its 60 steps (a finished
+    # worker's 'done' is checkpointed too), so the last checkpoint is the 40th update's
     server = result.servers[0]
     assert [(r["attempt"], r["signal"]) for r in server["restarts"]] == [(0, 9)]
-    assert server["restored_from"] == 60 and server["skipped"] == []  # 70 = 60 + 10 lost
-    assert server["version"] == 60 + server["pushes"] and server["pushes"] > 60
+    assert server["restored_from"] == 40 and server["skipped"] == []  # 50 = 40 + 10 lost
+    assert server["version"] == 40 + server["pushes"] and server["pushes"] > 60
     assert [w["steps"] for w in result.workers] == [60, 60, 60]   # every worker finished
     assert sum(w["resent"] for w in result.workers) >= 1           # what went unanswered
     killed = server["restarts"][0]["time"]
@@ -197,7 +199,7 @@ def test_async_server_killed_comes_back_from_its_checkpoint(cluster, linear, tmp
     before = max(v for t, v in seen if t < killed)
     after = min(v for t, v in seen if t > killed)
     near = sorted((round(t - killed, 3), v) for t, v in seen if abs(t - killed) < 3)
-    assert after <= 60 + 3 < before <= 70, (  # the updates since the checkpoint were lost
+    assert after <= 40 + 3 < before <= 50, (  # the updates since the checkpoint were lost
         f"ready {server['ready'] - killed:.3f} s after the kill; (t - kill, version): {near}")
     assert problem.loss(result.theta, X, y) < problem.loss(theta0, X, y) / 10
     assert (tmp_path / "ckpt" / ".fault-0").exists()               # fired once, not again

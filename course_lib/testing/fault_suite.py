@@ -190,6 +190,17 @@ def _usable(ctx):
         return False
 
 
+def _still_running(p):
+    """Whether a marked process is a leftover: still running (one that ends, or turns zombie,
+    between the scan and here is not), and not multiprocessing's resource tracker, which
+    serves this process until it exits."""
+    import psutil
+    try:
+        return "multiprocessing.resource_tracker" not in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
+
+
 def _left_behind(token, ctx, settle=GRACE):
     """Marked processes still alive ``settle`` s after the scenario (not the cluster's own):
     described, then killed."""
@@ -197,9 +208,7 @@ def _left_behind(token, ctx, settle=GRACE):
     deadline = time.monotonic() + settle
     while True:
         keep = ctx.cluster_pids()
-        # multiprocessing's resource tracker serves this process until it exits: not a leak
-        left = [p for p in _marked(token) if p.pid not in keep
-                and "multiprocessing.resource_tracker" not in " ".join(p.cmdline())]
+        left = [p for p in _marked(token) if p.pid not in keep and _still_running(p)]
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
