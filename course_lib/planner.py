@@ -49,26 +49,15 @@ class Layout:
 
 
 def parameters_per_rank(cfg: GPTConfig, layout: Layout) -> int:
-    """The parameters one rank holds (before ZeRO-3): see the module docstring.
-    Introduced in notebooks/16_planning_a_run.ipynb."""
-    d, t = cfg.d_model, layout.tp
-    hidden = cfg.hidden or 4 * d
-    whole = cfg.vocab_size * d + cfg.context * d + 2 * d  # embeddings, final LayerNorm
-    block = 4 * d                                          # two LayerNorms
-    block += (3 * d * d + 3 * d) // t + d * d // t + d     # QKV (column), projection (row) + bias
-    mlp = 2 * d * hidden + hidden + d                      # one MLP: fc, its bias, out, its bias
-    if cfg.experts:
-        block += d * cfg.experts + cfg.experts // layout.ep * mlp  # the router, its experts
-    else:
-        block += (2 * d * hidden + hidden) // t + d        # column, row, the row's bias whole
-    return whole + cfg.n_layers * block
+    """The parameters one rank holds (before ZeRO-3): see the module docstring and
+    :func:`tensor_sizes`. Introduced in notebooks/16_planning_a_run.ipynb."""
+    return sum(tensor_sizes(cfg, layout))
 
 
 def tensors_per_rank(cfg: GPTConfig, layout: Layout) -> int:
     """The parameter tensors one rank holds (Adam keeps a step counter for each).
     Introduced in notebooks/16_planning_a_run.ipynb."""
-    block = 4 + 4 + (1 + 4 * (cfg.experts // layout.ep) if cfg.experts else 4)
-    return 4 + cfg.n_layers * block  # embeddings and final LayerNorm; LayerNorms, attention
+    return len(tensor_sizes(cfg, layout))
 
 
 def activation_bytes_per_rank(cfg: GPTConfig, layout: Layout, batch: int, length: int,
@@ -106,8 +95,10 @@ def memory_per_rank(cfg: GPTConfig, layout: Layout, batch: int, length: int,
 
 # ---------------------------------------------------------------- what a step sends
 def tensor_sizes(cfg: GPTConfig, layout: Layout) -> list[int]:
-    """The elements of each parameter tensor one rank holds (dense or expert blocks; see
-    :func:`parameters_per_rank`). Introduced in notebooks/16_planning_a_run.ipynb."""
+    """The elements of each parameter tensor one rank holds (dense or expert blocks): the
+    embeddings and LayerNorms whole, the attention and MLP matrices and their column-parallel
+    biases divided by tp, the row-parallel biases whole, each expert on one ep rank.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
     d, t, hidden = cfg.d_model, layout.tp, cfg.hidden or 4 * cfg.d_model
     sizes = [cfg.vocab_size * d, cfg.context * d, d, d]  # embeddings, final LayerNorm
     for _ in range(cfg.n_layers):
