@@ -14,7 +14,9 @@ allreduce then runs over the ``tp`` ranks, data parallelism's over the ``dp`` ra
 
 Each dimension's communicator is a real group of the transport (``torch.distributed``'s
 ``new_group``, MPI's ``Split``), so every collective and point-to-point call of the course runs
-on it unchanged.
+on it unchanged. Along ``pp`` each rank keeps its stage of the model (:func:`pipeline_stage`)
+and a step is notebook 09's ``pipeline_step``; over ``dp`` the optimizer state can be sharded
+(notebook 10's ``ShardedOptimizer``, ZeRO-1) or the whole state (``ZeroDataParallel``, ZeRO-3).
 """
 
 from __future__ import annotations
@@ -26,15 +28,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from course_lib.collectives import allreduce
 from course_lib.comm import DEFAULT_TIMEOUT, Comm, MpiComm, TorchComm, get_comm
 from course_lib.context_parallel import ring_attention, zigzag_positions
 from course_lib.moe import ExpertParallelMoE, parallelize_experts
 from course_lib.sequence_parallel import ParallelBlock
+from course_lib.sharding import shard_bounds
 from course_lib.tensor_parallel import TensorParallel
-from course_lib.transformer import GPT, causal_attention
+from course_lib.transformer import GPT, causal_attention, recomputed
+from course_lib.zero import ZeroDataParallel
 
 
 def check_shape(shape: dict[str, int], world_size: int) -> None:
@@ -150,12 +156,133 @@ def reduce_gradients(model: nn.Module, mesh: Mesh) -> None:
     """Sum every gradient over the ranks that hold the same parameter and other tokens: ``dp``,
     ``ep`` and ``cp`` (an expert's over ``dp`` and ``cp`` only: the other ``ep`` ranks hold
     other experts). Tensor parallelism's ranks hold other parts of the parameters, or whole
-    copies whose gradients already agree. Introduced in notebooks/16_planning_a_run.ipynb."""
+    copies whose gradients already agree. A pipeline's first and last stages hold the tied
+    token embedding each: its two gradients are summed first (Megatron's embedding group). A
+    :class:`zero.ZeroDataParallel` model reduce-scatters over ``dp`` itself, during backward.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    if isinstance(model, ZeroDataParallel):
+        if size(mesh, "ep") > 1 or size(mesh, "cp") > 1:
+            raise ValueError("ZeRO-3 shards over dp here: its gradients leave backward "
+                             "reduce-scattered, with no sum over ep or cp")
+        return
+    if isinstance(model, PipelineStage) and model.num_stages > 1 and (model.first or model.last):
+        comm, grad = mesh["pp"], model.ends.tok.weight.grad
+        peer = comm.world_size - 1 if model.first else 0
+        other = comm.sendrecv(grad, peer, torch.empty_like(grad), peer, tag=TAG_TIED)
+        grad += other  # a + b == b + a: both copies get the same sum, and stay equal
     experts = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE)
                for p in m.experts.parameters()}
-    for p in model.parameters():
-        if p.grad is None:
+    for dim in DATA_DIMS:  # one bucket per dimension, as DDP's: one latency, not one a tensor
+        grads = [p.grad for p in model.parameters() if p.grad is not None
+                 and not (dim == "ep" and id(p) in experts)]
+        if size(mesh, dim) == 1 or not grads:
             continue
-        for dim in DATA_DIMS:
-            if size(mesh, dim) > 1 and not (dim == "ep" and id(p) in experts):
-                allreduce(p.grad, mesh[dim], check=False)
+        bucket = allreduce(torch.cat([g.reshape(-1) for g in grads]), mesh[dim], check=False)
+        for g, summed in zip(grads, bucket.split([g.numel() for g in grads]), strict=True):
+            g.copy_(summed.view_as(g))
+
+
+# ---------------------------------------------------------------- pipeline stages
+TAG_TIED = 94  # the tied embedding's gradient between the first and the last stage
+
+
+class Ends(nn.Module):
+    """The transformer's two ends in one module: the token and position embeddings
+    (``head=False``), and the final LayerNorm with the output head, the token embedding read
+    backwards (``head=True``). A pipeline's first stage holds the embeddings, its last the head
+    with its own copy of the token embedding; a stage holding both calls this one module
+    twice, so that ZeRO-3 gathers the tied weight as one unit's (FSDP's rule: a shared
+    parameter in one unit). Introduced in notebooks/16_planning_a_run.ipynb."""
+
+    def __init__(self, model: GPT, embeddings: bool, head: bool) -> None:
+        super().__init__()
+        self.context, self.tok = model.cfg.context, model.tok
+        self.pos = model.pos if embeddings else None
+        self.ln_f = model.ln_f if head else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                head: bool = False) -> torch.Tensor:
+        if head:
+            return self.ln_f(x) @ self.tok.weight.T  # as GPT.forward: the tied head
+        if positions is None:
+            positions = torch.arange(x.shape[-1], device=x.device)
+        if int(positions.max()) >= self.context:
+            raise ValueError(f"position {int(positions.max())} is beyond the model's context "
+                             f"{self.context}")
+        return self.tok(x) + self.pos(positions)
+
+
+class PipelineStage(nn.Module):
+    """Stage ``stage`` of ``num_stages`` of a :class:`transformer.GPT`: its share of the blocks
+    (:func:`sharding.shard_bounds`, the first stages one more when they do not divide), the
+    embeddings on the first stage, the final LayerNorm and the tied head on the last
+    (:class:`Ends`). ``forward(x)`` takes tokens (first stage) or the previous stage's
+    activations and returns activations, or the logits (last stage): what
+    :func:`pipeline.pipeline_step` runs. Its children, the ends and each block, are also the
+    units ZeRO-3 gathers one at a time (a GPT's are not: its blocks sit in a list that nothing
+    calls, and its head reads the embedding outside the embedding's module).
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+
+    def __init__(self, model: GPT, stage: int = 0, num_stages: int = 1) -> None:
+        super().__init__()
+        self.cfg, self.stage, self.num_stages = model.cfg, stage, num_stages
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        start, stop = shard_bounds(model.cfg.n_layers, stage, num_stages)
+        if start == stop:
+            raise ValueError(f"{model.cfg.n_layers} blocks do not make {num_stages} stages")
+        if self.first or self.last:
+            self.ends = Ends(model, embeddings=self.first, head=self.last)
+        self.layers = list(range(start, stop))  # its blocks' places in the whole model
+        for i in self.layers:
+            self.add_module(f"block{i}", model.blocks[i])
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """This stage's blocks, in order (as a GPT's ``blocks``)."""
+        return [getattr(self, f"block{i}") for i in self.layers]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                attention: Callable = causal_attention) -> torch.Tensor:
+        if self.first:
+            x = self.ends(x, positions)
+        if self.cfg.recompute == "attention":  # as GPT.forward
+            attention = recomputed(attention)
+        for block in self.blocks:
+            if self.cfg.recompute == "full":
+                x = checkpoint(block, x, attention, use_reentrant=False)
+            else:
+                x = block(x, attention)
+        return self.ends(x, head=True) if self.last else x
+
+    def global_name(self, name: str) -> str:
+        """The name a parameter of this stage has in the whole model (``block1.ln1.weight``:
+        ``blocks.1.ln1.weight``; ``ends.tok.weight``: ``tok.weight``)."""
+        first, rest = name.split(".", 1)
+        return rest if first == "ends" else f"blocks.{first[len('block'):]}.{rest}"
+
+
+def pipeline_stage(model: GPT, mesh: Mesh) -> PipelineStage:
+    """This rank's stage of ``model`` (split by :func:`parallelize` first: its blocks are then
+    tensor-parallel over ``tp``) along ``pp``; with no ``pp``, the one stage that holds it all.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    if model.cfg.experts:
+        raise ValueError("pipeline stages of expert blocks are not written here")
+    if size(mesh, "pp") > 1 and (size(mesh, "cp") > 1 or size(mesh, "ep") > 1):
+        raise ValueError("a pipeline stage runs plain attention on whole sequences here: "
+                         "no cp or ep with pp")
+    return PipelineStage(model, mesh.coords.get("pp", 0), size(mesh, "pp"))
+
+
+def pipeline_loss(share: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The last stage's ``loss_fn`` for :func:`pipeline.pipeline_step`: the cross-entropy's
+    mean over a micro-batch's tokens (pipeline_step weighs the micro-batches into the mean over
+    this rank's batch), times ``share``, this rank's tokens over the global batch's. The step
+    then backpropagates this rank's sum over its tokens divided by the global count, as on
+    every other mesh, and :func:`reduce_gradients` sums over dp to the global batch's gradient
+    (exactly, when the counts are powers of two).
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                reduction="sum")
+        return total / targets.numel() * share
+    return loss_fn

@@ -25,6 +25,11 @@ unit: every rank keeps them whole, like buffers, with no gradient and no optimiz
     loss.backward()
     model.step()                              # average, update, and (stages 1-2) all-gather
 
+Stage 3 takes a mixed-precision policy, as FSDP2's ``MixedPrecisionPolicy``:
+``precision=ZeroPrecision(torch.bfloat16)`` gathers the parameters and computes in bf16 (half
+the bytes sent), reduce-scatters the gradients in bf16 (or ``reduce_dtype``), and keeps this
+rank's shard, its gradient and the optimizer in the model's float32: the master weights.
+
 It stays one file: the four stages share one class (they differ in a few branches, which is the
 lesson), and the memory plan beside it predicts what that class holds.
 """
@@ -32,6 +37,7 @@ lesson), and the memory plan beside it predicts what that class holds.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,10 +56,35 @@ def _flatten(tensors):
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-class _Unit:
-    """One module's parameters as a flat vector, sharded over the ranks."""
+@dataclass(frozen=True)
+class ZeroPrecision:
+    """Mixed precision for ZeRO stage 3, as FSDP2's ``MixedPrecisionPolicy``: the parameters are
+    all-gathered and computed in ``param_dtype``, the gradients reduce-scattered in
+    ``reduce_dtype`` (None: ``param_dtype``), then this rank's gradient shard is cast to the
+    shard's dtype (the model's, float32) for the optimizer, which updates the float32 shard.
+    Floating-point tensors passed to the forward are cast to ``param_dtype`` (FSDP2's
+    ``cast_forward_inputs``), and the output stays in it. Frozen parameters, whole on every
+    rank, are cast to ``param_dtype`` once. Introduced in
+    notebooks/10_sharded_data_parallelism.ipynb."""
 
-    def __init__(self, module, comm, sharded=True):
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, name)
+            if name == "reduce_dtype" and dtype is None:  # None: param_dtype
+                continue
+            if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ValueError(f"{name} must be a floating-point torch.dtype (torch.bfloat16, "
+                                 f"torch.float16, torch.float32), not {dtype!r}")
+
+
+class _Unit:
+    """One module's parameters as a flat vector, sharded over the ranks; with ``precision``,
+    the parameters are ``param_dtype`` copies of the shards."""
+
+    def __init__(self, module, comm, sharded=True, precision=None):
         self.module, self.comm = module, comm
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
@@ -61,13 +92,24 @@ class _Unit:
         with torch.no_grad():  # what this rank owns (data parallelism: nothing of its own)
             self.shard = (_flatten(self.params)[self.start:self.stop].clone() if sharded
                           else None)
+        self.param_dtype = self.reduce_dtype = None  # None: the shard's dtype
+        if precision is not None:
+            self.param_dtype = precision.param_dtype
+            self.reduce_dtype = precision.reduce_dtype or precision.param_dtype
+            for p in self.params:  # the compute copies; the shard above is the master
+                p.data = p.data.to(self.param_dtype)
         self.reduced = False  # its gradients of this step are reduce-scattered already
+
+    def full(self, algorithm, dtype=None):
+        """Every rank's shard, all-gathered in ``dtype`` (None: the shard's), as a flat vector."""
+        full = self.shard.new_zeros(self.numel, dtype=dtype)  # zeros: the native path sums
+        full[self.start:self.stop] = self.shard  # cast here: the gather sends ``dtype``
+        _all_gather(full, self.comm, algorithm)
+        return full
 
     def gather(self, algorithm):
         """Every rank's shard into a full flat vector, copied into the parameters."""
-        full = self.shard.new_zeros(self.numel)  # zeros elsewhere: the native path sums them
-        full[self.start:self.stop] = self.shard
-        _all_gather(full, self.comm, algorithm)
+        full = self.full(algorithm, self.param_dtype)
         offset = 0
         for p in self.params:
             if p.untyped_storage().size() == 0:  # freed by release(): allocate it again
@@ -87,7 +129,7 @@ class _Unit:
         flat buffer that is reduce-scattered, as DDP's buckets do (their other chunks then
         hold partial sums, which nothing reads); ``False`` frees them (stages 2 and 3)."""
         flat = _flatten([p.grad if p.grad is not None else torch.zeros_like(p)
-                         for p in self.params])
+                         for p in self.params]).to(self.reduce_dtype)  # what is sent
         if keep_full:  # the gradients become views of ``flat``: one copy, not two
             offset = 0
             for p in self.params:
@@ -95,8 +137,9 @@ class _Unit:
                 offset += p.numel()
         _reduce_scatter(flat, self.comm, algorithm)
         mine = flat[self.start:self.stop].div_(self.comm.world_size)  # the sum -> the mean
-        if not keep_full:  # a copy: a view would keep the whole buffer alive
-            mine = mine.clone()
+        # for the optimizer, in the shard's dtype; a copy unless keep_full: a view would keep
+        # the whole buffer alive
+        mine = mine.to(self.shard.dtype, copy=not keep_full)
         # several backwards before a step: their gradients add up, as in plain torch
         self.shard.grad = mine if self.shard.grad is None else self.shard.grad + mine
         self.reduced = True
@@ -135,6 +178,10 @@ def _all_gather(full, comm, algorithm):
         dist.all_reduce(full, group=getattr(comm, "group", None))
 
 
+def _cast_floating(x, dtype):
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+
 class DoesNotFit(MemoryError):
     """The training state would not fit the memory budget of a rank: raised before training,
     with the numbers. Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
@@ -148,18 +195,24 @@ class ZeroDataParallel(nn.Module):
     not fit (by :func:`planned_memory`, with ``optimizer_numbers`` numbers of optimizer state per
     parameter: Adam's 2) raises :class:`DoesNotFit` before anything is sharded, and a step that
     held more raises it after. One ``backward`` per ``step`` (or several: gradients add up).
+    ``precision``: a :class:`ZeroPrecision` (stage 3 only; stages 0-2 refuse it).
 
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
 
     def __init__(self, module: nn.Module,
                  make_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  comm: Comm, stage: int = 1, algorithm: str = "ring",
-                 memory_budget: int | None = None, optimizer_numbers: int = 2) -> None:
+                 memory_budget: int | None = None, optimizer_numbers: int = 2,
+                 precision: ZeroPrecision | None = None) -> None:
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, not {stage!r}")
         if algorithm not in ("ring", "native"):
             raise ValueError(f"algorithm must be 'ring' or 'native', not {algorithm!r}")
+        if precision is not None and (stage != 3 or not isinstance(precision, ZeroPrecision)):
+            raise ValueError("precision takes a ZeroPrecision, at stage 3 only (stages 0-2 keep "
+                             f"the model's dtype): not {precision!r} at stage {stage}")
+        self.precision = precision
         self.module, self.comm, self.stage, self.algorithm = module, comm, stage, algorithm
         self.memory_budget = memory_budget
         if memory_budget is not None:
@@ -169,9 +222,12 @@ class ZeroDataParallel(nn.Module):
                                                       memory_budget, optimizer_numbers))
         self.memory_at_update = None  # memory() just before the last optimizer update
         self.peak = None              # memory() when this rank held the most, since reset_peak()
-        self.units = [_Unit(m, comm, sharded=stage > 0) for m in units_of(module)]
+        self.units = [_Unit(m, comm, stage > 0, precision) for m in units_of(module)]
         # frozen parameters: in no unit (nothing to train, so nothing to shard); kept whole
         self.frozen = [p for p in module.parameters() if not p.requires_grad]
+        if precision is not None:  # nothing updates them: no master copy to keep
+            for p in self.frozen:
+                p.data = p.data.to(precision.param_dtype)
         if stage == 0:
             self.optimizer = make_optimizer([p for u in self.units for p in u.params])
         else:
@@ -217,6 +273,10 @@ class ZeroDataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(grad_ready)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.precision is not None:  # floating-point inputs in param_dtype, as FSDP2's
+            dtype = self.precision.param_dtype
+            args = [_cast_floating(a, dtype) for a in args]
+            kwargs = {k: _cast_floating(v, dtype) for k, v in kwargs.items()}
         return self.module(*args, **kwargs)
 
     def step(self) -> None:
@@ -254,14 +314,16 @@ class ZeroDataParallel(nn.Module):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """Every parameter (frozen ones too), whole, in ``parameters()`` order, as detached
-        copies (stage 3 gathers one unit at a time for the moment)."""
+        copies (stage 3 gathers the shards, the float32 masters with ``precision``)."""
         whole = {}
         for unit in self.units:
             if self.stage == 3:
-                unit.gather(self.algorithm)
+                full, offset = unit.full(self.algorithm), 0
+                for p in unit.params:
+                    whole[id(p)] = full[offset:offset + p.numel()].view(p.shape)
+                    offset += p.numel()
+                continue
             whole.update((id(p), p.detach().clone()) for p in unit.params)
-            if self.stage == 3:
-                unit.release()
         return [whole[id(p)] if id(p) in whole else p.detach().clone()
                 for p in self.module.parameters()]
 

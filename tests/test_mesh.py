@@ -1,13 +1,18 @@
 """The device mesh: coordinates and groups as torch's ``init_device_mesh`` lays them out, the
 course's collectives over groups that are not the first ranks, and the transformer trained on
-meshes of 4 and 8 ranks against one process (losses and parameters, float64)."""
+meshes of 4 and 8 ranks against one process (losses and parameters, float64); pipeline stages
+and ZeRO's shares as the planner counts them."""
+
+from dataclasses import replace
 
 import pytest
+import torch
 
 from course_lib import mesh as M
 from course_lib import planner
 from course_lib import transformer as tf
 from course_lib.testing.mesh import groups_beside_torch, mesh_training_on_rank, plan_differences
+from course_lib.zero_optimizer import partition
 
 CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
 
@@ -69,8 +74,8 @@ def test_tensor_parallelism_of_expert_blocks_is_refused(cluster):
         cluster.run(mesh_training_on_rank, {"dp": 2, "tp": 2}, 1, 4)
 
 
-@pytest.mark.parametrize("shape", [{"dp": 2, "tp": 2}, {"cp": 2, "tp": 2}], ids=["dp2-tp2",
-                                                                                "cp2-tp2"])
+@pytest.mark.parametrize("shape", [{"dp": 2, "tp": 2}, {"cp": 2, "tp": 2}, {"pp": 2, "dp": 2}],
+                         ids=["dp2-tp2", "cp2-tp2", "pp2-dp2"])
 @pytest.mark.parametrize("recompute", ["full", "attention"])
 def test_recomputation_keeps_what_the_plan_says_and_changes_no_number(cluster, shape, recompute):
     rows = cluster.run(mesh_training_on_rank, shape, 2, 0, recompute=recompute)
@@ -81,3 +86,41 @@ def test_recomputation_keeps_what_the_plan_says_and_changes_no_number(cluster, s
     whole = planner.activation_bytes_per_rank(tf.GPTConfig(context=16, d_model=16, n_heads=4),
                                               planner.Layout.from_shape(shape), 8, 16)
     assert rows[0]["memory"]["activations"] < whole  # it keeps less
+
+
+def test_pipeline_stages_chained_are_the_model_and_the_planner_counts_each():
+    cfg = tf.GPTConfig(context=16, d_model=16, n_heads=4, n_layers=3)
+    model = tf.GPT(cfg).double()
+    x = torch.randint(0, cfg.vocab_size, (4, 16))
+    stages = [M.PipelineStage(model, s, 2) for s in range(2)]  # blocks 0-1, then block 2
+    assert torch.equal(stages[1](stages[0](x)), model(x)[0])
+    assert torch.equal(M.PipelineStage(model)(x), model(x)[0])  # one stage: all of it
+    names = [stage.global_name(n) for stage in stages for n, _ in stage.named_parameters()]
+    assert sorted(names) == sorted([n for n, _ in model.named_parameters()] + ["tok.weight"])
+    layout = planner.Layout(pp=2, dp=2, microbatches=4)
+    assert layout.world_size == 4
+    for s, stage in enumerate(stages):  # the last stage holds the head's own copy of tok
+        assert planner.tensor_sizes(cfg, layout, s) == [p.numel() for p in stage.parameters()]
+    # 1F1B: stage 0 keeps 2 micro-batches of 4 at most, stage 1 one; the tokens (targets) once
+    def kept(batch, microbatches, stage):
+        plan = replace(layout, microbatches=microbatches)
+        return planner.activation_bytes_per_rank(cfg, plan, batch, 16, stage=stage) - 8 * 16 * (
+            batch // 2)
+    assert kept(16, 4, 0) == 2 * kept(4, 1, 0) and kept(16, 4, 1) == kept(4, 1, 1)
+    with pytest.raises(ValueError, match="expert blocks"):
+        M.pipeline_stage(tf.GPT(replace(cfg, experts=4)), M.Mesh({"pp": 1}, 0, {"pp": 0}, {}))
+
+
+def test_the_zero_shares_are_the_course_optimizers():
+    cfg = tf.GPTConfig(context=16, d_model=16, n_heads=4)
+    model = tf.GPT(cfg)
+    sizes = planner.tensor_sizes(cfg, planner.Layout())
+    owners = partition([{"params": list(model.parameters())}], 3)
+    owned = planner.owned_tensors(sizes, 3)
+    for r in range(3):  # what ShardedOptimizer's rule gives each rank
+        mine = sorted(p.numel() for p, o in zip(model.parameters(), owners, strict=True) if o == r)
+        assert sorted(owned[r]) == mine
+    plans = [planner.memory_per_rank(cfg, planner.Layout(dp=3, zero=3), 6, 16, coords={"dp": r})
+             for r in range(3)]  # ZeRO-3: shard_bounds of each unit, uneven over 3 ranks
+    assert sum(p["parameters"] for p in plans) == 8 * model.num_parameters()
+    assert len({p["parameters"] for p in plans}) > 1

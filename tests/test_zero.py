@@ -1,6 +1,7 @@
 """ZeRO stages 0-3: equal to one process on the global batch at world sizes 1-4, with Adam and
-SGD with momentum, over the course's ring and the native collectives; equal to torch FSDP2; the
-memory each stage holds follows the ZeRO paper's accounting."""
+SGD with momentum, over the course's ring and the native collectives; equal to torch FSDP2, in
+float32 and in mixed precision (ZeRO-3); the memory each stage holds follows the ZeRO paper's
+accounting."""
 
 import pytest
 import torch
@@ -204,3 +205,68 @@ def test_zero3_trains_under_a_budget_one_process_cannot(cluster):
     assert max(r["diff"] for r in sharded) < 1e-10
     tiny = cluster.run(K.train_under_budget, 2000, 3)
     assert all("Even sharding" in r["refused"] for r in tiny), tiny
+
+
+@pytest.mark.parametrize("param_dtype", ["bf16", "fp16"])
+def test_mixed_precision_equals_fsdp2_with_a_float32_reduce(cluster, param_dtype):
+    """ZeRO-3 with ZeroPrecision(16 bits, reduce_dtype=float32) and FSDP2 with the same
+    MixedPrecisionPolicy, 3 Adam steps on 4 ranks over Gloo: the same losses and float32
+    parameters, bit for bit. Both gather the same 16-bit copies of the same float32 shards and
+    compute the same forward and backward in 16 bits; the reduce then sums four 16-bit numbers
+    (8 or 11 significant bits) in float32 (24), which is exact in any order, and divides by 4,
+    which is exact too: so the ring and Gloo, summing in different orders, agree. The float32
+    run, 1e-2 away after 3 steps, shows the check can fail."""
+    reports = cluster.run(K.fsdp2_precision_matches, param_dtype, "fp32")
+    name = str(K.DTYPES[param_dtype]).removeprefix("torch.")
+    for r in reports:
+        assert r["losses"] == r["torch_losses"] and r["diff"] == 0, r
+        assert r["fp32_diff"] > 1e-2, r
+        assert r["dtypes"] == r["torch_dtypes"] == {
+            "parameters": [name], "input": [name], "output": [name],  # the forward: 16 bits
+            "gradients": ["float32"], "shards": ["float32"], "optimizer": ["float32"]}, r
+        # gathered in 16 bits (two gathers a step), reduced in 32: the float32 run sends 2x the
+        # 16-bit bytes (its gathers) plus the same float32 bytes (its reduce-scatter)
+        assert set(r["sent"]) == {name, "float32"}, r
+        assert r["fp32_sent"] == 2 * r["sent"][name] + r["sent"]["float32"], r
+
+
+@pytest.mark.parametrize("param_dtype", ["bf16", "fp16"])
+def test_mixed_precision_reducing_in_16_bits_as_fsdp2(cluster, param_dtype):
+    """ZeroPrecision(16 bits) alone reduces in 16 bits too, as FSDP2's default: every byte sent
+    is 16-bit, half the float32 run's; the optimizer still sees float32 gradients and shards.
+    The parameters can no longer agree bit for bit: a 16-bit sum rounds after each addition,
+    and Gloo orders an element's additions by its place in the buffer (FSDP2 lays it out per
+    parameter, padded; ZeRO per unit), the ring by its chunk. The first loss, before any
+    update, is the same. For bf16 the rest stay within lr / 10 = 5e-3 (Adam moves a parameter
+    by at most about lr = 0.05 a step, and a last-bit change of a gradient changes that update
+    by a small fraction of it; 7e-4 measured), while the float32 run is 4e-2 away. For fp16
+    that distance is no larger than the two sums' own difference (Adam turns the last bits of
+    gradients near zero into updates of up to lr; 2e-2 measured against 4e-2), so for fp16
+    only the bytes and dtypes are compared here; the float32 reduce above compares it exactly."""
+    reports = cluster.run(K.fsdp2_precision_matches, param_dtype)
+    name = str(K.DTYPES[param_dtype]).removeprefix("torch.")
+    for r in reports:
+        assert r["losses"][0] == r["torch_losses"][0], r
+        assert r["dtypes"] == r["torch_dtypes"] == {
+            "parameters": [name], "input": [name], "output": [name],
+            "gradients": ["float32"], "shards": ["float32"], "optimizer": ["float32"]}, r
+        assert r["sent"] == {name: r["fp32_sent"] / 2}, r
+        if param_dtype == "bf16":
+            assert r["diff"] < 5e-3 and r["fp32_diff"] > 2e-2, r
+            closest = max(abs(a - b) for a, b in zip(r["losses"], r["torch_losses"], strict=True))
+            assert closest < 5e-3, r
+
+
+def test_a_bad_precision_is_refused():
+    from course_lib.comm import Comm
+    for bad in (torch.int32, "bf16", None):
+        with pytest.raises(ValueError, match="param_dtype must be a floating-point torch.dtype"):
+            zero.ZeroPrecision(bad)
+    with pytest.raises(ValueError, match="reduce_dtype must be a floating-point torch.dtype"):
+        zero.ZeroPrecision(torch.bfloat16, torch.int64)
+    with pytest.raises(ValueError, match="at stage 3 only"):
+        zero.ZeroDataParallel(K.make_model(), K.OPTIMIZERS["adam"], Comm(0, 1), 2,
+                              precision=zero.ZeroPrecision(torch.bfloat16))
+    with pytest.raises(ValueError, match="precision takes a ZeroPrecision"):
+        zero.ZeroDataParallel(K.make_model(), K.OPTIMIZERS["adam"], Comm(0, 1), 3,
+                              precision=torch.bfloat16)

@@ -5,6 +5,7 @@ notebooks/10_sharded_data_parallelism.ipynb."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from functools import partial
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 from course_lib.comm import get_comm
 from course_lib.comm.subgroups import subgroup_comm
 from course_lib.sharding import shard_bounds
-from course_lib.zero import ZeroDataParallel, planned_memory
+from course_lib.zero import ZeroDataParallel, ZeroPrecision, planned_memory
 
 OPTIMIZERS = {
     "adam": lambda params: torch.optim.Adam(params, lr=0.05),
@@ -118,6 +119,84 @@ def fsdp2_matches(stage=3, optimizer="adam", steps=3, batch=12, seed=0):
     full = [p.full_tensor().detach() for p in theirs.parameters()]
     return max(float((p - q).abs().max())
                for p, q in zip(ours.full_parameters(), full, strict=True))
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}
+
+
+def fsdp2_precision_matches(param_dtype="bf16", reduce_dtype=None, optimizer="adam", steps=3,
+                            batch=12, seed=0):
+    """ZeRO-3 with ``ZeroPrecision(param_dtype, reduce_dtype)`` (names of ``DTYPES``) and torch
+    FSDP2 with the same ``MixedPrecisionPolicy``, on a float32 :func:`make_model` over every
+    rank, beside ZeRO-3 in float32 (``optimizer``: a name of ``OPTIMIZERS``). Returns each
+    one's losses on this rank's rows, the largest difference of ZeRO-3's float32 parameters
+    from FSDP2's (and of the float32 run's), the dtypes each saw (the first layer's parameters,
+    input and output in the forward, the sharded parameters, their gradients, the optimizer's
+    state) and the bytes ours sent per step by dtype (the float32 run's in all).
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    param_dtype, reduce_dtype = DTYPES[param_dtype], DTYPES[reduce_dtype]
+    comm, plain_comm = get_comm("torch"), get_comm("torch")
+    sent, isend = Counter(), comm.isend
+
+    def counting_isend(buf, *args, **kwargs):  # what the course's collectives send, by dtype
+        sent[str(buf.dtype).removeprefix("torch.")] += buf.numel() * buf.element_size()
+        return isend(buf, *args, **kwargs)
+    comm.isend = counting_isend
+    ours = ZeroDataParallel(make_model(seed).float(), OPTIMIZERS[optimizer], comm, 3,
+                            precision=ZeroPrecision(param_dtype, reduce_dtype))
+    plain = ZeroDataParallel(make_model(seed).float(), OPTIMIZERS[optimizer], plain_comm, 3)
+    theirs = make_model(seed).float()
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in theirs:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(theirs, mesh=mesh, mp_policy=policy)
+    opt = OPTIMIZERS[optimizer](theirs.parameters())
+    x, y = (t.float() for t in make_data(batch))
+    rows = slice(*shard_bounds(batch, comm.rank, comm.world_size))
+
+    def dtypes(tensors):
+        return sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+
+    def train(model, layer, shards, optimizer, step):
+        """``steps`` steps of ``model``: its losses and the dtypes seen."""
+        seen = {}
+
+        def before(module, args):  # registered after the wrapper's gather: what it computes in
+            seen.update(parameters=dtypes(module.parameters()), input=dtypes(args))
+        layer.register_forward_pre_hook(before)
+        layer.register_forward_hook(lambda module, args, out: seen.update(output=dtypes([out])))
+        losses = []
+        for _ in range(steps):
+            loss = nn.functional.mse_loss(model(x[rows]).float(), y[rows])
+            losses.append(float(loss))
+            loss.backward()
+            seen["gradients"] = dtypes(s.grad for s in shards)  # of the sharded parameters
+            step()
+        seen.update(shards=dtypes(shards), optimizer=dtypes(
+            v for state in optimizer.state.values() for v in state.values() if v.dim() > 0))
+        return losses, seen
+
+    def torch_step():
+        opt.step()
+        opt.zero_grad()
+    out = {}
+    out["losses"], out["dtypes"] = train(ours, ours.units[0].module,
+                                         [u.shard for u in ours.units], ours.optimizer, ours.step)
+    out["sent"] = {dtype: n / steps for dtype, n in sent.items()}
+    out["torch_losses"], out["torch_dtypes"] = train(theirs, theirs[0], list(theirs.parameters()),
+                                                     opt, torch_step)
+    out["fp32_losses"], _ = train(plain, plain.units[0].module, [u.shard for u in plain.units],
+                                  plain.optimizer, plain.step)
+    out["fp32_sent"] = plain_comm.bytes_sent / steps
+    full = [p.full_tensor().detach() for p in theirs.parameters()]
+    for name, model in (("diff", ours), ("fp32_diff", plain)):
+        out[name] = max(float((p - q).abs().max())
+                        for p, q in zip(model.full_parameters(), full, strict=True))
+    return out
 
 
 def deep_model(layers=16, width=32, seed=0):

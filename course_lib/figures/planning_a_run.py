@@ -1,0 +1,85 @@
+"""Figures of notebook 16: the plans of a model on a cluster (memory and step time of the
+fastest splits) and the plan beside published runs."""
+
+from dataclasses import replace
+
+import numpy as np
+
+from course_lib import costmodel
+from course_lib import scale_plan as S
+from course_lib.figures import save_figure
+
+MEMORY = ("parameters", "gradients", "optimizer", "activations")
+TIME = ("compute", "tp", "cp", "pp", "bubble", "dp", "optimizer")
+
+
+def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024,
+                 sequence: int = 2048, cluster: str = "A100 (Selene)",
+                 between_gbs: float | None = None, shown: int = 6):
+    """The ``shown`` fastest splits of ``model`` that fit ``devices`` of ``cluster`` (and the
+    fastest that do not, marked), each one's memory per device by kind against the device's
+    memory and its step time by term, with its model FLOPs utilisation. ``between_gbs``:
+    another bandwidth between nodes, GB/s per GPU. Introduced in
+    notebooks/16_planning_a_run.ipynb."""
+    import matplotlib.pyplot as plt
+    c = replace(S.CLUSTERS[cluster], devices=devices)
+    if between_gbs:
+        c = replace(c, between=costmodel.Link(f"{between_gbs:g} GB/s", c.between.alpha,
+                                              1 / (between_gbs * 1e9)))
+    rows = S.plan(S.MODELS[model], batch, sequence, c)
+    fit = [r for r in rows if r["fits"]][:shown]
+    over = sorted((r for r in rows if not r["fits"]), key=lambda r: r["time"]["total"])[:2]
+    chosen = fit + over
+    fig, (mem, step) = plt.subplots(1, 2, figsize=(12, 0.45 * len(chosen) + 1.6),
+                                    layout="constrained")
+    names = [S.describe(r["run"]) for r in chosen]
+    y = np.arange(len(chosen))[::-1]
+    left = np.zeros(len(chosen))
+    for i, kind in enumerate(MEMORY):
+        v = np.array([r["memory"][kind] for r in chosen]) / S.GiB
+        mem.barh(y, v, left=left, color=f"C{i}", label=kind)
+        left += v
+    mem.axvline(c.memory / S.GiB, color="k", ls="--", label="device memory")
+    mem.set(yticks=y, yticklabels=names, xlabel="GiB per device",
+            title=f"{model} on {devices} x {cluster}")
+    mem.legend(fontsize=7, loc="lower right")
+    left = np.zeros(len(chosen))
+    for i, term in enumerate(TIME):
+        v = np.array([r["time"][term] for r in chosen])
+        step.barh(y, v, left=left, color=f"C{i}", label=term)
+        left += v
+    for yi, r in zip(y, chosen, strict=True):
+        text = f" MFU {r['mfu']:.0%}" if r["fits"] else f" does not fit: {r['breaks']}"
+        step.text(r["time"]["total"], yi, text, va="center", fontsize=7)
+    step.set(yticks=y, yticklabels=[], xlabel="seconds per step",
+             title=f"batch {batch} x {sequence} tokens, between nodes {c.between.bandwidth / 1e9:g}"
+                   " GB/s", xlim=(0, 1.45 * max(r["time"]["total"] for r in chosen)))
+    step.legend(fontsize=7, loc="lower right", ncol=2)
+    return fig
+
+
+def published_figure():
+    """The plan's TFLOP/s per GPU beside the published ones, for each run of
+    :data:`scale_plan.PUBLISHED`. Introduced in notebooks/16_planning_a_run.ipynb."""
+    import matplotlib.pyplot as plt
+    rows = S.predict_published()
+    fig, ax = plt.subplots(figsize=(10, 3.4), layout="constrained")
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["published"].tflops for r in rows], 0.4, label="published")
+    ax.bar(x + 0.2, [r["tflops"] for r in rows], 0.4, label="planned")
+    for xi, r in zip(x, rows, strict=True):
+        ax.text(xi + 0.2, r["tflops"], f"{r['tflops'] / r['published'].tflops - 1:+.0%}",
+                ha="center", va="bottom", fontsize=8)
+    ax.set(xticks=x, ylabel="TFLOP/s per GPU", title="the plan beside published runs",
+           xticklabels=[f"{r['published'].model}\n{r['published'].devices} GPUs\n"
+                        f"{S.describe(r['published'].run).split(',')[0]}" for r in rows])
+    plt.setp(ax.get_xticklabels(), fontsize=7)
+    ax.legend()
+    return fig
+
+
+def save_all(out_dir):
+    """Write the plans of a 145B model and the published runs into ``out_dir``.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    return [save_figure(plans_figure(), out_dir, "16_plans.png"),
+            save_figure(published_figure(), out_dir, "16_published_runs.png")]
