@@ -14,6 +14,7 @@
     bench staging ...    a transfer staged through host memory vs direct; GPUDirect's model
     bench attention ...  ring attention, Ulysses, TP: balance, link, overlap, memory
     bench moe ...        experts: load, capacity and stragglers, all-to-all, EP vs TP
+    bench cluster ...    cluster start time: engines forked from a warm template vs fresh
     faults [--repeat K] [--only A,B] [--list]
                          every promise tried: faults injected, deadlines, leftovers, exposure
     cluster clean [--all] stop clusters left behind by a killed notebook kernel

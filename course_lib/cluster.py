@@ -35,7 +35,7 @@ from typing import Any
 import ipyparallel as ipp
 from traitlets.config import Config
 
-from course_lib import netem
+from course_lib import netem, warm_start
 from course_lib.engine import (  # noqa: F401 - re-exported: the rank demos sit beside the cluster
     allreduce_ranks,
     call_and_report,
@@ -366,6 +366,7 @@ class Cluster:
             self.client.close()
         finally:
             stop_and_reap(self._ipp, extra_pids=self.pids)
+            warm_start.forget(self._ipp.cluster_id)
             self._ipp = None
             shutil.rmtree(self._store_dir, ignore_errors=True)
 
@@ -441,7 +442,8 @@ def _reuse(cluster_id, n, *args):
 
 def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", timeout: float = 60,
                   pg_timeout: float = 30, threads: int = 1, link: str | netem.Link | None = None,
-                  latency: str | float | None = None, **slurm: Any) -> Cluster:
+                  latency: str | float | None = None, warm: bool | None = None,
+                  **slurm: Any) -> Cluster:
     """Start ``n`` engines and return a :class:`Cluster` whose ranks share a process group.
 
     engines: "local" (processes on this machine), "mpi" (under ``mpiexec``, so mpi4py works on
@@ -449,7 +451,9 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     timeout: default deadline of ``Cluster.run`` in seconds; pg_timeout: the process group's.
     link, latency: an emulated network for every rank's messages (:mod:`course_lib.netem`),
     e.g. ``link="1Gbit/s", latency="50us"``, ``link="1Gbit/s,50us"`` or ``link="10GbE"``.
-    Introduced in notebooks/00_welcome_and_cluster.ipynb.
+    warm: local engines forked from a template that has imported PyTorch
+    (:mod:`course_lib.warm_start`; default: yes, unless ``COURSE_LIB_WARM=0``); False starts
+    each engine as a fresh Python. Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -469,8 +473,11 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     kwargs = dict(n=n, profile=PROFILE, log_level=40, config=config, cluster_id=cluster_id,
                   controller_args=CONTROLLER_ARGS, shutdown_atexit=not shared)
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    warm = warm_start.enabled() if warm is None else warm
+    warm = warm and engines == "local" and threads == 1  # BLAS pools of 1 thread in the template
     if engines == "local":
-        kwargs.update(engines="local", controller_ip="127.0.0.1")
+        kwargs.update(engines=warm_start.WarmEngineSetLauncher if warm else "local",
+                      controller_ip="127.0.0.1")
         config.LocalEngineSetLauncher.environment = env
     elif engines == "mpi":
         mpiexec = mpiexec_path(required=True, error=ClusterError)
@@ -482,6 +489,9 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
         kwargs["config"].SlurmEngineSetLauncher.environment = env
     ipp_cluster = ipp.Cluster(**kwargs)
     ipp_cluster.log.addFilter(_quiet)
+    if warm:  # its imports run while the controller starts
+        warm_start.TEMPLATES[cluster_id] = warm_start.start_template(ipp_cluster.profile_dir,
+                                                                     cluster_id)
     try:
         ipp_cluster.start_cluster_sync(n=n)
         client = ipp_cluster.connect_client_sync()  # no progress bar: the start takes seconds
@@ -490,6 +500,7 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
                           shared=shared)
     except BaseException:
         stop_and_reap(ipp_cluster)
+        warm_start.forget(cluster_id)
         raise
     # if this kernel dies without stopping the cluster, a watchdog stops it (a shared one is
     # watched on behalf of the test session that owns it, not of this notebook's kernel)

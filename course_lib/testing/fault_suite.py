@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course_lib import warm_start
 from course_lib.testing.fault_scenarios import SCENARIOS, Broken, Scenario  # noqa: F401
 
 MARK = "COURSE_LIB_FAULT_SCENARIO"
@@ -53,12 +54,15 @@ class Context:
         return self._cluster
 
     def cluster_pids(self):
-        """The cluster's own processes: controller, engines and their children."""
+        """The cluster's own processes: controller, engines, their warm template and their
+        children."""
         import psutil
         if self._cluster is None or self._cluster.stopped:
             return set()
+        template = warm_start.TEMPLATES.get(self._cluster._ipp.cluster_id)  # engines' parent
         roots = [*self._cluster.pids, self._cluster._ipp.controller.pid,
-                 *([self._cluster.watchdog] if self._cluster.watchdog else [])]
+                 *([self._cluster.watchdog] if self._cluster.watchdog else []),
+                 *([template.pid] if template else [])]
         pids = set()
         for pid in roots:
             try:

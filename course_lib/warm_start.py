@@ -1,0 +1,208 @@
+"""Engines forked from a warm template: a cluster that starts in a second.
+
+Introduced in notebooks/00_welcome_and_cluster.ipynb. Every engine imports PyTorch, NumPy and
+ipyparallel before it can run a line: about a second of CPU each, four on two cores, every
+time a notebook starts its cluster. A **template** process imports them once, then forks an
+engine per request, as ``multiprocessing``'s forkserver (with preloaded modules) and Android's
+zygote start processes: a forked child shares the parent's imported modules and starts in
+milliseconds. ``start_cluster(n, warm=True)`` (the default for local engines) starts the
+template beside the controller; ``warm=False``, or ``COURSE_LIB_WARM=0`` in the environment,
+starts engines the plain way.
+
+What a fork must not break. The template runs no thread (one BLAS thread: ``OMP_NUM_THREADS``
+and its kin are 1 before NumPy loads), opens no socket but its own (closed in the child), runs
+no PyTorch operation (its thread pools start lazily, in the child) and never touches a GPU;
+a child draws NumPy's global seed afresh, as a new process would.
+A child starts a session of its own (signals for the cluster do not reach the template), takes
+its environment, directory and output file from the request, and runs ipyparallel's engine: a
+normal engine, with its id, heartbeat and signals. The template carries the cluster's
+``IPP_CLUSTER_ID`` in its environment, so its children are found, cleaned and killed with the
+cluster (``launch.cluster_processes``); it ends when its cluster's owner does, and the
+cluster's stop kills it. Children are reaped by the kernel (``SIGCHLD`` ignored): the
+launcher watches an engine by its pid, as for any engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+from traitlets import Float
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+PRELOAD = ("numpy", "torch", "zmq", "ipyparallel.engine.app", "course_lib.engine",
+           "course_lib.comm", "course_lib.collectives")
+WARM_ENV = "COURSE_LIB_WARM"  # "0": engines start the plain way
+READY = "ready"
+
+
+def enabled() -> bool:
+    """Whether engines start from a warm template (unless ``COURSE_LIB_WARM=0``).
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    return os.environ.get(WARM_ENV, "1") != "0"
+
+
+def socket_path(profile_dir: str, cluster_id: str) -> Path:
+    """Where the template of cluster ``cluster_id`` listens: the profile's private security
+    directory. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    return Path(profile_dir) / "security" / f"warm-{cluster_id}.sock"
+
+
+# ---------------------------------------------------------------- the template process
+def serve(path: str) -> None:
+    """The template's loop: import what engines need, say ready, then fork one engine per
+    request on the socket at ``path``; end when the process that started it is gone.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    for name in PRELOAD:
+        __import__(name)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+    owner = os.getppid()
+    Path(path).unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o600)  # only this user may ask for a process
+    listener.listen(16)
+    print(READY, flush=True)
+    while os.getppid() == owner:  # orphaned: the owner is gone
+        if not select.select([listener], [], [], 1.0)[0]:
+            continue
+        conn, _ = listener.accept()
+        with conn:
+            request = json.loads(conn.makefile().readline())
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                _become_engine(request, conn)
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    Path(path).unlink(missing_ok=True)
+
+
+def _become_engine(request: dict, conn: socket.socket) -> None:
+    """In the forked child: a session, environment, directory and output of its own, then
+    ipyparallel's engine with the request's arguments. Never returns."""
+    code = 1
+    try:
+        conn.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0), os.dup2(out, 1), os.dup2(out, 2)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        import numpy as np
+        np.random.seed()  # as a fresh process: its own seed (Python's random reseeds at fork)
+        sys.argv = ["ipyparallel.engine", *request["args"]]
+        from ipyparallel.engine.app import main
+        main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - report it in the engine's log, then exit
+        import traceback
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+
+
+# ---------------------------------------------------------------- the side that asks
+def start_template(profile_dir: str, cluster_id: str, timeout: float = 60.0
+                   ) -> subprocess.Popen:
+    """Start the template of cluster ``cluster_id`` (it imports in the background: call
+    :func:`wait_ready` before forking). Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    path = socket_path(profile_dir, cluster_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **dict.fromkeys(THREAD_VARS, "1"), "IPP_CLUSTER_ID": cluster_id,
+           "IPP_PROFILE_DIR": str(profile_dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "course_lib.warm_start", str(path)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
+                            start_new_session=True, text=True)
+    proc.path, proc.deadline = path, time.monotonic() + timeout
+    return proc
+
+
+def wait_ready(proc: subprocess.Popen) -> None:
+    """Wait until the template has imported and listens; RuntimeError if it died or missed
+    its deadline. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    if getattr(proc, "ready", False):
+        return
+    while time.monotonic() < proc.deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline()
+            if line.strip() == READY:
+                proc.ready = True
+                return
+            if not line:
+                break
+    raise RuntimeError(f"the warm template (pid {proc.pid}) did not start: exit code "
+                       f"{proc.poll()}; start the cluster with warm=False")
+
+
+def fork_engine(path: Path, args: list[str], env: dict, cwd: str, output: str,
+                timeout: float = 10.0) -> int:
+    """Ask the template listening at ``path`` for an engine; returns its pid.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(path))
+        s.sendall(json.dumps(dict(args=args, env=env, cwd=cwd, output=output)).encode()
+                  + b"\n")
+        return json.loads(s.makefile().readline())["pid"]
+
+
+TEMPLATES: dict[str, subprocess.Popen] = {}  # cluster id -> its template, in this process
+
+
+def forget(cluster_id: str) -> None:
+    """Stop the template of a stopped cluster and reap it.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    template = TEMPLATES.pop(cluster_id, None)
+    if template is not None:
+        template.kill()
+        template.wait(timeout=10)
+        template.stdout.close()
+
+
+class WarmEngineLauncher(LocalEngineLauncher):
+    """ipyparallel's local engine, forked from its cluster's template (started here if
+    ``start_cluster`` has not). Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+
+    def start(self) -> None:
+        args = list(self.args)
+        if args[1:3] != ["-m", "ipyparallel.engine"]:  # another command: start it plainly
+            return super().start()
+        template = TEMPLATES.get(self.cluster_id)
+        if template is None or template.poll() is not None:
+            template = TEMPLATES[self.cluster_id] = start_template(self.profile_dir,
+                                                                    self.cluster_id)
+        wait_ready(template)
+        env = {**os.environ, **self.get_env()}
+        self.pid = fork_engine(template.path, args[3:], env, self.work_dir, self.output_file)
+        self.process = psutil.Process(self.pid)
+        self.notify_start(self.pid)
+        self._start_waiting()
+
+
+class WarmEngineSetLauncher(LocalEngineSetLauncher):
+    """A set of :class:`WarmEngineLauncher` engines, with no delay between them.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+
+    launcher_class = WarmEngineLauncher
+    # how the cluster's file names it: a dotted path the file's next reader can import
+    entrypoint_name = "course_lib.warm_start.WarmEngineSetLauncher"
+    delay = Float(0.0, config=True, help="seconds between engines: none, a fork is cheap")
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

@@ -1,0 +1,51 @@
+"""Engines forked from a warm template: normal engines (process group, signals, a death
+noticed and repaired, their own NumPy seeds), found and stopped with their cluster; the plain
+start stays one argument or one environment variable away."""
+
+import os
+import signal
+import time
+
+import psutil
+
+from course_lib import cluster as C
+from course_lib import warm_start
+from course_lib.launch import cluster_processes
+from course_lib.testing.warm_start import parent_and_draw
+
+
+def test_a_warm_cluster_has_normal_engines_and_leaves_nothing_behind():
+    c = C.start_cluster(n=3, warm=True)
+    try:
+        template = warm_start.TEMPLATES[c._ipp.cluster_id]
+        parents, draws = zip(*c.run(parent_and_draw), strict=True)
+        assert set(parents) == {template.pid}  # forked, not started afresh
+        assert len(set(draws)) == 3  # each its own seed, as a fresh process
+        assert c.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]  # a working process group
+        found = cluster_processes(lambda cluster_id: cluster_id == c._ipp.cluster_id)
+        assert set(c.pids) | {template.pid} <= set(found[c._ipp.cluster_id])  # clean finds them
+        killed = c.pids[1]
+        os.kill(killed, signal.SIGKILL)  # noticed, and the next call restarts it (forked again)
+        deadline = time.monotonic() + 30
+        while killed in c.pids and time.monotonic() < deadline:
+            try:
+                assert c.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
+            except C.EngineDied:
+                continue
+        assert killed not in c.pids
+        assert {parent for parent, _ in c.run(parent_and_draw)} == {template.pid}
+        procs = [psutil.Process(p) for p in [*c.pids, template.pid]]
+    finally:
+        c.stop()
+    assert not [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert template.returncode is not None  # reaped, no zombie left in this process
+
+
+def test_the_plain_start_is_one_variable_away(monkeypatch):
+    monkeypatch.setenv(warm_start.WARM_ENV, "0")
+    assert not warm_start.enabled()
+    with C.start_cluster(n=2) as c:
+        assert c._ipp.cluster_id not in warm_start.TEMPLATES
+        parents = [psutil.Process(p) for p, _ in c.run(parent_and_draw)]
+        assert all("course_lib.warm_start" not in " ".join(p.cmdline()) for p in parents)
+        assert c.run(C.allreduce_ranks) == [1.0, 1.0]
