@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ipyparallel as ipp
+from IPython.paths import get_ipython_dir
 from traitlets.config import Config
 
 from course_lib import netem, warm_start
@@ -407,8 +408,8 @@ def _signal_pid(pid, sig, host):
 
 # ---------------------------------------------------------------- starting and cleaning up
 # An engine counts as registered at the controller's next heartbeat: with the default 3 s beat
-# that is most of a start. Beat every 0.4 s and allow 75 misses (30 s, as the default allows).
-CONTROLLER_ARGS = ["--HeartMonitor.period=400", "--HeartMonitor.max_heartmonitor_misses=75",
+# that is most of a start. Beat every 0.1 s and allow 300 misses (30 s, as the default allows).
+CONTROLLER_ARGS = ["--HeartMonitor.period=100", "--HeartMonitor.max_heartmonitor_misses=300",
                    "--IPController.use_threads=True"]
 
 
@@ -469,15 +470,24 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
         cluster = _reuse(cluster_id, n, backend, timeout, pg_timeout, threads, link)
         if cluster is not None:
             return cluster
+    warm = warm_start.enabled() if warm is None else warm
+    warm = warm and engines == "local" and threads == 1  # BLAS pools of 1 thread in the template
+    if warm:  # its imports run while the controller starts (or ran since the last start)
+        profile_dir = os.path.join(get_ipython_dir(), f"profile_{PROFILE}")
+        if shared:
+            template = warm_start.start_template(profile_dir, cluster_id)
+        else:
+            cluster_id, template = warm_start.template_for_next(profile_dir)
+        warm_start.TEMPLATES[cluster_id] = template
     config = Config()
     kwargs = dict(n=n, profile=PROFILE, log_level=40, config=config, cluster_id=cluster_id,
                   controller_args=CONTROLLER_ARGS, shutdown_atexit=not shared)
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    warm = warm_start.enabled() if warm is None else warm
-    warm = warm and engines == "local" and threads == 1  # BLAS pools of 1 thread in the template
     if engines == "local":
         kwargs.update(engines=warm_start.WarmEngineSetLauncher if warm else "local",
                       controller_ip="127.0.0.1")
+        if warm:
+            kwargs["controller"] = warm_start.WarmControllerLauncher
         config.LocalEngineSetLauncher.environment = env
     elif engines == "mpi":
         mpiexec = mpiexec_path(required=True, error=ClusterError)
@@ -489,9 +499,6 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
         kwargs["config"].SlurmEngineSetLauncher.environment = env
     ipp_cluster = ipp.Cluster(**kwargs)
     ipp_cluster.log.addFilter(_quiet)
-    if warm:  # its imports run while the controller starts
-        warm_start.TEMPLATES[cluster_id] = warm_start.start_template(ipp_cluster.profile_dir,
-                                                                     cluster_id)
     try:
         ipp_cluster.start_cluster_sync(n=n)
         client = ipp_cluster.connect_client_sync()  # no progress bar: the start takes seconds
@@ -506,6 +513,8 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     # watched on behalf of the test session that owns it, not of this notebook's kernel)
     cluster.watchdog = start_watchdog(int(owner) if shared else os.getpid(),
                                       ipp_cluster.cluster_file).pid
+    if warm and not shared:  # the next start_cluster of this kernel finds its imports done
+        warm_start.keep_spare(profile_dir)
     return cluster
 
 

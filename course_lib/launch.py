@@ -16,6 +16,7 @@ the standard library's only: the spawned workers of :mod:`course_lib.race` and
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import shutil
@@ -229,7 +230,22 @@ def kill_tree(pids: Iterable[int], timeout: float = 5) -> None:
             proc.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(procs, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(map(_ended, procs)):
+        time.sleep(0.05)
+    for proc in procs:  # reap those that are this process's children
+        with contextlib.suppress(psutil.Error):
+            proc.wait(timeout=0)
+
+
+def _ended(proc):
+    """Gone, or a zombie: dead, waiting for a parent to reap it (an orphan's parent may be an
+    init that seldom does)."""
+    import psutil
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
 
 
 def stop_and_reap(ipp_cluster: ipp.Cluster, extra_pids: Iterable[int] = ()) -> None:

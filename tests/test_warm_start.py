@@ -41,6 +41,16 @@ def test_a_warm_cluster_has_normal_engines_and_leaves_nothing_behind():
     assert template.returncode is not None  # reaped, no zombie left in this process
 
 
+def test_the_next_cluster_takes_the_spare_template_and_forks_its_controller_too():
+    with C.start_cluster(n=1, warm=True):
+        spare_id, spare = warm_start.SPARE[0]  # started for the next cluster
+    warm_start.wait_ready(spare)
+    with C.start_cluster(n=1, warm=True) as c:
+        assert c._ipp.cluster_id == spare_id and warm_start.TEMPLATES[spare_id] is spare
+        assert psutil.Process(c._ipp.controller.pid).ppid() == spare.pid
+        assert {parent for parent, _ in c.run(parent_and_draw)} == {spare.pid}
+
+
 def test_the_plain_start_is_one_variable_away(monkeypatch):
     monkeypatch.setenv(warm_start.WARM_ENV, "0")
     assert not warm_start.enabled()

@@ -62,7 +62,8 @@ class Context:
         template = warm_start.TEMPLATES.get(self._cluster._ipp.cluster_id)  # engines' parent
         roots = [*self._cluster.pids, self._cluster._ipp.controller.pid,
                  *([self._cluster.watchdog] if self._cluster.watchdog else []),
-                 *([template.pid] if template else [])]
+                 *([template.pid] if template else []),
+                 *(spare.pid for _, spare in warm_start.SPARE)]  # kept for the next start
         pids = set()
         for pid in roots:
             try:
