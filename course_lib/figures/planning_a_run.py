@@ -30,7 +30,7 @@ def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024
     fit = [r for r in rows if r["fits"]][:shown]
     over = sorted((r for r in rows if not r["fits"]), key=lambda r: r["time"]["total"])[:2]
     chosen = fit + over
-    fig, (mem, step) = plt.subplots(1, 2, figsize=(12, 0.45 * len(chosen) + 1.6),
+    fig, (mem, step) = plt.subplots(1, 2, figsize=(12, 0.45 * len(chosen) + 2.4),
                                     layout="constrained")
     names = [S.describe(r["run"]) for r in chosen]
     y = np.arange(len(chosen))[::-1]
@@ -42,7 +42,7 @@ def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024
     mem.axvline(c.memory / S.GiB, color="k", ls="--", label="device memory")
     mem.set(yticks=y, yticklabels=names, xlabel="GiB per device",
             title=f"{model} on {devices} x {cluster}")
-    mem.legend(fontsize=7, loc="lower right")
+    mem.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
     left = np.zeros(len(chosen))
     for i, term in enumerate(TIME):
         v = np.array([r["time"][term] for r in chosen])
@@ -54,7 +54,7 @@ def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024
     step.set(yticks=y, yticklabels=[], xlabel="seconds per step",
              title=f"batch {batch} x {sequence} tokens, between nodes {c.between.bandwidth / 1e9:g}"
                    " GB/s", xlim=(0, 1.45 * max(r["time"]["total"] for r in chosen)))
-    step.legend(fontsize=7, loc="lower right", ncol=2)
+    step.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4)
     return fig
 
 
