@@ -1,8 +1,9 @@
 """Hogwild!: asynchronous SGD on parameters in shared memory, without a lock and with one.
 
 Introduced in notebooks/03_hogwild.ipynb (Niu, Recht, Re and Wright, NIPS 2011). Worker
-processes (spawned) share one parameter vector; each takes one sample at a time from its own
-shard, reads the parameters, computes the gradient and subtracts it in place. Nobody waits::
+processes (forked from a server, :func:`launch.worker_context`) share one parameter vector;
+each takes one sample at a time from its own shard, reads the parameters, computes the
+gradient and subtracts it in place. Nobody waits::
 
     from course_lib import hogwild, sparse_problem
     data = sparse_problem.make_sparse_classification()      # RCV1-like density: 0.16 %
@@ -22,7 +23,6 @@ process outlives the call.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,14 +31,15 @@ import numpy as np
 
 from course_lib.arguments import check_count
 from course_lib.data import load_digits
-from course_lib.launch import supervise
+from course_lib.launch import supervise, worker_context
 from course_lib.models import mlp
 from course_lib.race import RaceError
 from course_lib.sharding import shard_bounds
 from course_lib.sparse_problem import SparseData, sparse_loss
 
-# Each spawned worker imports this module afresh: torch (seconds to import) is imported only
-# inside the functions of the dense problem, so that sparse workers start without it.
+# torch (seconds to import) is imported only inside the functions of the dense problem: a
+# worker forked from launch.worker_context's server finds it imported; a spawned one
+# (COURSE_LIB_WARM=0) then starts the sparse problem without it.
 
 
 class HogwildError(RaceError):
@@ -196,7 +197,7 @@ def _dense_setup(spec, shared, w):
 
 def _run(problem, spec, arrays, w0, n_counters, num_workers, lock, num_epochs, timeout,
          fail_worker):
-    ctx = mp.get_context("spawn")  # no fork of a process with threads (Jupyter, torch)
+    ctx = worker_context()  # forked from a server that imported numpy and torch once
     shared = {k: _share(ctx, a) for k, a in arrays.items()}
     shared["w"] = _share(ctx, w0)
     shared["counts"] = _share(ctx, np.zeros(n_counters, dtype=np.int64))

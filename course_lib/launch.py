@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import multiprocessing
 import os
 import shutil
 import socket
@@ -31,7 +32,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for the annotations only: ipyparallel stays off the module's import
-    import multiprocessing
     import threading
 
     import ipyparallel as ipp
@@ -352,6 +352,28 @@ def run_ranks(launcher: str, world_size: int, args: Sequence[str], env: dict | N
 
 
 # ---------------------------------------------------------------- local worker processes
+WORKER_PRELOAD = ["numpy", "torch", "course_lib.hogwild", "course_lib.race"]
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Where the course's own worker processes come from: multiprocessing's forkserver, a
+    process that imports :data:`WORKER_PRELOAD` once and forks each worker from there (no fork
+    of this process, which may run threads: Jupyter, PyTorch), so a worker starts without a
+    second's imports (the first call waits for the server's); "spawn" (a fresh Python each)
+    with ``COURSE_LIB_WARM=0``. Arguments travel pickled either way.
+    Introduced in notebooks/02_parallel_computing.ipynb."""
+    if os.environ.get("COURSE_LIB_WARM", "1") == "0":
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(WORKER_PRELOAD)  # read when the server starts, once
+    # the server imports before its first fork: fork one now, so that no worker's deadline
+    # pays for those imports (a second or more, once per process)
+    probe = context.Process(target=os.getpid, daemon=True)
+    probe.start()
+    probe.join(timeout=120)
+    return context
+
+
 def supervise(procs: Sequence[multiprocessing.Process], timeout: float, what: str,
               error: type[Exception] = RuntimeError,
               barrier: threading.Barrier | None = None) -> None:

@@ -1,7 +1,8 @@
 """Shared memory: what this machine has, and the lost-update race when workers share a variable.
 
-Introduced in notebooks/02_parallel_computing.ipynb. Real worker processes (spawned, one per
-core or more) add into one integer that lives in shared memory::
+Introduced in notebooks/02_parallel_computing.ipynb. Real worker processes (forked from a
+server, :func:`launch.worker_context`; one per core or more) add into one integer that lives
+in shared memory::
 
     from course_lib import race
     race.shared_counter(num_workers=4, increments=20_000, mode="unlocked")   # lost > 0
@@ -22,21 +23,20 @@ process outlives the call.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from course_lib.launch import supervise
+from course_lib.launch import supervise, worker_context
 
 if TYPE_CHECKING:
     import ctypes
     from multiprocessing.synchronize import Barrier, Lock
 
-# Each spawned worker starts a fresh interpreter and imports this module to find add_worker:
-# keep its top-level imports to the standard library (no numpy), so that workers start fast.
+# A spawned worker (COURSE_LIB_WARM=0) starts a fresh interpreter and imports this module to
+# find add_worker: keep its top-level imports to the standard library (no numpy).
 
 MODES = ("unlocked", "locked", "reduction")
 WINDOW_SECONDS = 1e-6  # a real sleep: the kernel deschedules the worker for ~50-100 us
@@ -73,9 +73,9 @@ def add_worker(worker: int, total: ctypes.c_int64, partials: ctypes.Array,
                ones: bool, mode: str, window: bool) -> None:
     """Add ``1`` (ones) or ``a`` for every ``a`` in ``range(start, stop)`` into ``total``: what
     each worker process runs. ``total``, ``partials`` and ``seconds`` are shared memory
-    (``RawValue``/``RawArray``), ``lock`` and ``barrier`` those of the spawn context.
+    (``RawValue``/``RawArray``), ``lock`` and ``barrier`` those of the workers' context.
     Introduced in notebooks/02_parallel_computing.ipynb."""
-    barrier.wait(timeout=60)  # all workers start together (spawning takes a while)
+    barrier.wait(timeout=60)  # all workers start together (starting takes a while)
     began = time.perf_counter()
     if mode == "reduction":
         partial = 0
@@ -99,11 +99,11 @@ def add_worker(worker: int, total: ctypes.c_int64, partials: ctypes.Array,
 # ---------------------------------------------------------------- from the notebook
 def run_workers(kind: str, ranges: list[tuple[int, int]], ones: bool, mode: str, window: bool,
                 timeout: float) -> RaceResult:
-    """Spawn one process per range (``add_worker``), wait with a deadline, collect the total.
+    """Start one process per range (``add_worker``), wait with a deadline, collect the total.
     Introduced in notebooks/02_parallel_computing.ipynb."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
-    ctx = mp.get_context("spawn")  # no fork of a process with threads (Jupyter, torch)
+    ctx = worker_context()  # forked from a server that imported numpy and torch once
     n = len(ranges)
     total = ctx.RawValue("q", 0)           # int64 in shared memory, no lock of its own
     partials = ctx.RawArray("q", n)

@@ -59,3 +59,17 @@ def test_the_plain_start_is_one_variable_away(monkeypatch):
         parents = [psutil.Process(p) for p, _ in c.run(parent_and_draw)]
         assert all("course_lib.warm_start" not in " ".join(p.cmdline()) for p in parents)
         assert c.run(C.allreduce_ranks) == [1.0, 1.0]
+
+
+def test_the_course_workers_fork_from_a_preloaded_server(monkeypatch):
+    from course_lib.launch import worker_context
+    from course_lib.testing.warm_start import torch_was_loaded
+    ctx = worker_context()
+    assert ctx.get_start_method() == "forkserver"
+    results = ctx.Queue()
+    worker = ctx.Process(target=torch_was_loaded, args=(results,))
+    worker.start()
+    assert results.get(timeout=60) is True  # imported once, in the server
+    worker.join(timeout=30)
+    monkeypatch.setenv(warm_start.WARM_ENV, "0")
+    assert worker_context().get_start_method() == "spawn"

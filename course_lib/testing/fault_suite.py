@@ -195,13 +195,17 @@ def _usable(ctx):
         return False
 
 
+SERVERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")  # serve till exit
+
+
 def _still_running(p):
     """Whether a marked process is a leftover: still running (one that ends, or turns zombie,
-    between the scan and here is not), and not multiprocessing's resource tracker, which
-    serves this process until it exits."""
+    between the scan and here is not), and not multiprocessing's resource tracker or fork
+    server, which serve this process until it exits."""
     import psutil
     try:
-        return "multiprocessing.resource_tracker" not in " ".join(p.cmdline())
+        command = " ".join(p.cmdline())
+        return all(server not in command for server in SERVERS)
     except psutil.Error:
         return False
 

@@ -10,3 +10,10 @@ def parent_and_draw() -> tuple[int, float]:
     generator (each process its own seed)."""
     import numpy as np
     return os.getppid(), float(np.random.random())
+
+
+def torch_was_loaded(results) -> None:
+    """In a worker process: put whether PyTorch was imported before this function ran (it
+    was, in a worker forked from the preloaded server)."""
+    import sys
+    results.put("torch" in sys.modules)
