@@ -130,7 +130,6 @@ class Run:
     micro_batch: int | None = None  # None: the rank's whole share at once
     recompute: str | None = None
     itemsize: int = 2
-    pp: int = 1
     virtual: int = 1  # interleaved 1F1B: each rank holds this many stages, the bubble / virtual
 
     @property
@@ -145,8 +144,7 @@ class Run:
 def group_link(run: Run, dim: str, cluster: Hardware) -> costmodel.Link:
     """The link a group along ``dim`` crosses: inside a node while it and the faster dimensions
     fit in one. Introduced in notebooks/16_planning_a_run.ipynb."""
-    sizes = {"pp": run.pp, **{d: getattr(run.layout, d) for d in ORDER if d != "pp"}}
-    span = math.prod(sizes[d] for d in ORDER[:ORDER.index(dim) + 1])
+    span = math.prod(getattr(run.layout, d) for d in ORDER[:ORDER.index(dim) + 1])
     return cluster.inside if span <= cluster.per_node else cluster.between
 
 
@@ -177,7 +175,7 @@ def step_time(model: Model, run: Run, cluster: Hardware, overlap_grads: bool = T
     (False: the course's ``reduce_gradients``, after it). ``held``: the parameters a rank
     holds (default: the model's over tp and pp), reduced in one bucket.
     Introduced in notebooks/16_planning_a_run.ipynb."""
-    lay, pp, e = run.layout, run.pp, run.itemsize
+    lay, pp, e = run.layout, run.layout.pp, run.itemsize
     b = run.micro_batch or run.sequences_per_rank
     s = run.sequence // lay.cp
     fl = flops_per_sequence(model, run.sequence, run.recompute)
@@ -243,8 +241,8 @@ def activation_bytes_16bit(model: Model, run: Run) -> float:
     per_layer = layer_activation_bytes(run.sequence / lay.cp,
                                        run.micro_batch or run.sequences_per_rank,
                                        model.d_model, model.heads, recompute=run.recompute)
-    in_flight = min(run.pp, run.micro_batches)
-    return model.layers / run.pp * in_flight * per_layer / lay.tp
+    in_flight = min(lay.pp, run.micro_batches)
+    return model.layers / lay.pp * in_flight * per_layer / lay.tp
 
 
 def memory_16bit(model: Model, run: Run) -> dict[str, float]:
@@ -252,7 +250,7 @@ def memory_16bit(model: Model, run: Run) -> dict[str, float]:
     (fp32 master and two moments) per parameter, ZeRO dividing them over dp, and activations.
     Introduced in notebooks/16_planning_a_run.ipynb."""
     lay = run.layout
-    n = model.parameters / (lay.tp * run.pp)
+    n = model.parameters / (lay.tp * lay.pp)
     over = lay.dp
     out = {"parameters": 2 * n / (over if lay.zero >= 3 else 1),
            "gradients": 2 * n / (over if lay.zero >= 2 else 1),
@@ -277,8 +275,8 @@ def plan(model: Model, batch: int, sequence: int, cluster: Hardware,
         if (batch // dp) % micro_batch:
             continue
         for zero, recompute in itertools.product((0, 1, 3), (None, "attention", "full")):
-            run = Run(batch, sequence, Layout(dp=dp, tp=tp, cp=cp, zero=zero),
-                      micro_batch=micro_batch, recompute=recompute, pp=pp)
+            run = Run(batch, sequence, Layout(dp=dp, tp=tp, cp=cp, zero=zero, pp=pp),
+                      micro_batch=micro_batch, recompute=recompute)
             memory = memory_16bit(model, run)
             time = step_time(model, run, cluster)
             mfu = model_flops(model, batch, sequence) / (time["total"] * cluster.devices
@@ -301,7 +299,7 @@ def describe(run: Run) -> str:
     """'tp8 pp16 dp64, ZeRO-1, mb 1, recompute full': a run's split in one line.
     Introduced in notebooks/16_planning_a_run.ipynb."""
     lay = run.layout
-    dims = [f"{d}{n}" for d, n in (("tp", lay.tp), ("cp", lay.cp), ("pp", run.pp),
+    dims = [f"{d}{n}" for d, n in (("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp),
                                    ("dp", lay.dp)) if n > 1] or ["1 device"]
     extra = [f"ZeRO-{lay.zero}"] * bool(lay.zero) + [f"recompute {run.recompute}"] * bool(
         run.recompute)
@@ -351,14 +349,14 @@ class Published:
 def _gpt(name, devices, tp, pp, batch, tflops):
     dp = devices // (tp * pp)
     return Published(name, "A100 (Selene)", devices,
-                     Run(batch, 2048, Layout(dp=dp, tp=tp), micro_batch=1, recompute="full",
-                         pp=pp), tflops, "Narayanan et al. 2021, table 1")
+                     Run(batch, 2048, Layout(dp=dp, tp=tp, pp=pp), micro_batch=1,
+                         recompute="full"), tflops, "Narayanan et al. 2021, table 1")
 
 
 def _llama(devices, cp, dp, sequence, batch, tflops):
     return Published("Llama 3 405B", "H100 (Llama 3)", devices,
-                     Run(batch, sequence, Layout(dp=dp, tp=8, cp=cp, zero=2), micro_batch=1,
-                         pp=16, virtual=4), tflops,
+                     Run(batch, sequence, Layout(dp=dp, tp=8, cp=cp, zero=2, pp=16),
+                         micro_batch=1, virtual=4), tflops,
                      "Llama 3 report 2024, table 4; interleaved, 4 stages a rank assumed")
 
 
