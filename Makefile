@@ -3,6 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+GPU_PYTHON ?= 3.12   # the GPU machine's Python, for make gpu-wheels
 NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
 
 # PyTorch's CPU build by default (PyPI's torch on Linux is the CUDA build: several GB more). The
@@ -15,7 +16,8 @@ TORCH_INDEX_ARG = $(shell python3 -c "import sys, urllib.request; \
 	urllib.request.urlopen(sys.argv[1], timeout=3); print('--extra-index-url', sys.argv[1])" \
 	$(TORCH_INDEX) 2>/dev/null)
 
-.PHONY: setup demo test test-lib test-notebooks lint lab labs site slides images clean-cluster clean
+.PHONY: setup demo test test-lib test-notebooks lint lab labs site slides images clean-cluster clean \
+        gpu-wheels gpu-check
 
 setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
@@ -90,6 +92,16 @@ slides: $(SITE_STAMP)     ## a reveal.js deck per notebook, in slides/ (outputs 
 
 images: $(STAMP)          ## regenerate the figures in images/
 	$(PY) -m course_lib images
+
+gpu-wheels: $(STAMP)      ## wheels a GPU machine without network lacks, into .whl/ (Python 3.12)
+	$(PY) -m pip download -q --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
+	  -c constraints.txt -d .whl ipyparallel nbval nbformat cloudpickle mpi4py mpich
+
+gpu-check:                ## on a GPU machine: scripts/gpu-check.sh (report in gpu-check/)
+	scripts/gpu-check.sh gpu-check
 
 clean-cluster: $(STAMP)   ## stop clusters left behind by a killed notebook kernel
 	$(PY) -m course_lib cluster clean

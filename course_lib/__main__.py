@@ -2,6 +2,7 @@
 
     demo                 the headless tour (make demo)
     doctor               is this machine ready? versions, MPI, GPUs, a live 2-engine cluster
+    gpu-check [--out D]  on a GPU: ceilings, MFU, memory models, CUDA tensors on every path
     bench allreduce ...  nccl-tests style tables: each allreduce against the native one
     bench hogwild ...    Hogwild! samples/s vs workers, lock-free vs locked, loss vs serial SGD
     bench ps ...         parameter-server throughput vs servers and workers, sync vs async
@@ -90,6 +91,10 @@ def main(argv=None):
     demo.add_argument("-n", type=int, default=4, help="engines (default 4)")
     demo.add_argument("--out", default="demo_output", help="folder for the figures")
     sub.add_parser("doctor", help="check this machine")
+    gpu_check = sub.add_parser("gpu-check", help="the GPU path measured and checked on a GPU")
+    gpu_check.add_argument("--out", type=Path, default=Path("gpu-check"))
+    gpu_check.add_argument("--small", action="store_true", help="CPU-sized, to try the code")
+    gpu_check.add_argument("--no-clusters", action="store_true")
     _bench_parsers(sub)
     from course_lib.testing import fault_suite
     fault_suite.arguments(sub.add_parser("faults", help="the fault suite: every promise tried"))
@@ -107,6 +112,9 @@ def main(argv=None):
     if args.command == "doctor":
         from course_lib import doctor
         return doctor.main()
+    if args.command == "gpu-check":
+        from course_lib import gpu
+        return gpu.main(args.out, small=args.small, clusters=not args.no_clusters)
     if args.command == "bench":
         return _bench(args)
     if args.command == "faults":

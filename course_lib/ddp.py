@@ -403,7 +403,8 @@ class Reducer:
     def _used_everywhere(self):
         """One small allreduce of a used-flag per parameter (torch DDP's local_used_map)."""
         flags = torch.tensor([float(j in b.ready) for b in self.buckets
-                              for j in range(len(b.params))])
+                              for j in range(len(b.params))],  # on the gradients' device (NCCL)
+                             device=self.buckets[0].flat.device if self.buckets else "cpu")
         wait_work(self.dist.all_reduce(flags, async_op=True), self.timeout,
                   f"allreduce of the {len(flags)} used-parameter flags")
         params = [p for b in self.buckets for p in b.params]

@@ -183,6 +183,7 @@ def choose_backend(probes: list[dict], backend: str = "auto") -> tuple[str, str]
         return "nccl", "NCCL: every rank has a GPU of its own (pinned by local rank)"
     gpus = sum(p["gpus"] for p in probes)
     return "gloo", (f"Gloo: {len(probes)} ranks but {gpus} GPU(s) visible, so not every rank "
-                    "has a GPU of its own" if gpus else "Gloo: no GPU visible, CPU tensors")
+                    "has a GPU of its own (NCCL refuses two ranks on one GPU)" if gpus
+                    else "Gloo: no GPU visible, CPU tensors")
 
 

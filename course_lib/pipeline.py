@@ -311,6 +311,8 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, num_microbatches: int,
     else:
         order = schedule_order(schedule, stage, N, num_microbatches)
     M = len(order) // 2
+    # where this stage's activations live: received ones are placed there (a CUDA stage's too)
+    device = next(stage_module.parameters(), torch.empty(0)).device
     saved, live_bytes, peak_bytes, live, peak_live = {}, 0, 0, 0, 0
     inputs, outputs, sends, total = {}, {}, [], 0.0
 
@@ -344,8 +346,8 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, num_microbatches: int,
                 header = recv(torch.zeros(8, dtype=torch.int64), stage - 1, TAG_SHAPE,
                               "activation shape", m)
                 shape, dtype = header[1:1 + header[0]].tolist(), DTYPES[int(header[7])]
-                inp = recv(torch.empty(shape, dtype=dtype), stage - 1, TAG_ACTIVATION,
-                           "activation", m).requires_grad_()
+                inp = recv(torch.empty(shape, dtype=dtype, device=device), stage - 1,
+                           TAG_ACTIVATION, "activation", m).requires_grad_()
             nbytes = [0]
 
             def pack(t, nbytes=nbytes):  # count what autograd keeps for this backward

@@ -86,7 +86,8 @@ class Request:
 
     Fields a transport fills in: ``handle`` (its own request object), ``posted`` (a checked
     receive is posted once its message's size is known), ``error`` (a size mismatch found then,
-    raised by ``wait``), ``header`` (torch: the size header's request and tensor), and on an
+    raised by ``wait``), ``header`` (torch: the size header's request and tensor), ``staging``
+    (torch on Gloo: the host copy a CUDA tensor is received into), and on an
     emulated link ``end`` (when a send's egress is done), ``stamp`` (when a received message's
     sender started sending) and ``stamp_msg`` (MPI: the stamp's own message).
     Introduced in notebooks/02_parallel_computing.ipynb."""
@@ -96,7 +97,7 @@ class Request:
         self.comm, self.op, self.kind, self.peer, self.buf = comm, op, kind, peer, buf
         self.handle, self.tag, self.checked = handle, tag, checked
         self.posted, self.error, self.header = not (checked and kind == "recv"), None, None
-        self.done = False
+        self.done, self.staging = False, None
         self.end, self.stamp, self.stamp_msg = None, None, None
 
     def wait(self, timeout: float | None = None) -> Any:

@@ -1,5 +1,6 @@
 """Messages over torch.distributed (:class:`TorchComm`): Gloo for CPU tensors, NCCL for CUDA
-tensors; the interface is :class:`course_lib.comm.base.Comm`'s. Also the process group under a
+tensors, and CUDA tensors over Gloo staged through host memory; the interface is
+:class:`course_lib.comm.base.Comm`'s. Also the process group under a
 launcher (:func:`init_torch_from_launcher`).
 
 Introduced in notebooks/02_parallel_computing.ipynb. torch is imported where a comm or a
@@ -62,6 +63,12 @@ def init_torch_from_launcher(backend: str = "gloo", timeout: float = DEFAULT_TIM
 class TorchComm(Comm):
     """Messages over torch.distributed: Gloo for CPU tensors, NCCL for CUDA tensors.
 
+    Gloo's point-to-point messages read and write host memory only (its ``send`` hands the
+    tensor's address to a socket), so a CUDA tensor on Gloo travels through a host copy: a send
+    copies it out first, a receive lands in host memory and is copied into the CUDA tensor when
+    it completes (as NCCL-less clusters of one GPU, many ranks, need; ``start_cluster`` picks
+    Gloo there).
+
     A Gloo wait that times out closes the connection to that peer, so the process group has to
     be re-created afterwards (``Cluster.run`` does this on its next call). A checked message
     (the default; not on NCCL) is an 8-byte size header under its own tag, then the data; the
@@ -90,6 +97,16 @@ class TorchComm(Comm):
             raise ValueError(f"buffers must be contiguous, got strides {tuple(t.stride())}")
         return t
 
+    def _wire(self, req: Request, t):
+        """What Gloo moves for ``t``: ``t`` itself, or for a CUDA tensor a host copy (a send's
+        copy is made now; a receive's is copied into ``req.buf`` when it completes)."""
+        if self.backend != "gloo" or t.device.type == "cpu":
+            return t
+        if req.kind == "send":
+            return t.cpu()  # waits for the kernels that wrote t: the copy is of the final data
+        req.staging = t.new_empty(t.shape, device="cpu")
+        return req.staging
+
     def size_checked(self, check_size: bool | None) -> bool:
         """As :meth:`Comm.size_checked`; never on NCCL, where sizes are the caller's to agree."""
         return super().size_checked(check_size) and self.backend != "nccl"
@@ -109,7 +126,8 @@ class TorchComm(Comm):
                 stamp = round(start * 1e9)  # int64 ns: the header is one int64 tensor
             size = torch.tensor([nbytes(t), stamp], dtype=torch.int64)
             req.header = (self._start(req, self.dist.isend, size, tag + HEADER_TAG), size)
-        req.handle = None if t.numel() == 0 else self._start(req, self.dist.isend, t, tag)
+        req.handle = None if t.numel() == 0 else self._start(req, self.dist.isend,
+                                                             self._wire(req, t), tag)
         return req
 
     def global_rank(self, peer: int) -> int:
@@ -138,7 +156,7 @@ class TorchComm(Comm):
         # checked: the data is received once its size is known to fit (``post``); else it
         # is received at once (on an emulated link, side by side with its stamp)
         if not req.checked and t.numel():
-            req.handle = self._start(req, self.dist.irecv, t, tag)
+            req.handle = self._start(req, self.dist.irecv, self._wire(req, t), tag)
         return self.queue(req)
 
     def post(self, req: Request, deadline: float) -> bool:
@@ -163,8 +181,8 @@ class TorchComm(Comm):
                                            self.global_rank(r.peer), group=self.group,
                                            tag=r.tag) if sent else None
             elif sent:
-                r.handle = self.dist.irecv(t, self.global_rank(r.peer), group=self.group,
-                                           tag=r.tag)
+                r.handle = self.dist.irecv(self._wire(r, t), self.global_rank(r.peer),
+                                           group=self.group, tag=r.tag)
             r.posted = True
         return True
 
@@ -183,6 +201,8 @@ class TorchComm(Comm):
             return False
         if req.error is not None:
             raise req.error
+        if req.staging is not None:  # a CUDA tensor received over Gloo: copy it in from host
+            self._tensor(req.buf).copy_(req.staging)
         return True
 
     def sendrecv(self, sendbuf: Any, dst: int, recvbuf: Any, src: int, tag: int = 0,

@@ -83,3 +83,45 @@ def save_all(out_dir):
     Introduced in notebooks/16_planning_a_run.ipynb."""
     return [save_figure(plans_figure(), out_dir, "16_plans.png"),
             save_figure(published_figure(), out_dir, "16_published_runs.png")]
+
+
+def gpu_figure(report: dict):
+    """A GPU report (:func:`course_lib.gpu.measure`): left, the FLOP/s reached by a bare matrix
+    product and by the transformer's step against the datasheet's peaks (the ratio to the 16-bit
+    peak is the MFU); right, the memory the planner counted against what CUDA's allocator
+    held, by kind. Introduced in notebooks/16_planning_a_run.ipynb."""
+    import matplotlib.pyplot as plt
+    spec = report["environment"].get("card") or {}
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(12, 3.6), layout="constrained")
+    names = [f"matmul {d}" for d in report["matmul"]] + [
+        f"GPT step {s['dtype']}\n{s['attention'].replace('_attention', '')} attention"
+        for s in report["steps"]]
+    rates = list(report["matmul"].values()) + [s["flops_per_s"] for s in report["steps"]]
+    dtypes = list(report["matmul"]) + [s["dtype"] for s in report["steps"]]
+    y = np.arange(len(names))[::-1]
+    speed.barh(y, np.array(rates) / 1e12, color=["C0" if d == "bfloat16" else "C1"
+                                                 for d in dtypes])
+    for key, label, color in (("bf16", "16-bit peak", "C0"), ("fp32", "float32 peak", "C1")):
+        if spec.get(key):
+            speed.axvline(spec[key] / 1e12, color=color, ls="--", label=label)
+    for yi, r, d in zip(y, rates, dtypes, strict=True):
+        peak = spec.get("bf16" if d == "bfloat16" else "fp32")
+        if peak:
+            speed.text(r / 1e12, yi, f" {r / peak:.0%}", va="center", fontsize=8)
+    speed.set(yticks=y, yticklabels=names, xlabel="TFLOP/s (model FLOPs per second)",
+              title=f"{report['environment']['device']}: reached against the datasheet")
+    if spec:
+        speed.legend(loc="lower right", fontsize=8)
+    mem = report["memory"]
+    kinds = ["parameters", "gradients", "optimizer", "activations"]
+    x = np.arange(len(kinds))
+    memory.bar(x - 0.2, [mem["planned"][k] / 2**30 for k in kinds], 0.4, label="planned")
+    got = [mem["measured"][k] for k in kinds]
+    if got[0] is not None:
+        memory.bar(x + 0.2, [g / 2**30 for g in got], 0.4, label="CUDA allocator")
+    cfg = mem["config"]
+    memory.set(xticks=x, xticklabels=kinds, ylabel="GiB",
+               title=f"GPT d={cfg['d_model']}, {cfg['n_layers']} layers, {mem['batch']}x"
+                     f"{mem['length']} tokens, float32 + Adam")
+    memory.legend(fontsize=8)
+    return fig

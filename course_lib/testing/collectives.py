@@ -43,12 +43,15 @@ def rank_input(seed, rank, shape, dtype):
 
 
 def make_buffer(x, comm, kind):
-    """A copy of numpy ``x`` as a numpy array or a torch tensor (on the GPU under NCCL)."""
+    """A copy of numpy ``x`` as a numpy array ("numpy"), a torch tensor ("torch": on the GPU
+    under NCCL) or a CUDA tensor whatever the backend ("cuda": Gloo moves it through host
+    memory)."""
     if kind == "numpy":
         return x.copy()
     import torch
     t = torch.from_numpy(x.copy())
-    return t.cuda() if comm.transport == "torch" and comm.backend == "nccl" else t
+    on_gpu = kind == "cuda" or comm.transport == "torch" and comm.backend == "nccl"
+    return t.cuda() if on_gpu else t
 
 
 def buffer_kind(comm):
@@ -132,8 +135,9 @@ def compare_with_native(algorithms, lengths=None, dtypes=DTYPES, ops=C.OPS, seed
 
     ``algorithms``: a name (see :func:`run_algorithm`) or a list of names; the native result is
     computed once per case. Cases: each length in ``lengths`` (default 0, 1, 3, N-1, 1000, 1001)
-    and a (3, 7) matrix, for every dtype and op. ``containers``: "numpy" and/or "torch" (default:
-    the transport's own kind, and the other kind too for the longest length). Returns one string
+    and a (3, 7) matrix, for every dtype and op. ``containers``: "numpy", "torch" and/or "cuda"
+    (see :func:`make_buffer`; default: the transport's own kind, and the other kind too for the
+    longest length). Returns one string
     per case that differs; empty when all agree. Runs on every rank.
     Introduced in notebooks/05_allreduce.ipynb.
     """
@@ -211,23 +215,25 @@ def _mismatch_report(comm, algorithms):
 
 
 def compare_all_to_all_with_native(seed: int = 0, transport: str = "torch",
-                                   timeout: float = 30.0) -> list[str]:
+                                   timeout: float = 30.0, container: str | None = None
+                                   ) -> list[str]:
     """Each all-to-all of :data:`collectives.ALL_TO_ALL` (pairwise, naive) against the native
     one on the same uneven blocks (some empty): ``dist.all_to_all_single`` (torch) or
     ``Alltoallv`` (MPI), int64 and float64, single values and rows of 3. Returns one string
-    per case that differs; runs on every rank.
+    per case that differs; runs on every rank. ``container``: the kind of buffer ours are given
+    (:func:`make_buffer`; default the transport's own).
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     comm = get_comm(transport, timeout=timeout)
     n, r = comm.world_size, comm.rank
     counts = np.random.default_rng([seed, n]).integers(0, 4, size=(n, n))  # [s, q]: s sends q
     send_counts, recv_counts = counts[r], counts[:, r]
-    problems = []
+    kind, problems = container or buffer_kind(comm), []
     for dtype in ("int64", "float64"):
         for width in (1, 3):
             x = (np.arange(send_counts.sum() * width) + 1000 * r).astype(dtype).reshape(-1, width)
             empty = np.zeros((recv_counts.sum(), width), dtype)
-            ours = [C.ALL_TO_ALL[a](make_buffer(x, comm, buffer_kind(comm)),
-                                    make_buffer(empty, comm, buffer_kind(comm)), comm,
+            ours = [C.ALL_TO_ALL[a](make_buffer(x, comm, kind), make_buffer(empty, comm, kind),
+                                    comm,
                                     send_counts.tolist(), recv_counts.tolist())
                     for a in C.ALL_TO_ALL]
             if comm.transport == "mpi":

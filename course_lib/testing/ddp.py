@@ -69,26 +69,28 @@ class Net(nn.Module):
         return out
 
 
-def _setup(batch, steps, hidden, variant, dtype, seed):
+def _setup(batch, steps, hidden, variant, dtype, seed, device="cpu"):
     X, y, _, _ = data.load_digits()
     rng = np.random.default_rng(seed)
     order = [rng.choice(len(X), size=batch, replace=False) for _ in range(steps)]
-    net = Net(hidden, variant, seed).to(getattr(torch, dtype))
-    return torch.from_numpy(X).to(getattr(torch, dtype)), torch.from_numpy(y).long(), order, net
+    net = Net(hidden, variant, seed).to(getattr(torch, dtype)).to(device)
+    return (torch.from_numpy(X).to(getattr(torch, dtype)).to(device),
+            torch.from_numpy(y).long().to(device), order, net)
 
 
 def _flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy().copy()
 
 
 def _flat_buffers(model):
     buffers = [b.detach().double().reshape(-1) for b in model.buffers()]
-    return torch.cat(buffers).numpy().copy() if buffers else np.zeros(0)
+    return torch.cat(buffers).cpu().numpy().copy() if buffers else np.zeros(0)
 
 
 def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hidden=(64,),
                   variant="mlp", dtype="float64", bucket_cap_mb=0.01, lr=0.1, momentum=0.9,
-                  wrapper="ddp", record=False, seed=0, accumulate=1, broadcast_buffers=True):
+                  wrapper="ddp", record=False, seed=0, accumulate=1, broadcast_buffers=True,
+                  device="cpu"):
     """Train on this rank's slices; returns ``{"params": [flat vector after each step],
     "buffers": [flat buffers after each step], "no_grad": [trainable parameters whose grad was
     None at the last step], "timeline": Timeline or None}``.
@@ -97,11 +99,12 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
     ``"ddp"`` (the DDP-like module), ``"optimizer"`` (Horovod style), ``"functional"``
     (``ddp.average_gradients`` after backward) or ``"naive"`` (``ddp.average_gradients_naive``).
     ``accumulate=k`` cuts the rank's slice into k micro-batches, all but the last backward
-    inside ``no_sync()`` (gradient accumulation).
+    inside ``no_sync()`` (gradient accumulation). ``device``: where the model and the data
+    live ("cuda": the gradients are CUDA tensors).
     """
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
-    X, y, order, model = _setup(batch, steps, hidden, variant, dtype, seed)
+    X, y, order, model = _setup(batch, steps, hidden, variant, dtype, seed, device)
     tl = timeline.Timeline(rank) if record else None
     unused = variant == "unused"
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)

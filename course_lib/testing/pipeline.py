@@ -48,17 +48,19 @@ def run_stage(stage, comm, num_microbatches, x, y, schedule="1f1b", timeline=Non
 
 def pipeline_matches_one_process(schedule="1f1b", num_microbatches=4, counts=None,
                                  num_layers=6, batch=16, width=8, world_size=None, seed=0,
-                                 timeout=10.0):
+                                 timeout=10.0, device="cpu"):
     """Run one step of the pipeline on this rank's stage and the whole model in one process
     (on every rank); returns ``{"grad": max difference of the stage's gradients, "loss":
     difference of the loss (last stage, else None), "peak_live": ..., "stage": rank}``, or None
-    on ranks outside ``world_size``. Introduced in notebooks/09_model_parallelism.ipynb."""
+    on ranks outside ``world_size``. ``device``: where the model and the batch live ("cuda":
+    activations and gradients cross between stages as CUDA tensors).
+    Introduced in notebooks/09_model_parallelism.ipynb."""
     comm = subgroup_comm(world_size, timeout)
     if comm is None:
         return None
     N = comm.world_size
-    model = make_mlp(num_layers, width, seed)
-    x, y = make_batch(batch, width, seed + 1)
+    model = make_mlp(num_layers, width, seed).to(device)
+    x, y = (t.to(device) for t in make_batch(batch, width, seed + 1))
     counts = counts or pipeline.balance([1.0] * num_layers, N)
     stages = pipeline.split_model(copy.deepcopy(model), counts)
     mine = stages[comm.rank]

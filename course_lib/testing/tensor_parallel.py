@@ -64,7 +64,7 @@ def _input(model, batch, seed):
     """The input, the same on every rank: ``batch`` rows of the first layer's width."""
     first = next(m for m in model.modules() if isinstance(m, nn.Linear))
     return torch.randn(batch, first.in_features, generator=torch.Generator().manual_seed(seed),
-                       dtype=torch.float64)
+                       dtype=torch.float64).to(first.weight.device)
 
 
 def _forward_backward(net, x, seed, input_grad=True):
@@ -73,7 +73,7 @@ def _forward_backward(net, x, seed, input_grad=True):
     x = x.detach().clone().requires_grad_(input_grad)
     out = net(x)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed),
-                    dtype=out.dtype)
+                    dtype=out.dtype).to(out.device)
     (out * w).sum().backward()
     return out.detach(), x.grad
 
@@ -88,15 +88,16 @@ def _slice_of(layer, name, full):
 
 
 def compare_with_one_process(comm, batch=8, d_model=12, hidden=16, seed=0, blocks=1, kind="mlp",
-                             activation="gelu", input_grad=True):
+                             activation="gelu", input_grad=True, device="cpu"):
     """Split the reference model over ``comm``'s ranks and compare with it, unsplit, here.
 
     Returns ``{"output", "input_grad": max abs difference, "param_grads": {name: difference},
     "max": the largest, "counts": the collectives, {"forward": n, "backward": n}}``.
     ``input_grad=False``: the input needs no gradient (as a network's first layer's), so the
-    first layer's backward allreduce is skipped and "input_grad" is None.
+    first layer's backward allreduce is skipped and "input_grad" is None. ``device``: where
+    both models and the input live ("cuda": the same on a GPU).
     Introduced in notebooks/09_model_parallelism.ipynb."""
-    model = reference_model(kind, blocks, d_model, hidden, activation, seed)
+    model = reference_model(kind, blocks, d_model, hidden, activation, seed).to(device)
     tp = TensorParallel(comm)
     net = split_reference_model(model, tp)
     x = _input(model, batch, seed + 1)
@@ -117,7 +118,7 @@ def compare_with_one_process(comm, batch=8, d_model=12, hidden=16, seed=0, block
 
 
 def tp_matches_one_process(world_size=None, batch=8, d_model=12, hidden=16, seed=0, blocks=1,
-                           kind="mlp", activation="gelu", input_grad=True):
+                           kind="mlp", activation="gelu", input_grad=True, device="cpu"):
     """On every rank: ``compare_with_one_process`` over the first ``world_size`` ranks (default
     all); the other ranks return None. Introduced in notebooks/09_model_parallelism.ipynb."""
     import torch.distributed as dist
@@ -125,7 +126,7 @@ def tp_matches_one_process(world_size=None, batch=8, d_model=12, hidden=16, seed
     if group is not None and dist.get_rank() >= world_size:
         return None
     return compare_with_one_process(TorchComm(group), batch, d_model, hidden, seed, blocks, kind,
-                                    activation, input_grad)
+                                    activation, input_grad, device)
 
 
 def tp_matches_torch(world_size=None, batch=8, d_model=12, hidden=16, seed=0, activation="gelu"):

@@ -53,27 +53,28 @@ def one_process(optimizer="adam", steps=3, batch=12, seed=0, model="small"):
 
 
 def zero_matches_one_process(stage, optimizer="adam", steps=3, world_size=None,
-                             algorithm="ring", batch=12, seed=0, model="small"):
+                             algorithm="ring", batch=12, seed=0, model="small", device="cpu"):
     """``steps`` of ZeRO ``stage`` on this rank's rows of the global batch; returns the largest
     difference of the parameters from :func:`one_process`, the largest change of the frozen
     ones, this rank's memory by kind and the bytes it sent per step, or None outside
     ``world_size``. ``model``: a name of ``MODELS``: "small" (2 layers, :func:`make_model`),
     "deep" (16 layers, :func:`deep_model`), "frozen-first" or "frozen-middle"
-    (:func:`frozen_model`).
+    (:func:`frozen_model`). ``device``: where the model and the batch live (the reference
+    stays on the CPU).
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
     comm = subgroup_comm(world_size)
     if comm is None:
         return None
     make, sizes = MODELS[model]
-    name, model = model, ZeroDataParallel(make(seed=seed), OPTIMIZERS[optimizer], comm, stage,
-                                          algorithm)
+    name, model = model, ZeroDataParallel(make(seed=seed).to(device), OPTIMIZERS[optimizer],
+                                          comm, stage, algorithm)
     peak = [0]
 
     def record(module, args):  # runs after the unit's own gather: what the forward holds
         peak[0] = max(peak[0], model.memory()["parameters"])
     for unit in model.units:
         unit.module.register_forward_pre_hook(record)
-    x, y = make_data(batch, sizes)
+    x, y = (t.to(device) for t in make_data(batch, sizes))
     a, b = shard_bounds(batch, comm.rank, comm.world_size)
     sent = comm.bytes_sent
     for _ in range(steps):
@@ -81,9 +82,9 @@ def zero_matches_one_process(stage, optimizer="adam", steps=3, world_size=None,
         model.step()
     sent = (comm.bytes_sent - sent) / steps
     reference = one_process(optimizer, steps, batch, seed, name)
-    diff = max(float((p - q).abs().max())
+    diff = max(float((p.cpu() - q).abs().max())
                for p, q in zip(model.full_parameters(), reference, strict=True))
-    frozen = max((float((p - q).abs().max()) for p, q in
+    frozen = max((float((p.cpu() - q).abs().max()) for p, q in
                   zip(model.full_parameters(), make(seed=seed).parameters(), strict=True)
                   if not q.requires_grad), default=0.0)
     return {"diff": diff, "frozen_changed": frozen, "memory": model.memory(),
