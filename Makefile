@@ -98,7 +98,7 @@ gpu-wheels: $(STAMP)      ## wheels a GPU machine without network lacks, into .w
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 	  --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
-	  -c constraints.txt -d .whl ipyparallel nbval nbformat cloudpickle mpi4py mpich
+	  -c constraints.txt -d .whl ipyparallel ipywidgets nbval nbformat cloudpickle mpi4py mpich
 
 gpu-check:                ## on a GPU machine: scripts/gpu-check.sh (report in gpu-check/)
 	scripts/gpu-check.sh gpu-check

@@ -181,9 +181,10 @@ def choose_backend(probes: list[dict], backend: str = "auto") -> tuple[str, str]
         return "gloo", "Gloo, as asked"
     if own_gpu:
         return "nccl", "NCCL: every rank has a GPU of its own (pinned by local rank)"
-    gpus = sum(p["gpus"] for p in probes)
-    return "gloo", (f"Gloo: {len(probes)} ranks but {gpus} GPU(s) visible, so not every rank "
-                    "has a GPU of its own (NCCL refuses two ranks on one GPU)" if gpus
+    # the GPUs of the machine: each host's once (every rank on a host sees the same ones)
+    gpus = sum(min(p["gpus"] for p in probes if p["host"] == h) for h in per_host)
+    return "gloo", (f"Gloo: {len(probes)} ranks but {gpus} GPU(s), so not every rank has a "
+                    "GPU of its own (NCCL refuses two ranks on one GPU)" if gpus
                     else "Gloo: no GPU visible, CPU tensors")
 
 

@@ -93,6 +93,16 @@ def copy_rate(n_bytes: int = 2**30, repeats: int = 10, device: str = "cuda") -> 
     return 2 * n_bytes / timed(lambda: dst.copy_(src), repeats, device)
 
 
+def warm_up(device: str = "cuda") -> None:
+    """Multiply matrices forward and backward once, so that cuBLAS has made its workspaces
+    (32 MiB each on a Hopper GPU: one for this thread, more for autograd's backward thread):
+    the caching allocator holds them from their first use on, and a count of the model's bytes
+    made before them would find them mixed in. Introduced in notebooks/16_planning_a_run.ipynb."""
+    w = torch.ones(16, 16, device=device, requires_grad=True)
+    (w @ w).sum().backward()
+    _sync(device)
+
+
 def _batch(cfg: GPTConfig, batch: int, length: int, device: str):
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(cfg.vocab_size, (batch, length + 1), generator=g).to(device)
@@ -140,7 +150,9 @@ def transformer_memory(cfg: GPTConfig, batch: int, length: int, device: str = "c
     """The planner's bytes by kind (:func:`planner.memory_per_rank`, one rank, float32, Adam)
     against what the allocator held: parameters after the model moved in, activations kept by
     one forward (the allocation it left behind, and the tensors autograd saved), gradients
-    after the backward, optimizer state after the first step, and the peak of the whole step.
+    after the backward, optimizer state after the first step, and the peak of the whole step
+    (less than the plan's total: the activations are freed as the gradients appear, before
+    Adam's state exists).
     On the CPU only the saved tensors are measured (no allocator to ask).
     Introduced in notebooks/16_planning_a_run.ipynb."""
     cuda = torch.device(device).type == "cuda"
@@ -148,6 +160,7 @@ def transformer_memory(cfg: GPTConfig, batch: int, length: int, device: str = "c
     def allocated():
         _sync(device)
         return torch.cuda.memory_allocated() if cuda else 0
+    warm_up(device)  # cuBLAS's workspaces are not the model's
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -289,12 +302,14 @@ def cluster_summary(clusters: dict) -> str:
     Introduced in notebooks/16_planning_a_run.ipynb."""
     lines = []
     for n, row in clusters.items():
-        lines.append(f"{n} rank(s): {row['reason']}; devices {row['devices']}; collectives: "
+        lines.append(f"{n} rank(s): {row['reason']}.\n  The course's collectives on "
+                     f"{row['tensors']} tensors: "
                      + (f"{len(row['collectives'])} mismatches" if row["collectives"]
                         else "all agree with the native ones"))
         for rank, diffs in enumerate(row.get("parallelism", [])):
             worst = max(diffs, key=diffs.get)
-            lines.append(f"  rank {rank}: largest difference from one process "
+            lines.append(f"  rank {rank}: DDP, ZeRO 1-3, tensor and pipeline parallelism on "
+                         f"{row['tensors']} tensors, largest difference from one process "
                          f"{diffs[worst]:.1e} ({worst})")
         if row.get("zero_memory"):
             lines.append(zero_table([per_rank[0] for per_rank in row["zero_memory"]]))

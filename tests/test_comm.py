@@ -164,3 +164,16 @@ def test_unknown_transport():
 
 def test_comm_timeout_is_a_timeout_error():
     assert issubclass(CommTimeout, TimeoutError) and issubclass(CommTimeout, RuntimeError)
+
+
+@needs_mpiexec
+def test_an_mpi4py_of_another_mpi_is_named_not_run_alone():
+    """A process started as one of 3 (PMI_SIZE=3, what MPICH's mpiexec sets) whose MPI sees a
+    world of 1, as an mpi4py built for another MPI than the mpiexec sees: a clear error, not a
+    rank 0 that computes alone."""
+    code = ("from course_lib.comm import get_comm\n"
+            "try:\n    get_comm('mpi')\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PMI_SIZE="3"),
+                         capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("CommError mpiexec started 3 processes but MPI sees a world of 1"), out
+    assert "another MPI" in out

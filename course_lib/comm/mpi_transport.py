@@ -19,10 +19,30 @@ from course_lib.comm.base import (
     DEFAULT_TIMEOUT,
     STAMP_TAG,
     Comm,
+    CommError,
     CommTimeout,
     Request,
     nbytes,
 )
+
+LAUNCHED_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")  # MPICH's (Hydra, PMI) and Open MPI's
+
+
+def mpi_world() -> Any:
+    """``MPI.COMM_WORLD``, after checking that it holds every process ``mpiexec`` started: an
+    mpi4py built for another MPI than the ``mpiexec`` that launched it sees a world of 1 on
+    every process (each its own rank 0), and would compute alone without a word.
+    Introduced in notebooks/02_parallel_computing.ipynb."""
+    from mpi4py import MPI  # optional (the mpi extra)
+    world = MPI.COMM_WORLD
+    launched = next((int(os.environ[k]) for k in LAUNCHED_SIZE if k in os.environ), None)
+    if launched is not None and launched != world.Get_size():
+        library = " ".join(MPI.Get_library_version().splitlines()[0].strip("\x00").split())
+        raise CommError(f"mpiexec started {launched} processes but MPI sees a world of "
+                        f"{world.Get_size()}: mpi4py runs on {library}, another MPI than the "
+                        "mpiexec that started it. Use that MPI's own mpiexec (the course's: "
+                        "pip install mpi4py mpich, and the mpiexec beside that Python)")
+    return world
 
 
 class MpiComm(Comm):
@@ -39,7 +59,7 @@ class MpiComm(Comm):
                  check_sizes: bool | str = True, link: Any = None) -> None:
         from mpi4py import MPI  # optional (the mpi extra): only when an MpiComm is made
         self.MPI = MPI
-        self.mpi = MPI.COMM_WORLD if mpi_comm is None else mpi_comm
+        self.mpi = mpi_world() if mpi_comm is None else mpi_comm
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size(), timeout, check_sizes, link)
 
     def _bytes(self, buf):

@@ -44,8 +44,8 @@ def init_torch_from_launcher(backend: str = "gloo", timeout: float = DEFAULT_TIM
     if "RANK" in os.environ and "MASTER_PORT" in os.environ:  # torchrun
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         return
-    from mpi4py import MPI  # optional (the mpi extra): only under mpiexec
-    world = MPI.COMM_WORLD
+    from course_lib.comm.mpi_transport import mpi_world  # only under mpiexec (the mpi extra)
+    world = mpi_world()
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = None
     if world.Get_rank() == 0:

@@ -108,17 +108,20 @@ def gpu_figure(report: dict):
         peak = spec.get("bf16" if d == "bfloat16" else "fp32")
         if peak:
             speed.text(r / 1e12, yi, f" {r / peak:.0%}", va="center", fontsize=8)
+    copy = f"copy {report['copy'] / 1e12:.2f} TB/s" + (
+        f" ({report['copy'] / spec['memory_bandwidth']:.0%} of the datasheet's)" if spec else "")
     speed.set(yticks=y, yticklabels=names, xlabel="TFLOP/s (model FLOPs per second)",
-              title=f"{report['environment']['device']}: reached against the datasheet")
+              title=f"{report['environment']['device']}; {copy}")
     if spec:
         speed.legend(loc="lower right", fontsize=8)
     mem = report["memory"]
-    kinds = ["parameters", "gradients", "optimizer", "activations"]
+    kinds = ["parameters", "gradients", "optimizer", "activations", "total"]
     x = np.arange(len(kinds))
     memory.bar(x - 0.2, [mem["planned"][k] / 2**30 for k in kinds], 0.4, label="planned")
-    got = [mem["measured"][k] for k in kinds]
+    got = [mem["measured"][k] for k in kinds[:-1]] + [mem["measured"]["peak"]]
     if got[0] is not None:
         memory.bar(x + 0.2, [g / 2**30 for g in got], 0.4, label="CUDA allocator")
+    kinds[-1] = "total / peak"
     cfg = mem["config"]
     memory.set(xticks=x, xticklabels=kinds, ylabel="GiB",
                title=f"GPT d={cfg['d_model']}, {cfg['n_layers']} layers, {mem['batch']}x"

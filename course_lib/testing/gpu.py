@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from course_lib.comm import get_comm
+from course_lib.gpu import warm_up
 from course_lib.testing import ddp as ddp_testing
 from course_lib.testing import pipeline as pipeline_testing
 from course_lib.testing import tensor_parallel as tp_testing
@@ -82,6 +83,7 @@ def zero_memory_on_rank(stage: int, layers: int = 6, width: int = 6144, batch: i
             return torch.cuda.memory_allocated()
         return None
     if cuda:
+        warm_up(device)  # cuBLAS's workspaces are not ZeRO's
         torch.cuda.empty_cache()
     base = allocated()
     torch.manual_seed(0)
@@ -125,6 +127,7 @@ def cluster_report(sizes: tuple[int, ...] = (1, 2, 4), device: str = "cuda",
             row = {"backend": cluster.backend, "reason": cluster.backend_reason,
                    "devices": [i["device"] for i in cluster.run(engine_info)]}
             kind = "torch" if cluster.backend == "nccl" or device == "cpu" else "cuda"
+            row["tensors"] = "CPU" if device == "cpu" else "CUDA"
             row["collectives"] = sum(cluster.run(collectives_on_rank, kind), [])
             if n > 1 and parallelism:
                 row["parallelism"] = cluster.run(parallelism_on_rank, device)
