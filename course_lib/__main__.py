@@ -19,6 +19,7 @@
     faults [--repeat K] [--only A,B] [--list]
                          every promise tried: faults injected, deadlines, leftovers, exposure
     cluster clean [--all] stop clusters left behind by a killed notebook kernel
+    cluster stacks       where every rank of every live cluster is: its stack, what it waits for
     labs build | check   regenerate the student labs / list the stale ones
     images               regenerate the figures in images/
 """
@@ -99,7 +100,7 @@ def main(argv=None):
     from course_lib.testing import fault_suite
     fault_suite.arguments(sub.add_parser("faults", help="the fault suite: every promise tried"))
     cluster = sub.add_parser("cluster", help="cluster housekeeping")
-    cluster.add_argument("action", choices=["clean"])
+    cluster.add_argument("action", choices=["clean", "stacks"])
     cluster.add_argument("--all", action="store_true", help="also clusters of live kernels")
     labs = sub.add_parser("labs", help="student labs")
     labs.add_argument("action", choices=["build", "check"])
@@ -113,13 +114,16 @@ def main(argv=None):
         from course_lib import doctor
         return doctor.main()
     if args.command == "gpu-check":
-        from course_lib import gpu
+        from course_lib.testing import gpu
         return gpu.main(args.out, small=args.small, clusters=not args.no_clusters)
     if args.command == "bench":
         return _bench(args)
     if args.command == "faults":
         return fault_suite.main(args)
     if args.command == "cluster":
+        if args.action == "stacks":
+            from course_lib import stacks
+            return stacks.main()
         return _clean(args.all)
     if args.command == "labs":
         return _labs(args.action)

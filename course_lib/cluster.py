@@ -221,6 +221,29 @@ class Cluster:
             raise ClusterError(f"no live engine among ranks {wanted} (dead: {dead})")
         return self.client.load_balanced_view([self.engine_ids[r] for r in live])
 
+    def stacks(self, timeout: float = 2.0) -> list[dict]:
+        """Every rank's stack and what it waits for, now (:mod:`course_lib.stacks`; print
+        ``stacks.summary(cluster.stacks())``), even while a call hangs. Engines on other hosts
+        answer with an error (their sockets are there). Introduced in
+        notebooks/17_debugging_clinic.ipynb."""
+        from course_lib import stacks
+        here, dead = socket.gethostname(), set(self._dead_ranks())
+        local = [r for r in range(self.n) if self.probes[r]["host"] == here and r not in dead]
+        snaps = dict(zip(local, stacks.gather([self.pids[r] for r in local], timeout),
+                         strict=True))
+        silent = [r for r in local if "error" in snaps[r]]
+        deadline = time.monotonic() + 1.0  # a process killed a moment ago may still be ending
+        while silent and time.monotonic() < deadline:
+            gone = set(self._dead_ranks()) & set(silent)
+            dead |= gone
+            silent = [r for r in silent if r not in gone]
+            time.sleep(0.05) if silent else None
+        snaps = {r: s for r, s in snaps.items() if r not in dead}
+        return [dict(snaps[r], rank=r) if r in snaps else
+                {"rank": r, "pid": self.pids[r], "error": "its engine is gone (killed or died; "
+                 "the next call starts it again)" if r in dead
+                 else f"on another host ({self.probes[r]['host']})"} for r in range(self.n)]
+
     def dead_ranks(self) -> list[int]:
         """Ranks whose engine process has died (or that the controller has already dropped);
         the next :meth:`run` restarts them.
@@ -263,13 +286,14 @@ class Cluster:
                 raise self._died(dead, name)
             if time.monotonic() > deadline and not ar.ready():
                 late = [r for r in self._pending(ar) if r not in dead]
+                where = self._where(late)  # before the interrupt moves them
                 killed = self._interrupt(ar, late)
                 then = (f"rank(s) {killed} ignored the interrupt (blocked in a native wait, or "
                         "stopped) and were killed; the next call restarts the engines") \
                     if killed else \
                     "they were interrupted; the next call re-creates the process group"
                 raise ClusterTimeout(f"{name} did not finish within {timeout:g}s on rank(s) "
-                                     f"{late} of {self.n}; {then}")
+                                     f"{late} of {self.n}; {then}.{where}")
         dead = self.dead_ranks()  # died as the call ended (its peers' collectives failed at once)
         if dead:
             if allow_dead:
@@ -289,6 +313,16 @@ class Cluster:
         detail = "\n".join(f"--- rank {r}: {text}" for r, text in sorted(errors.items()))
         raise RemoteError(f"{name} raised on rank(s) {sorted(errors)} of {self.n} (first: rank "
                           f"{first}: {errors[first].splitlines()[0]})\n{detail}", errors)
+
+    def _where(self, late):
+        """Where the late ranks are, as a paragraph of the timeout's message ("" if the stacks
+        could not be had)."""
+        from course_lib import stacks
+        try:
+            snaps = [s for s in self.stacks(timeout=1.0) if s.get("rank") in late]
+        except Exception:  # the message matters more than the stacks
+            return ""
+        return "\nWhere they were (course_lib.stacks):\n" + stacks.summary(snaps) if snaps else ""
 
     def _died(self, dead, name):
         pids = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in dead)

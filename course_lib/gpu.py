@@ -335,25 +335,3 @@ def zero_table(rows: list[dict]) -> str:
 
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.0f}"
-
-
-def main(out: Path, small: bool = False, clusters: bool = True) -> int:
-    """``python -m course_lib gpu-check``: measure, run the cluster checks, write
-    ``out/gpu.json`` (what :func:`reference` reads once copied to ``course_lib/reference``)
-    and ``out/gpu-report.md``; print the summary.
-    Introduced in notebooks/16_planning_a_run.ipynb."""
-    from course_lib.testing.gpu import cluster_report
-    device = "cuda" if torch.cuda.is_available() and not small else "cpu"
-    report = measure(device, small=small or device == "cpu")
-    text = summary(report)
-    print(text, flush=True)
-    if clusters:
-        zero = {"layers": 3, "width": 64} if device == "cpu" else None
-        report["clusters"] = cluster_report(device=device, zero_sizes=zero)
-        text += "\n" + cluster_summary(report["clusters"])
-        print(cluster_summary(report["clusters"]))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out / "gpu-report.md").write_text(f"# GPU check\n\n```\n{text}\n```\n")
-    print(f"# written: {out / 'gpu.json'}, {out / 'gpu-report.md'}")
-    return 0

@@ -52,7 +52,9 @@ from traitlets import Float
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 PRELOAD = ("numpy", "torch", "zmq", "ipyparallel.engine.app", "ipyparallel.engine.nanny",
            "ipyparallel.controller.app", "course_lib.engine", "course_lib.comm",
-           "course_lib.collectives")
+           "course_lib.collectives", "sklearn.datasets", "sklearn.model_selection")
+# (scikit-learn: the digits most notebooks train on; an engine restarted after a hang loads
+# them in milliseconds, not seconds)
 MODULES = ("ipyparallel.engine", "ipyparallel.controller")  # what a template may start
 WARM_ENV = "COURSE_LIB_WARM"  # "0": engines start the plain way
 SOCKET_ENV = "COURSE_LIB_WARM_SOCKET"  # where a forked engine asks for its nanny
@@ -85,7 +87,10 @@ def serve(path: str) -> None:
     listener.bind(path)
     os.chmod(path, 0o600)  # only this user may ask for a process
     listener.listen(16)
-    print(READY, flush=True)
+    try:
+        print(READY, flush=True)
+    except BrokenPipeError:  # the process that started it has ended meanwhile (a spare)
+        return
     while os.getppid() == owner:  # orphaned: the owner is gone
         if not select.select([listener], [], [], 1.0)[0]:
             continue

@@ -22,9 +22,9 @@ What is checked:
    name *another* notebook's topic (``TOPICS``) unless they also name its own:
    ``saves checkpoints (notebook 10)`` fails, since checkpoints are notebook 11's;
    ``the parameter server of notebook 04`` passes.
-3. **Planned notebooks** (17 is planned) may be named only in a clause that says they are
+3. **Planned notebooks** (18 and later) may be named only in a clause that says they are
    not there yet, with one of the words ``coming``, ``planned``, ``future`` or ``to come``:
-   "notebook 17 (coming: a debugging clinic)".
+   "notebook 18 (coming: ...)".
 """
 
 import json
@@ -68,6 +68,7 @@ TOPICS = {
     "15": ("mixture of experts", "mixture-of-experts", "expert parallel", "router",
            "capacity factor", "top-k dispatch", "load-balancing", "load balancing"),
     "16": ("device mesh", "init_device_mesh"),
+    "17": ("debugging", "clinic", "stack dump", "fingerprint", "divergence", "hang"),
 }
 SUFFIX = r"(?:s|es|d|ed|ing|ped|ness)?\b"  # buckets, bucketed, overlapped, staleness
 KEYWORDS = {num: re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + ")" + SUFFIX, re.I)
@@ -218,7 +219,7 @@ def test_title_carries_the_file_number(path):
      ["not 11 (fault_tolerance)"]),
     ("in real systems it also counts steps, writes logs and saves checkpoints (notebook 10).",
      ["names 11 (fault_tolerance), not 10"]),
-    ("Notebook 17 (the broken jobs) shows it.", ["notebook 17 does not exist"]),
+    ("Notebook 18 (the broken jobs) shows it.", ["notebook 18 does not exist"]),
     ("[lab 05](../labs/05_all_reduce.ipynb), [lab 04](../labs/05_allreduce.ipynb)",
      ["link to ../labs/05_all_reduce.ipynb: no such file", "link 'lab 04' goes to",
       "05_all_reduce.ipynb: no such notebook or lab"]),

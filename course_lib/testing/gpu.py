@@ -14,10 +14,14 @@ so that the GPU run finds no mistake a CPU could have found)::
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 from torch import nn
 
+from course_lib import gpu
 from course_lib.comm import get_comm
 from course_lib.gpu import warm_up
 from course_lib.testing import ddp as ddp_testing
@@ -137,3 +141,24 @@ def cluster_report(sizes: tuple[int, ...] = (1, 2, 4), device: str = "cuda",
                                       for stage in (0, 1, 2, 3)]
         report[str(n)] = row
     return report
+
+
+def main(out: Path, small: bool = False, clusters: bool = True) -> int:
+    """``python -m course_lib gpu-check``: measure, run the cluster checks, write
+    ``out/gpu.json`` (what :func:`gpu.reference` reads once copied to ``course_lib/reference``)
+    and ``out/gpu-report.md``; print the summary.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    device = "cuda" if torch.cuda.is_available() and not small else "cpu"
+    report = gpu.measure(device, small=small or device == "cpu")
+    text = gpu.summary(report)
+    print(text, flush=True)
+    if clusters:
+        zero = {"layers": 3, "width": 64} if device == "cpu" else None
+        report["clusters"] = cluster_report(device=device, zero_sizes=zero)
+        text += "\n" + gpu.cluster_summary(report["clusters"])
+        print(gpu.cluster_summary(report["clusters"]))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "gpu-report.md").write_text(f"# GPU check\n\n```\n{text}\n```\n")
+    print(f"# written: {out / 'gpu.json'}, {out / 'gpu-report.md'}")
+    return 0

@@ -1,0 +1,319 @@
+"""The debugging clinic: short data-parallel training jobs, each with one classic bug, and the
+tools that find them.
+
+Introduced in notebooks/17_debugging_clinic.ipynb. :func:`train` runs on every rank of a cluster:
+an MLP on the digits, data-parallel (each rank its shard of every batch, the gradients averaged
+with the course's ring), with one bug of :data:`BUGS` switched on, or none::
+
+    cluster.run(clinic.train, bug="barrier", timeout=5)   # hangs: the ClusterTimeout shows stacks
+    runs = cluster.run(clinic.train, bug="seeds")          # runs; the ranks silently differ
+    clinic.first_divergence(runs)                          # step 0, tensor 0.weight, ranks ...
+
+The tools: where every rank is (:mod:`course_lib.stacks`, in every ``ClusterTimeout``); which
+collective disagreed (the course's agreement check, or :func:`detail_group`'s
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``); when ranks diverged (:func:`first_divergence` on per-step
+checksums); which samples each rank read (:func:`coverage`); where the time went
+(:func:`merged_trace` of every rank's ``torch.profiler`` trace, :func:`straggler`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+import zlib
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import collectives, data
+from course_lib.comm import get_comm
+from course_lib.sharding import shard_bounds
+from course_lib.timeline import Timeline
+
+BUGS = {
+    "order": "the last rank reduces its gradients in another order (bias before weight)",
+    "barrier": "rank 0 saves a checkpoint behind a barrier the other ranks never reach",
+    "deadlock": "every rank sends its gradients to the next with a blocking send, then receives",
+    "shards": "the shard arithmetic uses rank % 2: two ranks read the same samples",
+    "seeds": "each rank seeds its model with its rank: the copies start different",
+    "sum": "the gradients are summed over the ranks, not averaged (a learning rate N times too "
+           "large)",
+    "straggler": "rank 1's data loading is slow",
+}
+STRAGGLER_SECONDS = 0.03  # rank 1's extra data-loading time per step ("straggler")
+
+
+def make_model(seed: int = 0, hidden: int = 32) -> nn.Sequential:
+    """The MLP every rank trains (64 pixels -> ``hidden`` -> 10 classes), float64, the same for
+    a seed. Introduced in notebooks/17_debugging_clinic.ipynb."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, hidden), nn.Tanh(), nn.Linear(hidden, 10)).double()
+
+
+def checksums(model: nn.Module) -> dict[str, int]:
+    """A crc32 of each parameter's bytes: equal on two ranks only if the tensors are equal to
+    the last bit. Introduced in notebooks/17_debugging_clinic.ipynb."""
+    return {name: zlib.crc32(p.detach().cpu().numpy().tobytes())
+            for name, p in model.named_parameters()}
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def _batches(steps, batch, n, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.choice(n, size=batch, replace=False) for _ in range(steps)]
+
+
+def train(bug: str | None = None, steps: int = 10, batch: int = 64, hidden: int = 32,
+          lr: float = 1.0, seed: int = 0, profile: bool = False,
+          timeout: float = 20.0) -> dict:
+    """On every rank: ``steps`` of data-parallel SGD on the digits with ``bug`` (a key of
+    :data:`BUGS`, or None). Returns this rank's ``losses`` (the global batch's mean, per step),
+    ``checksums`` (per step, per tensor), ``samples`` (the ids it read, per step), its
+    :class:`Timeline`, and with ``profile`` its ``torch.profiler`` trace (Chrome JSON).
+    ``params``: the flat parameters after each step (step 0: before any). Every wait has
+    ``timeout``. Introduced in notebooks/17_debugging_clinic.ipynb."""
+    if bug is not None and bug not in BUGS:
+        raise ValueError(f"bug must be one of {sorted(BUGS)} or None, not {bug!r}")
+    comm = get_comm("torch", timeout=timeout)
+    rank, world = comm.rank, comm.world_size
+    X, y, _, _ = data.load_digits()
+    X, y = torch.from_numpy(X), torch.from_numpy(y)
+    model = make_model(rank if bug == "seeds" else seed, hidden)
+    tl = Timeline(rank)
+    out = {"rank": rank, "losses": [], "checksums": [checksums(model)], "samples": [],
+           "params": [_flat(model)]}
+    prof = _profiler() if profile else nullcontext()
+    with prof:
+        for step, idx in enumerate(_batches(steps, batch, len(X), seed)):
+            with tl.span("data", step=step), _label("data"):
+                part = rank % 2 if bug == "shards" else rank
+                lo, hi = shard_bounds(batch, part, world)
+                mine = idx[lo:hi]
+                xb, yb = X[mine], y[mine]
+                if bug == "straggler" and rank == 1:
+                    time.sleep(STRAGGLER_SECONDS)  # a slow disk, a busy decoder
+            out["samples"].append(mine.tolist())
+            with tl.span("compute", step=step), _label("forward and backward"):
+                loss = F.cross_entropy(model(xb), yb)  # the mean over this rank's shard
+                model.zero_grad()
+                loss.backward()
+            with tl.span("allreduce", step=step), _label("allreduce"):
+                _reduce(model, comm, bug, step)
+                total = torch.tensor([loss.item()])
+                collectives.allreduce(total, comm, "ring")
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= lr * p.grad
+            out["losses"].append(float(total[0]) / world)
+            out["checksums"].append(checksums(model))
+            out["params"].append(_flat(model))
+    out["timeline"] = tl
+    if profile:
+        out["trace"] = _trace_of(prof)
+    return out
+
+
+def _reduce(model, comm, bug, step):
+    """The gradients averaged over the ranks (each the mean over its equal shard), with the
+    bug's mistake."""
+    grads = [p.grad for p in model.parameters()]
+    if bug == "order" and comm.rank == comm.world_size - 1:
+        grads = grads[1::2] + grads[0::2]  # biases first: the tensors no longer pair up
+    if bug == "deadlock":  # a hand-made ring of blocking sends: every rank waits in send
+        for g in grads:
+            scratch = torch.empty_like(g)
+            comm.send(g, (comm.rank + 1) % comm.world_size)
+            comm.recv(scratch, (comm.rank - 1) % comm.world_size)
+    if bug == "barrier" and comm.rank == 0 and step == 2:
+        comm.barrier()  # "everyone wait until my checkpoint is written": nobody else comes
+    for g in grads:
+        collectives.allreduce(g, comm, "ring")  # the sum over the ranks
+        if bug != "sum":
+            g /= comm.world_size  # the mean: what one process on the whole batch computes
+
+
+def one_process(steps: int = 10, batch: int = 64, hidden: int = 32, lr: float = 1.0,
+                seed: int = 0) -> dict:
+    """The reference: the same steps in one process on the whole batch (losses, checksums).
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    X, y, _, _ = data.load_digits()
+    X, y = torch.from_numpy(X), torch.from_numpy(y)
+    model = make_model(seed, hidden)
+    out = {"rank": "one process", "losses": [], "checksums": [checksums(model)],
+           "params": [_flat(model)]}
+    for idx in _batches(steps, batch, len(X), seed):
+        loss = F.cross_entropy(model(X[idx]), y[idx])
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        out["losses"].append(loss.item())
+        out["checksums"].append(checksums(model))
+        out["params"].append(_flat(model))
+    return out
+
+
+# ---------------------------------------------------------------- the tools
+def first_divergence(runs: list[dict]) -> dict | None:
+    """The first step (0: before any update) and the first tensor at which the ranks' parameters
+    differ, with the ranks grouped by their checksum; None when they agree throughout.
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    for step, tables in enumerate(zip(*(r["checksums"] for r in runs), strict=True)):
+        for name in tables[0]:
+            groups: dict[int, list[int]] = {}
+            for run, table in zip(runs, tables, strict=True):
+                groups.setdefault(table[name], []).append(run["rank"])
+            if len(groups) > 1:
+                return {"step": step, "tensor": name, "groups": sorted(groups.values())}
+    return None
+
+
+def against_one_process(run: dict, reference: dict) -> dict:
+    """A rank's run against :func:`one_process` (bits cannot match: the ring adds in another
+    order): the largest parameter difference after each step, and the first update's size as a
+    multiple of one process's (1 when right; N for gradients summed instead of averaged).
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    mine, ref = run["params"], reference["params"]
+    update = np.linalg.norm(mine[1] - mine[0]) / np.linalg.norm(ref[1] - ref[0])
+    return {"max_difference": [float(np.abs(a - b).max()) for a, b in zip(mine, ref,
+                                                                          strict=True)],
+            "first_update_ratio": float(update)}
+
+
+def coverage(runs: list[dict], batch: int = 64) -> dict:
+    """Which samples the ranks read in each step, against the step's batch of ``batch``:
+    ``overlap`` (pairs of ranks that read the same samples in a step, and how many over all
+    steps), ``unread`` (samples of the batches nobody read), ``read`` (duplicates counted).
+    Right: no overlap, nothing unread. Introduced in notebooks/17_debugging_clinic.ipynb."""
+    overlap: dict[tuple, int] = {}
+    unread = read = 0
+    for step in zip(*(r["samples"] for r in runs), strict=True):
+        sets = [set(s) for s in step]
+        read += sum(len(s) for s in step)
+        unread += batch - len(set().union(*sets))
+        for i, a in enumerate(runs):
+            for j in range(i + 1, len(runs)):
+                if shared := len(sets[i] & sets[j]):
+                    pair = (a["rank"], runs[j]["rank"])
+                    overlap[pair] = overlap.get(pair, 0) + shared
+    return {"overlap": overlap, "unread": unread, "read": read}
+
+
+def _label(name):
+    """A ``torch.profiler`` label (a span in every rank's trace)."""
+    return torch.profiler.record_function(name)
+
+
+def _profiler():
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+
+def _trace_of(prof) -> dict:
+    """The profiler's Chrome trace as a dict (through a temporary file: the only way out)."""
+    import json
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(path)
+
+
+def merged_trace(runs: list[dict], path: str | None = None) -> dict:
+    """Every rank's ``torch.profiler`` trace in one Chrome/Perfetto trace, one process per rank
+    (ranks' clocks are this machine's: the spans line up). Written to ``path`` when given.
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    import json
+    events = []
+    for run in runs:
+        r = run["rank"]
+        events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+        for e in run["trace"]["traceEvents"]:
+            if e.get("ph") == "M":
+                continue  # each trace's own process names
+            events.append(dict(e, pid=r))
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if path is not None:
+        with open(path, "w") as f:
+            json.dump(trace, f)
+    return trace
+
+
+def time_by_label(trace: dict) -> dict[int, dict[str, float]]:
+    """Seconds each rank spent in each of the course's labels ("data", "forward and backward",
+    "allreduce") of a merged trace. Introduced in notebooks/17_debugging_clinic.ipynb."""
+    labels = ("data", "forward and backward", "allreduce")
+    out: dict[int, dict[str, float]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("name") in labels:
+            row = out.setdefault(e["pid"], dict.fromkeys(labels, 0.0))
+            row[e["name"]] += e["dur"] / 1e6
+    return dict(sorted(out.items()))
+
+
+def straggler(trace: dict) -> dict:
+    """The straggler of a merged trace: the rank that most often reaches a step's allreduce
+    last (the others wait in it until it comes: an allreduce ends when its last rank
+    arrives). Returns that rank, how many steps each rank was last, and the seconds each
+    spent waiting in the allreduce. Introduced in notebooks/17_debugging_clinic.ipynb."""
+    starts: dict[int, list[float]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("name") == "allreduce":
+            starts.setdefault(e["pid"], []).append(e["ts"])
+    ranks = sorted(starts)
+    last = dict.fromkeys(ranks, 0)
+    for step in zip(*(sorted(starts[r]) for r in ranks), strict=False):
+        last[ranks[int(np.argmax(step))]] += 1
+    waits = {r: t["allreduce"] for r, t in time_by_label(trace).items()}
+    return {"rank": max(last, key=last.get), "last_in_steps": last, "waits": waits}
+
+
+def detail_group():
+    """On every rank: a new process group under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, whose every
+    collective first checks that all ranks call the same one on the same shapes (a fingerprint
+    exchanged on a helper group). Introduced in notebooks/17_debugging_clinic.ipynb."""
+    import torch.distributed as dist
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "OFF"
+        dist.set_debug_level_from_env()
+
+
+def native_order_bug(debug: bool = True) -> str:
+    """On every rank: the "order" bug with torch's own allreduce, one per tensor, on a group
+    under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; returns the error it raised (the fingerprints).
+    Never called with ``debug=False`` here: a size mismatch reaching plain Gloo may abort the
+    process. Introduced in notebooks/17_debugging_clinic.ipynb."""
+    import torch.distributed as dist
+    if not debug:
+        raise ValueError("without DETAIL, mismatched sizes reach Gloo itself: it may abort the "
+                         "process or return a wrong sum")
+    group = detail_group()
+    model = make_model()
+    grads = [torch.ones_like(p) for p in model.parameters()]
+    if dist.get_rank() == dist.get_world_size() - 1:
+        grads = grads[1::2] + grads[0::2]
+    try:
+        for g in grads:
+            dist.all_reduce(g, group=group)
+    except RuntimeError as e:  # torch's message, its C++ location and TensorOptions cut short
+        text = str(e).split("\nException raised from")[0]
+        options = r"TensorOptions\((?:[^()]|\([^()]*\))*\)"  # one level of (default)s inside
+        return re.sub(options, lambda m: re.search(r"device=(\w+)", m.group()).group(1), text)
+    finally:
+        dist.destroy_process_group(group)
+    return "no error"
