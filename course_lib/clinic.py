@@ -18,6 +18,8 @@ checksums); which samples each rank read (:func:`coverage`); where the time went
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import re
 import tempfile
@@ -71,54 +73,77 @@ def _batches(steps, batch, n, seed):
     return [rng.choice(n, size=batch, replace=False) for _ in range(steps)]
 
 
-def train(bug: str | None = None, steps: int = 10, batch: int = 64, hidden: int = 32,
-          lr: float = 1.0, seed: int = 0, profile: bool = False,
-          timeout: float = 20.0) -> dict:
-    """On every rank: ``steps`` of data-parallel SGD on the digits with ``bug`` (a key of
-    :data:`BUGS`, or None). Returns this rank's ``losses`` (the global batch's mean, per step),
-    ``checksums`` (per step, per tensor), ``samples`` (the ids it read, per step), its
-    :class:`Timeline`, and with ``profile`` its ``torch.profiler`` trace (Chrome JSON).
-    ``params``: the flat parameters after each step (step 0: before any). Every wait has
-    ``timeout``. Introduced in notebooks/17_debugging_clinic.ipynb."""
-    if bug is not None and bug not in BUGS:
-        raise ValueError(f"bug must be one of {sorted(BUGS)} or None, not {bug!r}")
+def step(model: nn.Module, X: torch.Tensor, y: torch.Tensor, ids: np.ndarray, comm,
+         number: int, lr: float, bug: str | None = None,
+         timeline: Timeline | None = None) -> tuple[list[int], float]:
+    """One step of data-parallel SGD on this rank, with ``bug``'s mistake: its shard of the
+    batch ``ids``, the mean loss and its gradients, the gradients averaged over the ranks, the
+    update. Returns the samples it read and the loss of the whole batch. Each part is a span of
+    ``timeline`` and a ``torch.profiler`` label.
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    tl = timeline if timeline is not None else Timeline(comm.rank, enabled=False)
+    with tl.span("data", step=number), _label("data"):
+        part = comm.rank % 2 if bug == "shards" else comm.rank
+        lo, hi = shard_bounds(len(ids), part, comm.world_size)
+        mine = ids[lo:hi]
+        xb, yb = X[mine], y[mine]
+        if bug == "straggler" and comm.rank == 1:
+            time.sleep(STRAGGLER_SECONDS)  # a slow disk, a busy decoder
+    with tl.span("compute", step=number), _label("forward and backward"):
+        loss = F.cross_entropy(model(xb), yb)  # the mean over this rank's shard
+        model.zero_grad()
+        loss.backward()
+    with tl.span("allreduce", step=number), _label("allreduce"):
+        _reduce(model, comm, bug, number)
+        total = torch.tensor([loss.item()])
+        collectives.allreduce(total, comm, "ring")
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return mine.tolist(), float(total[0]) / comm.world_size
+
+
+def run(step_fn, steps: int = 10, batch: int = 64, hidden: int = 32, lr: float = 1.0,
+        seed: int = 0, profile: bool = False, timeout: float = 20.0,
+        seed_by_rank: bool = False) -> dict:
+    """On every rank: ``steps`` of ``step_fn(model, X, y, ids, comm, number, lr) -> (samples
+    read, loss)`` on the digits, the same batches ``ids`` on every rank. Returns this rank's
+    ``losses``, ``checksums`` (per tensor, before the first step and after each), ``params``
+    (flat, likewise), ``samples`` (per step), its :class:`Timeline` (``step_fn`` may take
+    ``timeline=``), and with ``profile`` its ``torch.profiler`` trace (Chrome JSON). Every wait
+    of the comm has ``timeout``; ``seed_by_rank``: each rank's model seeded with its rank.
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
     comm = get_comm("torch", timeout=timeout)
-    rank, world = comm.rank, comm.world_size
     X, y, _, _ = data.load_digits()
     X, y = torch.from_numpy(X), torch.from_numpy(y)
-    model = make_model(rank if bug == "seeds" else seed, hidden)
-    tl = Timeline(rank)
-    out = {"rank": rank, "losses": [], "checksums": [checksums(model)], "samples": [],
+    model = make_model(comm.rank if seed_by_rank else seed, hidden)
+    tl = Timeline(comm.rank)
+    out = {"rank": comm.rank, "losses": [], "checksums": [checksums(model)], "samples": [],
            "params": [_flat(model)]}
+    kwargs = {"timeline": tl} if "timeline" in inspect.signature(step_fn).parameters else {}
     prof = _profiler() if profile else nullcontext()
     with prof:
-        for step, idx in enumerate(_batches(steps, batch, len(X), seed)):
-            with tl.span("data", step=step), _label("data"):
-                part = rank % 2 if bug == "shards" else rank
-                lo, hi = shard_bounds(batch, part, world)
-                mine = idx[lo:hi]
-                xb, yb = X[mine], y[mine]
-                if bug == "straggler" and rank == 1:
-                    time.sleep(STRAGGLER_SECONDS)  # a slow disk, a busy decoder
-            out["samples"].append(mine.tolist())
-            with tl.span("compute", step=step), _label("forward and backward"):
-                loss = F.cross_entropy(model(xb), yb)  # the mean over this rank's shard
-                model.zero_grad()
-                loss.backward()
-            with tl.span("allreduce", step=step), _label("allreduce"):
-                _reduce(model, comm, bug, step)
-                total = torch.tensor([loss.item()])
-                collectives.allreduce(total, comm, "ring")
-            with torch.no_grad():
-                for p in model.parameters():
-                    p -= lr * p.grad
-            out["losses"].append(float(total[0]) / world)
+        for number, ids in enumerate(_batches(steps, batch, len(X), seed)):
+            samples, loss = step_fn(model, X, y, ids, comm, number, lr, **kwargs)
+            out["samples"].append(list(samples))
+            out["losses"].append(loss)
             out["checksums"].append(checksums(model))
             out["params"].append(_flat(model))
     out["timeline"] = tl
     if profile:
         out["trace"] = _trace_of(prof)
     return out
+
+
+def train(bug: str | None = None, steps: int = 10, batch: int = 64, hidden: int = 32,
+          lr: float = 1.0, seed: int = 0, profile: bool = False,
+          timeout: float = 20.0) -> dict:
+    """On every rank: :func:`run` of :func:`step` with ``bug`` (a key of :data:`BUGS`, or
+    None). Introduced in notebooks/17_debugging_clinic.ipynb."""
+    if bug is not None and bug not in BUGS:
+        raise ValueError(f"bug must be one of {sorted(BUGS)} or None, not {bug!r}")
+    return run(functools.partial(step, bug=bug), steps, batch, hidden, lr, seed, profile,
+               timeout, seed_by_rank=bug == "seeds")
 
 
 def _reduce(model, comm, bug, step):

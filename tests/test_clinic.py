@@ -100,6 +100,7 @@ def test_the_merged_trace_holds_every_rank_and_names_the_straggler(cluster):
     assert all(len(events) > 10 for events in by_rank.values())
     labels = clinic.time_by_label(merged)
     assert all(t["allreduce"] > 0 for t in labels.values())
+    assert all(len(run["timeline"].of("allreduce")) == STEPS for run in runs)  # the spans too
     found = clinic.straggler(merged)
     assert found["rank"] == 1 and found["last_in_steps"][1] >= STEPS - 1, found
     assert labels[1]["data"] > STEPS * clinic.STRAGGLER_SECONDS * 0.9

@@ -1,0 +1,156 @@
+"""Checks for labs/17_debugging_clinic.ipynb: five broken data-parallel jobs to diagnose and fix
+(notebook 17).
+
+In the lab, under each job::
+
+    from course_lib.checks import lab17_debugging_clinic as checks
+    checks.check_job(1, kind_1, fixed_step_1, cluster)
+
+``kind_1`` is the student's diagnosis, one of :data:`KINDS`; ``fixed_step_1(model, X, y, ids,
+comm, number, lr) -> (samples read, loss)`` their repaired step. The check sends the step to the
+engines (cloudpickle, by value) and runs it with ``clinic.run`` for a few steps, each wait with a
+deadline: a job that still hangs comes back with where every rank waited (the stacks), never a
+frozen notebook. The run passes when every rank read its own shard of each batch (nothing read
+twice, nothing left out) and every rank's parameters equal one process on the whole batch after
+every step. A wrong diagnosis, or a run that does not pass, gets a hint that names the tool that
+finds such a bug and what it shows here, never the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from course_lib import clinic
+from course_lib.checks.framework import CheckFailed, not_implemented, pack_function
+
+STEPS = 6
+RUN_TIMEOUT = 8.0       # the whole run, on the cluster (6 steps take a second or two)
+# each wait of the student's comm: longer than the run's deadline, so that a hang is stopped by
+# the cluster, which then says where every rank waited
+STUDENT_TIMEOUT = 2 * RUN_TIMEOUT
+KINDS = {
+    "hang": "a call that never returns on some ranks: a collective only some ranks reach, or "
+            "a deadlocking order of sends and receives",
+    "mismatch": "ranks call collectives that do not pair up (another shape, order or op)",
+    "divergence": "the ranks' copies of the model stop being equal",
+    "sharding": "the ranks do not read each its own part of the batch",
+    "scaling": "every rank agrees, but each update is a multiple of one process's",
+}
+# which tool shows each job's bug: the hint for a wrong diagnosis (what to run, not what to fix)
+TOOLS = {
+    1: "run the broken job and read the error every rank raised: which collective, which "
+       "shapes, which ranks (the course's agreement check)",
+    2: "run the broken job with a deadline and read where every rank waited in the "
+       "ClusterTimeout (course_lib.stacks)",
+    3: "run the broken job and give the runs to clinic.first_divergence: at which step and "
+       "tensor do the ranks' checksums first differ?",
+    4: "run the broken job and give the runs to clinic.coverage: who read which samples?",
+    5: "run the broken job and compare a rank with clinic.one_process "
+       "(clinic.against_one_process): how large is its first update?",
+}
+ANSWERS = {1: "mismatch", 2: "hang", 3: "divergence", 4: "sharding", 5: "scaling"}
+
+
+def run_student_job(payload: bytes, steps: int = STEPS,
+                    timeout: float = STUDENT_TIMEOUT) -> dict:
+    """On every rank: the student's step (cloudpickled) run by ``clinic.run``, or
+    ``{"rank", "error"}`` when it raised (``{"not_implemented": True}`` for the template's)."""
+    import cloudpickle
+    import torch.distributed as dist
+    fn = cloudpickle.loads(payload)
+    try:
+        return clinic.run(fn, steps=steps, timeout=timeout)
+    except NotImplementedError:
+        return {"not_implemented": True}
+    except Exception as e:  # the student's error, to name in the check's message
+        return {"rank": dist.get_rank(), "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+
+
+def diagnose(runs: list[dict], reference: dict) -> str | None:
+    """What is still wrong with a finished run, as the tools see it; None when right."""
+    errors = [r for r in runs if "error" in r]
+    if errors:
+        listed = "; ".join(f"rank {r['rank']}: {r['error'][:160]}" for r in errors[:4])
+        return f"your step raised on rank(s) {[r['rank'] for r in errors]}: {listed}"
+    split = clinic.first_divergence(runs)
+    if split is not None:
+        return (f"the ranks' parameters differ from step {split['step']} on, first in tensor "
+                f"{split['tensor']} (ranks grouped by checksum: {split['groups']})")
+    cover = clinic.coverage(runs)
+    if cover["overlap"] or cover["unread"]:
+        pairs = ", ".join(f"ranks {a} and {b}: {n}" for (a, b), n in cover["overlap"].items())
+        return (f"over {len(runs[0]['losses'])} steps, samples read twice ({pairs or 'none'}) "
+                f"and {cover['unread']} samples of the batches read by no rank")
+    compare = clinic.against_one_process(runs[0], reference)
+    worst = max(compare["max_difference"])
+    if worst > 1e-9:
+        step = next(i for i, d in enumerate(compare["max_difference"]) if d > 1e-9)
+        return (f"every rank agrees, but differs from one process on the whole batch by up to "
+                f"{worst:.2e} (from step {step}); the first update is "
+                f"{compare['first_update_ratio']:.3g} x one process's")
+    return None
+
+
+def run_job(step_fn: Callable, cluster, steps: int = STEPS, deadline: float = 5.0
+            ) -> list[dict] | None:
+    """Run a (broken) job on ``cluster``: each rank's runs (for the tools of notebook 17), or
+    None after printing how it failed (its error, or where each rank waited), never raising.
+    A call past ``deadline`` is stopped before any wait of its comm gives up (twice as long),
+    so a hang shows where every rank waits."""
+    from course_lib.cluster import ClusterError
+    try:
+        runs = cluster.run(run_student_job, pack_function(step_fn), steps, 2 * deadline,
+                           timeout=deadline)
+    except ClusterError as e:
+        print(f"{type(e).__name__}: {e}")
+        return None
+    errors = [r for r in runs if "error" in r]
+    for r in errors:
+        print(f"rank {r['rank']} raised {r['error']}")
+    if errors:
+        return None
+    losses = runs[0]["losses"]
+    print(f"the job finished: {steps} steps on {len(runs)} ranks, rank 0's loss "
+          f"{losses[0]:.3f} -> {losses[-1]:.3f}")
+    return runs
+
+
+def check_job(number: int, kind: str | Callable[[], str], fixed_step: Callable,
+              cluster) -> bool:
+    """Job ``number`` (1-5): ``kind`` (or ``kind()``), the diagnosis, must be the job's;
+    ``fixed_step`` must train as one process does, on every rank of ``cluster``, within the
+    deadlines. Prints ✓ and returns True; raises CheckFailed with a hint otherwise (False while
+    a template raises NotImplementedError)."""
+    __tracebackhide__ = True
+    from course_lib.cluster import ClusterTimeout
+    name = f"check_job({number})"
+    if number not in ANSWERS:
+        raise ValueError(f"number must be one of {sorted(ANSWERS)}, not {number!r}")
+    if callable(kind):
+        try:
+            kind = kind()
+        except NotImplementedError:
+            return not_implemented(name)
+    if kind not in KINDS:
+        listed = "\n".join(f"  {k!r}: {v}" for k, v in KINDS.items())
+        raise CheckFailed(f"{name}: the diagnosis must be one of\n{listed}\nnot {kind!r}")
+    if kind != ANSWERS[number]:
+        raise CheckFailed(f"{name}: {kind!r} is not what job {number} shows.\nHint: "
+                          f"{TOOLS[number]}")
+    try:
+        runs = cluster.run(run_student_job, pack_function(fixed_step), STEPS, STUDENT_TIMEOUT,
+                           timeout=RUN_TIMEOUT)
+    except ClusterTimeout as e:
+        where = str(e).split("Where they were (course_lib.stacks):\n")[-1]
+        raise CheckFailed(f"{name}: your fixed job did not finish within {RUN_TIMEOUT:g}s. "
+                          f"Where each rank waited:\n{where}\nHint: every collective and every "
+                          "send must be met by its partners; read what each rank waits for."
+                          ) from None
+    if any(r.get("not_implemented") for r in runs):
+        return not_implemented(name)
+    problem = diagnose(runs, clinic.one_process(steps=STEPS))
+    if problem:
+        raise CheckFailed(f"{name}: {problem}\nHint: {TOOLS[number]}.")
+    print(f"✓ {name}: diagnosed as {kind!r}; fixed: {len(runs)} ranks train as one process "
+          f"for {STEPS} steps")
+    return True
