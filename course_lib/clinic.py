@@ -342,3 +342,45 @@ def native_order_bug(debug: bool = True) -> str:
     finally:
         dist.destroy_process_group(group)
     return "no error"
+
+
+def across_hosts(interface: str | None = None, steps: int = 2, timeout: float = 60.0) -> dict:
+    """The course's training script (``python -m course_lib.train``) under ``torchrun
+    --nnodes 2`` on two hosts made of Linux namespaces (notebook 12; needs root), Gloo told to
+    use ``interface`` on both (None: each host's ``eth0``). Returns ``{"ok", "seconds", "error":
+    the first line of Gloo's failure or None, "remote": the address a rank failed to reach}``.
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    import subprocess
+    import sys
+
+    from course_lib import hosts, train
+    from course_lib.launch import finish_within
+    out = os.path.join(tempfile.mkdtemp(prefix="course-clinic-"), "result.json")
+    args = ["--steps", steps, "--out", out, "--timeout", min(timeout, 15)]
+    argv = [sys.executable, "-m", "torch.distributed.run",
+            *train.command("two hosts", 2, args)[1:]]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    start = time.perf_counter()
+    with hosts.make_hosts() as machines:
+        logs = [tempfile.TemporaryFile(mode="w+") for _ in machines]
+        procs = [h.popen(argv, env={**env, "GLOO_SOCKET_IFNAME": interface or h.interface},
+                         stdout=log, stderr=subprocess.STDOUT, text=True)
+                 for h, log in zip(machines, logs, strict=True)]
+        deadline = time.monotonic() + timeout
+        # the first host to fail ends the run: its peer may wait on the rendezvous for long
+        while (time.monotonic() < deadline and any(p.poll() is None for p in procs)
+               and not any(p.poll() for p in procs)):
+            time.sleep(0.1)
+        for p in procs:
+            finish_within(p, 0)  # still running: killed, with its children
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+    failure = next((line for text in outputs for line in text.splitlines()
+                    if "connectFullMesh failed" in line and line.startswith("RuntimeError")),
+                   None)
+    remote = re.search(r"remote=\[([^\]]+)\]", failure or "")
+    return {"ok": all(p.returncode == 0 for p in procs), "seconds": time.perf_counter() - start,
+            "error": failure, "remote": remote.group(1) if remote else None}

@@ -167,12 +167,14 @@ def make_hosts(names: Sequence[str] = ("hostA", "hostB")) -> Iterator[list[Host]
 
 
 def run_each(machines: Sequence[Host], argvs: Sequence[Sequence[str]],
-             envs: Sequence[Mapping[str, str]], timeout: float = 180.0) -> list[str]:
+             envs: Sequence[Mapping[str, str]], timeout: float = 180.0,
+             interface: str | None = None) -> list[str]:
     """Start ``argvs[i]`` on ``machines[i]`` with the environment ``envs[i]`` (Gloo told to use
-    that host's interface) and wait for all, each within ``timeout`` s. Returns their outputs
-    (stdout and stderr together); raises RuntimeError naming the first host that failed or ran
-    late, with its last lines. Introduced in notebooks/12_scaling_out.ipynb."""
-    procs = [h.popen(argv, env={**env, "GLOO_SOCKET_IFNAME": h.interface},
+    that host's interface, or ``interface`` on every host) and wait for all, each within
+    ``timeout`` s. Returns their outputs (stdout and stderr together); raises RuntimeError
+    naming the first host that failed or ran late, with its last lines.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    procs = [h.popen(argv, env={**env, "GLOO_SOCKET_IFNAME": interface or h.interface},
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for h, argv, env in zip(machines, argvs, envs, strict=True)]
     outputs = []

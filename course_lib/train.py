@@ -178,10 +178,12 @@ def command(way: str, world_size: int = 2, args: Sequence[object] = ()) -> list[
 
 
 def launch(way: str, world_size: int = 2, steps: int = 20, out: str | None = None,
-           timeout: float = 180.0) -> dict:
+           timeout: float = 180.0, interface: str | None = None) -> dict:
     """Run the script under ``way`` (``WAYS``) and return rank 0's result (the JSON it wrote to
     ``out``, a temporary file by default). Raises RuntimeError with the launcher's last lines
-    when it fails or runs past ``timeout`` s. Introduced in notebooks/12_scaling_out.ipynb."""
+    when it fails or runs past ``timeout`` s. ``interface`` ("two hosts"): the one Gloo is told
+    to use on both hosts (default: each host's own ``eth0``).
+    Introduced in notebooks/12_scaling_out.ipynb."""
     out = out or os.path.join(tempfile.mkdtemp(prefix="course-train-"), "result.json")
     # every wait of a rank: the launcher's deadline, a minute at most
     args = ["--steps", steps, "--out", out, "--timeout", min(timeout, 60)]
@@ -212,7 +214,7 @@ def launch(way: str, world_size: int = 2, steps: int = 20, out: str | None = Non
                                                                         args)[1:]]
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         with hosts.make_hosts() as machines:
-            hosts.run_each(machines, [argv, argv], [env, env], timeout)
+            hosts.run_each(machines, [argv, argv], [env, env], timeout, interface)
     else:
         raise ValueError(f"way must be one of {WAYS}, not {way!r}")
     with open(out) as f:

@@ -109,3 +109,14 @@ def test_the_merged_trace_holds_every_rank_and_names_the_straggler(cluster):
 def test_unknown_bug_is_refused():
     with pytest.raises(ValueError, match="bug must be one of"):
         clinic.train(bug="typo")
+
+
+def test_the_wrong_interface_on_two_hosts_is_named_by_its_address():
+    from course_lib import hosts
+    reason = hosts.unavailable_reason()
+    if reason:
+        pytest.skip(f"two hosts: {reason}")
+    wrong = clinic.across_hosts("lo", timeout=60)
+    assert not wrong["ok"] and "connectFullMesh failed" in wrong["error"], wrong
+    assert wrong["remote"] == "127.0.0.1" and wrong["seconds"] < 45
+    assert clinic.across_hosts(None, timeout=60)["ok"]
