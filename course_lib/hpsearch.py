@@ -211,7 +211,9 @@ class Hyperband:
 
 
 # ---------------------------------------------------------------- the searches
-def _configs(space, num_configs, seed):
+def configurations(space: dict = SPACE, num_configs: int = 27, seed: int = 0) -> list[dict]:
+    """``num_configs`` random configurations of ``space``, the same for a seed.
+    Introduced in notebooks/13_hyperparameter_search.ipynb."""
     check_count("num_configs", num_configs)
     rng = np.random.default_rng(seed)
     return [sample(space, rng) for _ in range(num_configs)]
@@ -221,7 +223,7 @@ def random_search(cluster: Cluster, num_configs: int = 9, max_epochs: int = 9, s
                   seed: int = 0, **run_kwargs: Any) -> SearchResult:
     """``num_configs`` random configurations, each trained to ``max_epochs`` (:func:`run`'s
     arguments pass through). Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    policy = RandomSearch(_configs(space, num_configs, seed), max_epochs)
+    policy = RandomSearch(configurations(space, num_configs, seed), max_epochs)
     return run(cluster, policy, name="random search", **run_kwargs)
 
 
@@ -238,7 +240,8 @@ def successive_halving(cluster: Cluster, num_configs: int = 27, min_epochs: int 
                        **run_kwargs: Any) -> SearchResult:
     """Synchronous successive halving of ``num_configs`` random configurations.
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
-    policy = SuccessiveHalving(_configs(space, num_configs, seed), min_epochs, max_epochs, eta)
+    policy = SuccessiveHalving(configurations(space, num_configs, seed), min_epochs, max_epochs,
+                               eta)
     return run(cluster, policy, name="successive halving", **run_kwargs)
 
 
@@ -251,7 +254,7 @@ def asha(cluster: Cluster, num_configs: int = 27, min_epochs: int = 1, max_epoch
     rng = np.random.default_rng(seed)
     # with a budget, an endless stream: ASHA stops starting new ones when the budget is spent
     configs = (sample(space, rng) for _ in itertools.count()) if budget is not None else \
-        _configs(space, num_configs, seed)
+        configurations(space, num_configs, seed)
     policy = ASHA(configs, min_epochs, max_epochs, eta, budget)
     return run(cluster, policy, name="ASHA", **run_kwargs)
 
