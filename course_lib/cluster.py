@@ -109,13 +109,14 @@ class Cluster:
         self.pg_timeout, self.threads = pg_timeout, threads
         self._store_dir = tempfile.mkdtemp(prefix="course_lib-pg-")
         self._broken = None  # None, "pg" (re-create the process group) or "engines" (restart)
+        self._replaced: set[int] = set()  # ids of engines a restart replaced
         self.watchdog = None  # pid of the process that stops it if its owner dies
         self._setup()
 
     # -- set-up and repair
     def _setup(self):
         """Order engines into ranks, pick the backend, and create the process group."""
-        ids = sorted(self.client.ids)
+        ids = sorted(set(self.client.ids) - self._replaced)
         ar = self.client[ids].apply_async(probe_engine)
         try:
             probes = ar.get(timeout=SETUP_TIMEOUT)
@@ -158,16 +159,19 @@ class Cluster:
 
     def _repair(self):
         if self._broken == "engines":
+            # every engine restarts under a new id; the killed ones may stay registered until
+            # the controller notices they are gone, and must not be taken for new ones
+            self._replaced |= set(self.engine_ids)
             self._ipp.restart_engines_sync()
             self._wait_for_engines()
         self._setup()
 
     def _wait_for_engines(self, timeout=60):
         deadline = time.monotonic() + timeout
-        while len(self.client.ids) < self.n:
+        while len(set(self.client.ids) - self._replaced) < self.n:
             if time.monotonic() > deadline:
-                raise ClusterError(f"only {len(self.client.ids)} of {self.n} engines came up "
-                                   f"within {timeout}s")
+                new = len(set(self.client.ids) - self._replaced)
+                raise ClusterError(f"only {new} of {self.n} engines came up within {timeout}s")
             time.sleep(0.1)
 
     # -- running

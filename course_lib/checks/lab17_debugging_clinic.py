@@ -91,7 +91,7 @@ def diagnose(runs: list[dict], reference: dict) -> str | None:
     return None
 
 
-def run_job(step_fn: Callable, cluster, steps: int = STEPS, deadline: float = 5.0
+def run_job(step_fn: Callable, cluster, steps: int = STEPS, deadline: float = RUN_TIMEOUT
             ) -> list[dict] | None:
     """Run a (broken) job on ``cluster``: each rank's runs (for the tools of notebook 17), or
     None after printing how it failed (its error, or where each rank waited), never raising.

@@ -23,7 +23,6 @@ from torch import nn
 
 from course_lib import gpu
 from course_lib.comm import get_comm
-from course_lib.gpu import warm_up
 from course_lib.testing import ddp as ddp_testing
 from course_lib.testing import pipeline as pipeline_testing
 from course_lib.testing import tensor_parallel as tp_testing
@@ -87,7 +86,7 @@ def zero_memory_on_rank(stage: int, layers: int = 6, width: int = 6144, batch: i
             return torch.cuda.memory_allocated()
         return None
     if cuda:
-        warm_up(device)  # cuBLAS's workspaces are not ZeRO's
+        gpu.warm_up(device)  # cuBLAS's workspaces are not ZeRO's
         torch.cuda.empty_cache()
     base = allocated()
     torch.manual_seed(0)
