@@ -482,7 +482,7 @@ def _reuse(cluster_id, n, *args):
 def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", timeout: float = 60,
                   pg_timeout: float = 30, threads: int = 1, link: str | netem.Link | None = None,
                   latency: str | float | None = None, warm: bool | None = None,
-                  **slurm: Any) -> Cluster:
+                  share: bool = True, **slurm: Any) -> Cluster:
     """Start ``n`` engines and return a :class:`Cluster` whose ranks share a process group.
 
     engines: "local" (processes on this machine), "mpi" (under ``mpiexec``, so mpi4py works on
@@ -492,7 +492,9 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     e.g. ``link="1Gbit/s", latency="50us"``, ``link="1Gbit/s,50us"`` or ``link="10GbE"``.
     warm: local engines forked from a template that has imported PyTorch
     (:mod:`course_lib.warm_start`; default: yes, unless ``COURSE_LIB_WARM=0``); False starts
-    each engine as a fresh Python. Introduced in notebooks/00_welcome_and_cluster.ipynb.
+    each engine as a fresh Python. share=False: engines of its own even where a test run
+    shares clusters between notebooks (``SHARED_ENV``), for a notebook that kills engines on
+    purpose. Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
@@ -501,7 +503,7 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
         raise ValueError(f"engines must be 'local', 'mpi' or 'slurm', not {engines!r}")
     clean_clusters()  # clusters whose notebook kernel was killed
     owner = os.environ.get(SHARED_ENV, "")
-    shared = owner.isdigit() and engines in ("local", "mpi")
+    shared = share and owner.isdigit() and engines in ("local", "mpi")
     cluster_id = (f"{owner}-shared-{engines}-{n}-{threads}" if shared else
                   f"{os.getpid()}-{uuid.uuid4().hex[:6]}")
     if shared:
