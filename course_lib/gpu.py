@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from course_lib import planner, scale_plan
-from course_lib.transformer import GPT, GPTConfig, causal_attention
+from course_lib.transformer import GPT, GPTConfig, activation_bytes_of, causal_attention
 
 REFERENCE = Path(__file__).with_name("reference") / "gpu.json"
 
@@ -169,18 +169,11 @@ def transformer_memory(cfg: GPTConfig, batch: int, length: int, device: str = "c
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     x, y = _batch(cfg, batch, length, device)
     params = allocated() - base - x.nbytes - y.nbytes
-    kept = {}  # storages autograd saves, by address: what the forward keeps for backward
-    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own:
-            kept[ptr] = t.untyped_storage().nbytes()
-        return t
     before = allocated()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x, y)[1]  # the logits go: only what backward needs stays
+    losses = []  # the logits go: only what backward needs stays
+    saved = activation_bytes_of(lambda m=model: losses.append(m(x, y)[1]), model)
     forward_left = allocated() - before
+    loss = losses.pop()
     loss.backward()
     del loss
     grads = allocated() - before
@@ -191,7 +184,7 @@ def transformer_memory(cfg: GPTConfig, batch: int, length: int, device: str = "c
                 "peak": torch.cuda.max_memory_allocated() - base if cuda else None}
     if not cuda:  # no allocator to ask
         measured = dict.fromkeys(measured)
-    measured["activations_saved"] = sum(kept.values())
+    measured["activations_saved"] = saved
     plan = planner.memory_per_rank(cfg, planner.Layout(), batch, length, itemsize=4)
     del model, opt
     if cuda:
