@@ -351,15 +351,12 @@ def across_hosts(interface: str | None = None, steps: int = 2, timeout: float = 
     the first line of Gloo's failure or None, "remote": the address a rank failed to reach}``.
     Introduced in notebooks/17_debugging_clinic.ipynb."""
     import subprocess
-    import sys
 
     from course_lib import hosts, train
     from course_lib.launch import finish_within
     out = os.path.join(tempfile.mkdtemp(prefix="course-clinic-"), "result.json")
-    args = ["--steps", steps, "--out", out, "--timeout", min(timeout, 15)]
-    argv = [sys.executable, "-m", "torch.distributed.run",
-            *train.command("two hosts", 2, args)[1:]]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    argv, env = train.two_hosts_argv(["--steps", steps, "--out", out,
+                                      "--timeout", min(timeout, 15)])
     start = time.perf_counter()
     with hosts.make_hosts() as machines:
         logs = [tempfile.TemporaryFile(mode="w+") for _ in machines]

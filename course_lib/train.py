@@ -177,6 +177,13 @@ def command(way: str, world_size: int = 2, args: Sequence[object] = ()) -> list[
     raise ValueError(f"way must be one of {WAYS}, not {way!r}")
 
 
+def two_hosts_argv(args: Sequence[object]) -> tuple[list[str], dict[str, str]]:
+    """The command each of two hosts runs (torchrun, rendezvous on hostA) and its environment.
+    Introduced in notebooks/12_scaling_out.ipynb."""
+    argv = [sys.executable, "-m", "torch.distributed.run", *command("two hosts", 2, args)[1:]]
+    return argv, {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def launch(way: str, world_size: int = 2, steps: int = 20, out: str | None = None,
            timeout: float = 180.0, interface: str | None = None) -> dict:
     """Run the script under ``way`` (``WAYS``) and return rank 0's result (the JSON it wrote to
@@ -210,9 +217,7 @@ def launch(way: str, world_size: int = 2, steps: int = 20, out: str | None = Non
             raise RuntimeError(f"mpiexec across two hosts exited with status "
                                f"{done.returncode}: {done.stderr.strip()[-1500:]}")
     elif way == "two hosts":
-        argv = [sys.executable, "-m", "torch.distributed.run", *command(way, world_size,
-                                                                        args)[1:]]
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        argv, env = two_hosts_argv(args)
         with hosts.make_hosts() as machines:
             hosts.run_each(machines, [argv, argv], [env, env], timeout, interface)
     else:
