@@ -16,7 +16,7 @@ TORCH_INDEX_ARG = $(shell python3 -c "import sys, urllib.request; \
 	urllib.request.urlopen(sys.argv[1], timeout=3); print('--extra-index-url', sys.argv[1])" \
 	$(TORCH_INDEX) 2>/dev/null)
 
-.PHONY: setup demo test test-lib test-notebooks lint lab labs site slides images clean-cluster clean \
+.PHONY: setup demo test test-lib test-notebooks lint lab labs hub site slides images clean-cluster clean \
         gpu-wheels gpu-check
 
 setup: $(STAMP)
@@ -68,6 +68,16 @@ labs: $(STAMP)            ## regenerate the student labs from labs/solutions/
 # The site and the decks share the notebooks' executed outputs (a jupyter-cache in build/): each
 # notebook is executed once, and again only when its code changes. Both work offline: MathJax,
 # reveal.js and require.js are fetched once (pinned, checked) into slides/vendor/.
+# The class server (see the README): JupyterHub from the class extra, its proxy from npm, as root
+CLASS_STAMP := $(VENV)/.installed-class
+$(CLASS_STAMP): $(STAMP) hub/package.json
+	$(PY) -m pip install -q -c constraints.txt -e '.[class]'
+	npm install --prefix hub --no-audit --no-fund --loglevel=error
+	touch $(CLASS_STAMP)
+
+hub: $(CLASS_STAMP)       ## the class server on 127.0.0.1:8000, run as root (accounts: hub/users.sh)
+	cd hub && $(VENV)/bin/jupyterhub -f jupyterhub_config.py
+
 SITE_STAMP := $(VENV)/.installed-site
 $(SITE_STAMP): $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[site]'

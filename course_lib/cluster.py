@@ -457,6 +457,8 @@ CONTROLLER_ARGS = ["--HeartMonitor.period=100", "--HeartMonitor.max_heartmonitor
 # and link at each start_cluster; it is stopped when the session ends, or by the next
 # start_cluster or `cluster clean` once that pid is gone. Students never set it.
 SHARED_ENV = "COURSE_LIB_SHARED_CLUSTERS"
+# The most engines one user may start at once: a class server (hub/) sets it for every student
+MAX_ENGINES_ENV = "COURSE_LIB_MAX_ENGINES"
 
 
 def _reuse(cluster_id, n, *args):
@@ -498,6 +500,10 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
+    most = os.environ.get(MAX_ENGINES_ENV, "")
+    if most.isdigit() and n > int(most):  # set by a class server for every student
+        raise ValueError(f"{n} engines is more than each user of this machine may start "
+                         f"({MAX_ENGINES_ENV}={most}): start_cluster(n={most}) or fewer")
     link = netem.make_link(link, latency)  # bad text fails here, before any engine starts
     if engines not in ("local", "mpi", "slurm"):
         raise ValueError(f"engines must be 'local', 'mpi' or 'slurm', not {engines!r}")

@@ -39,7 +39,25 @@ if TYPE_CHECKING:  # for the annotations only: ipyparallel stays off the module'
 PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches other clusters
 
 
-SLURM_FILES = os.path.join(tempfile.gettempdir(), "course_lib-slurm")  # batch scripts and logs
+# batch scripts and logs, one folder per user (see private_dir)
+SLURM_FILES = os.path.join(tempfile.gettempdir(), f"course_lib-slurm-{os.getuid()}")
+
+
+def private_dir(path: str | os.PathLike) -> Path:
+    """``path`` as a folder only this user may enter: created with mode 0700, or refused when
+    it exists and another user owns it or may enter it (on a shared machine, somebody else
+    could have created it first, to read or replace what this user puts there).
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if not path.is_dir() or path.is_symlink() or info.st_uid != os.getuid() \
+            or info.st_mode & 0o077:
+        raise PermissionError(
+            f"{path} belongs to user {info.st_uid} with mode {oct(info.st_mode & 0o777)}: a "
+            f"folder of user {os.getuid()}'s must be theirs alone (mode 0700). Remove it, or "
+            "set TMPDIR to a folder of your own")
+    return path
 
 
 # ---------------------------------------------------------------- SLURM, and cleaning up clusters
@@ -78,8 +96,7 @@ def slurm_config(n: int, partition: str = "", time_limit: str = "00:30:00", acco
     config = Config()
     config.SlurmEngineSetLauncher.batch_template = slurm_batch_script(
         n, partition, time_limit, account, gpus_per_task, cpus_per_task, extra)
-    os.makedirs(SLURM_FILES, exist_ok=True)  # the job's script and log: not in the notebook's
-    # folder
+    private_dir(SLURM_FILES)  # the job's script and log: not in the notebook's folder
     config.SlurmEngineSetLauncher.batch_file_name = os.path.join(
         SLURM_FILES, f"engines-{os.getpid()}-{time.monotonic_ns()}.sbatch")
     return dict(engines="slurm", controller_ip=controller_ip,
@@ -146,7 +163,7 @@ def clean_clusters(all: bool = False, shared_by: int | str | None = None) -> lis
 
 def cluster_processes(select: Callable[[str], bool] = lambda cluster_id: True,
                       ) -> dict[str, list[int]]:
-    """{cluster id: pids} of this machine's processes of the course's clusters whose id
+    """{cluster id: pids} of this user's processes of the course's clusters whose id
     ``select`` accepts, found by the ``IPP_CLUSTER_ID`` and ``IPP_PROFILE_DIR`` that
     ipyparallel puts in the environment of every controller and engine it starts (and that
     their children inherit). Introduced in notebooks/00_welcome_and_cluster.ipynb."""
@@ -156,6 +173,8 @@ def cluster_processes(select: Callable[[str], bool] = lambda cluster_id: True,
         if proc.pid == os.getpid():  # code on an engine may clean up too: never itself
             continue
         try:
+            if proc.uids().real != os.getuid():  # another user's clusters, even for root
+                continue
             env = proc.environ()
         except (psutil.Error, OSError):  # another user's, or gone meanwhile
             continue

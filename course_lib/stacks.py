@@ -26,15 +26,15 @@ import traceback
 from collections.abc import Iterable
 from pathlib import Path
 
+from course_lib.launch import private_dir
+
 ENTRY = "call_and_report"  # engine.call_and_report: what a cluster call runs; frames below it
 
 
 def directory() -> Path:
     """Where the engines of this user keep their sockets (only this user may read them).
     Introduced in notebooks/17_debugging_clinic.ipynb."""
-    path = Path(tempfile.gettempdir()) / f"course_lib-stacks-{os.getuid()}"
-    path.mkdir(mode=0o700, exist_ok=True)
-    return path
+    return private_dir(Path(tempfile.gettempdir()) / f"course_lib-stacks-{os.getuid()}")
 
 
 def socket_path(pid: int) -> Path:
