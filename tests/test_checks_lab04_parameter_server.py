@@ -1,77 +1,300 @@
-"""Lab 04 checks pass the reference and fail realistic wrong solutions with a useful hint."""
+"""Lab 04 checks pass the right servers and fail realistic wrong ones with a useful hint."""
+
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from course_lib import ps
+from course_lib import data, gd
 from course_lib.checks import CheckFailed
 from course_lib.checks import lab04_parameter_server as checks_ps
+from course_lib.models import LinearRegression
+
+
+# ---------------------------------------------------------------- the right answers
+class SyncShard:
+    def __init__(self, theta, num_workers, lr):
+        self.theta = np.array(theta, dtype=float)
+        self.version = 0
+        self.num_workers, self.lr = num_workers, lr
+        self.held = {}
+
+    def on_push(self, worker, version, grad_sum, count):
+        if version != self.version or worker in self.held:
+            return "rejected"
+        self.held[worker] = (grad_sum, count)
+        return "held"
+
+    def ready(self):
+        return len(self.held) == self.num_workers
+
+    def step(self):
+        total = sum(count for _, count in self.held.values())
+        grad_sum = sum(g for g, _ in self.held.values())
+        self.theta = self.theta - self.lr * grad_sum / total
+        self.version += 1
+        self.held = {}
+
+    def on_pull(self, worker, version):
+        return self.version >= version
+
+
+class AsyncShard:
+    def __init__(self, theta, lr, staleness_aware=False, max_staleness=None):
+        self.theta = np.array(theta, dtype=float)
+        self.version = 0
+        self.lr, self.staleness_aware, self.max_staleness = lr, staleness_aware, max_staleness
+        self.staleness = []
+
+    def rate(self, staleness):
+        return self.lr / max(staleness, 1) if self.staleness_aware else self.lr
+
+    def on_push(self, worker, version, grad_sum, count):
+        staleness = self.version - version
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            return "rejected"
+        self.theta = self.theta - self.rate(staleness) * grad_sum / count
+        self.version += 1
+        self.staleness.append(staleness)
+        return "applied"
 
 
 def test_reference_passes():
-    assert checks_ps.check_apply_push(ps.apply_push) is True
-    assert checks_ps.check_worker_step(ps.worker_step) is True
+    assert checks_ps.check_sync_shard(SyncShard) is True
+    assert checks_ps.check_async_shard(AsyncShard) is True
+    assert checks_ps.check_sync_shard(checks_ps.ReferenceSyncShard) is True
+    assert checks_ps.check_async_shard(checks_ps.ReferenceAsyncShard) is True
 
 
-def test_not_implemented_returns_false():
-    def todo(*args):
-        raise NotImplementedError
-    assert checks_ps.check_apply_push(todo) is False
-    assert checks_ps.check_worker_step(todo) is False
+def test_not_implemented_returns_false(capsys):
+    class Todo:
+        def __init__(self, *args):
+            pass
+
+        def on_push(self, *args):
+            raise NotImplementedError
+
+        ready = step = on_pull = on_push
+
+    assert checks_ps.check_sync_shard(Todo) is False
+    assert checks_ps.check_async_shard(Todo) is False
+    assert "not implemented yet" in capsys.readouterr().out
 
 
-def _apply(divide_by=lambda s: max(s, 1), sign=1, bump=1, inplace=False):
-    def apply_push(theta, version, grad, pulled_version, lr, staleness_aware=False):
-        staleness = sign * (version - pulled_version)
-        step = lr / divide_by(staleness) if staleness_aware else lr
-        if inplace:
-            theta -= step * grad
-            return theta, version + bump, staleness
-        return theta - step * grad, version + bump, staleness
-    return apply_push
+def test_threads_give_minibatch_sgd():
+    """The sync server driven by worker threads is mini-batch SGD on the global batch."""
+    X, y, _ = data.make_linear(n_samples=200, n_features=4, noise=0.5, seed=0)
+    problem, theta0 = LinearRegression(), np.zeros(X.shape[1])
+    theta = checks_ps.train_sync(SyncShard, problem, X, y, theta0, 0.05, 3, 2, 32)
+    reference = gd.minibatch_sgd(problem, X, y, theta0, 0.05, 2, 32, seed=0)
+    np.testing.assert_allclose(theta, reference.final_theta, rtol=1e-10, atol=1e-12)
+
+
+def test_a_server_that_never_answers_ends_in_a_deadline():
+    class Silent(SyncShard):
+        def on_pull(self, worker, version):
+            return False
+
+    t0 = time.monotonic()
+    run = checks_ps.run_threads(Silent(np.zeros(2), 2, 0.1), 2, 3,
+                                lambda w, v, theta: (theta, 1), timeout=0.3)
+    assert time.monotonic() - t0 < 5
+    assert sorted(run["late"]) == [(0, "pull of version 0"), (1, "pull of version 0")]
+
+
+# ---------------------------------------------------------------- sync mistakes
+class EachPush(SyncShard):
+    def ready(self):
+        return len(self.held) >= 1
+
+
+class Summed(SyncShard):
+    def step(self):
+        self.theta = self.theta - self.lr * sum(g for g, _ in self.held.values())
+        self.version += 1
+        self.held = {}
+
+
+class ByWorkers(SyncShard):
+    def step(self):
+        self.theta = self.theta - self.lr * sum(g for g, _ in self.held.values()) / len(self.held)
+        self.version += 1
+        self.held = {}
+
+
+class MeanOfMeans(SyncShard):
+    def step(self):
+        self.theta = self.theta - self.lr * np.mean([g / c for g, c in self.held.values()], axis=0)
+        self.version += 1
+        self.held = {}
+
+
+class ReleaseBeforeStep(SyncShard):
+    def on_pull(self, worker, version):
+        return self.version >= version or self.ready()  # everyone pushed: "done"
+
+
+class OffByOne(SyncShard):
+    def on_pull(self, worker, version):
+        return self.version >= version - 1
+
+
+class NeverRelease(SyncShard):
+    def on_pull(self, worker, version):
+        return self.version > version
+
+
+class CountsDuplicates(SyncShard):
+    def on_push(self, worker, version, grad_sum, count):
+        if version != self.version:
+            return "rejected"
+        self.held[worker] = (grad_sum, count)  # a resend replaces the first copy: "held" again
+        return "held"
+
+
+class TakesStale(SyncShard):
+    def on_push(self, worker, version, grad_sum, count):
+        if worker in self.held:
+            return "rejected"
+        self.held[worker] = (grad_sum, count)
+        return "held"
+
+
+class KeepsHeld(SyncShard):
+    def step(self):
+        total = sum(count for _, count in self.held.values())
+        self.theta = self.theta - self.lr * sum(g for g, _ in self.held.values()) / total
+        self.version += 1
+
+
+RELEASED = threading.Event()  # set by the test, so the blocked handler's thread ends
+
+
+class BlocksInPull(SyncShard):
+    def on_pull(self, worker, version):
+        RELEASED.wait(30)
+        return self.version >= version
 
 
 @pytest.mark.parametrize("wrong,hint", [
-    (_apply(divide_by=lambda s: s), "ZeroDivisionError"),
-    (_apply(sign=-1), "not the reverse"),
-    (_apply(bump=0), "version + 1"),
-    (_apply(divide_by=lambda s: 1), "lr / max(staleness, 1)"),
-    (_apply(inplace=True), "in place"),
+    (EachPush, "applied a push as soon as it arrived"),
+    (Summed, "summed the gradient sums"),
+    (ByWorkers, "divided by the number of workers"),
+    (MeanOfMeans, "averaged the workers' mean gradients"),
+    (ReleaseBeforeStep, "before the step was applied"),
+    (OffByOne, "(off by one)"),
+    (NeverRelease, "was never answered"),
+    (CountsDuplicates, "a second time (a resend)"),
+    (TakesStale, "a push of another version"),
+    (KeepsHeld, "step() must empty what the server holds"),
 ])
-def test_apply_push_catches_mistakes(wrong, hint):
-    with np.errstate(divide="ignore", invalid="ignore"), \
-            pytest.raises(CheckFailed, match=r"(?s)" + hint.replace("(", r"\(").replace(")", r"\)")
-                          .replace("+", r"\+")):
-        checks_ps.check_apply_push(wrong)
+def test_sync_shard_catches_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed) as err:
+        checks_ps.check_sync_shard(wrong)
+    assert hint in str(err.value)
 
 
-def _mean_grad(problem, pull, push, Xb, yb):
-    theta, version = pull()
-    push(problem.grad(theta, Xb, yb), len(Xb), version)
-    return problem.loss_sum(theta, Xb, yb)
+def test_sync_shard_a_blocking_handler_is_a_hint_not_a_hang():
+    RELEASED.clear()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CheckFailed, match="never waits inside a handler"):
+            checks_ps.check_sync_shard(BlocksInPull)
+    finally:
+        RELEASED.set()
+    assert time.monotonic() - t0 < 3 * checks_ps.TIMEOUT
 
 
-def _pull_twice(problem, pull, push, Xb, yb):
-    theta, version = pull()
-    push(problem.grad_sum(theta, Xb, yb), len(Xb), version)
-    return problem.loss_sum(pull()[0], Xb, yb)
+# ---------------------------------------------------------------- async mistakes
+class WrongSign(AsyncShard):
+    def on_push(self, worker, version, grad_sum, count):
+        staleness = version - self.version
+        if self.max_staleness is not None and staleness > self.max_staleness:
+            return "rejected"
+        self.theta = self.theta - self.rate(staleness) * grad_sum / count
+        self.version += 1
+        self.staleness.append(staleness)
+        return "applied"
 
 
-def _version_zero(problem, pull, push, Xb, yb):
-    theta, _ = pull()
-    push(problem.grad_sum(theta, Xb, yb), len(Xb), 0)
-    return problem.loss_sum(theta, Xb, yb)
+class AfterTheBump(AsyncShard):
+    def on_push(self, worker, version, grad_sum, count):
+        if self.max_staleness is not None and self.version - version > self.max_staleness:
+            return "rejected"
+        self.version += 1
+        staleness = self.version - version
+        self.theta = self.theta - self.rate(staleness) * grad_sum / count
+        self.staleness.append(staleness)
+        return "applied"
 
 
-def _no_return(problem, pull, push, Xb, yb):
-    theta, version = pull()
-    push(problem.grad_sum(theta, Xb, yb), len(Xb), version)
+class ScaledTwice(AsyncShard):
+    def rate(self, staleness):
+        return super().rate(staleness) / max(staleness, 1) if self.staleness_aware else self.lr
+
+
+class OnePlus(AsyncShard):
+    def rate(self, staleness):
+        return self.lr / (1 + staleness) if self.staleness_aware else self.lr
+
+
+class NeverDrops(AsyncShard):
+    def on_push(self, worker, version, grad_sum, count):
+        bound, self.max_staleness = self.max_staleness, None
+        try:
+            return super().on_push(worker, version, grad_sum, count)
+        finally:
+            self.max_staleness = bound
+
+
+class DropsAtTheBound(AsyncShard):
+    def on_push(self, worker, version, grad_sum, count):
+        if self.max_staleness is not None and self.version - version >= self.max_staleness:
+            return "rejected"
+        bound, self.max_staleness = self.max_staleness, None
+        try:
+            return super().on_push(worker, version, grad_sum, count)
+        finally:
+            self.max_staleness = bound
+
+
+class SumNotMean(AsyncShard):
+    def on_push(self, worker, version, grad_sum, count):
+        return super().on_push(worker, version, grad_sum * count, count)
+
+
+class DividesByZero(AsyncShard):
+    def rate(self, staleness):
+        return self.lr / staleness if self.staleness_aware else self.lr
+
+
+class CountsRejected(AsyncShard):
+    def on_push(self, worker, version, grad_sum, count):
+        decision = super().on_push(worker, version, grad_sum, count)
+        if decision == "rejected":
+            self.version += 1
+        return decision
+
+
+class IgnoresAware(AsyncShard):
+    def rate(self, staleness):
+        return self.lr
 
 
 @pytest.mark.parametrize("wrong,hint", [
-    (_mean_grad, "MEAN gradient"), (_pull_twice, "pull once"),
-    (_version_zero, "version that pull"), (_no_return, "loss_sum"),
+    (WrongSign, "not the reverse"),
+    (AfterTheBump, "BEFORE adding one to the version"),
+    (ScaledTwice, "by the staleness twice"),
+    (OnePlus, "divided by 1 + staleness"),
+    (NeverDrops, "is beyond max_staleness"),
+    (DropsAtTheBound, "stale by exactly max_staleness"),
+    (SumNotMean, "divide grad_sum by count"),
+    (DividesByZero, "ZeroDivisionError"),
+    (CountsRejected, "a rejected push is not an update"),
+    (IgnoresAware, "did not divide the rate by the staleness"),
 ])
-def test_worker_step_catches_mistakes(wrong, hint):
-    with pytest.raises(CheckFailed, match=hint):
-        checks_ps.check_worker_step(wrong)
+def test_async_shard_catches_mistakes(wrong, hint):
+    with np.errstate(divide="ignore", invalid="ignore"), pytest.raises(CheckFailed) as err:
+        checks_ps.check_async_shard(wrong)
+    assert hint in str(err.value)
