@@ -21,6 +21,9 @@
     cluster clean [--all] stop clusters left behind by a killed notebook kernel
     cluster stacks       where every rank of every live cluster is: its stack, what it waits for
     labs build | check   regenerate the student labs / list the stale ones
+    class assignments --root D [--labs 01 05] [--exchange E] [--generate]
+                         the labs as an nbgrader course: source/labNN/, nbgrader_config.py
+    class report --root D  per student: autograded scores, and what needs a GPU or two hosts
     images               regenerate the figures in images/
 """
 
@@ -77,6 +80,32 @@ def _labs(action):
     return 1 if stale else 0
 
 
+def _class(args):
+    from course_lib.classroom import grading
+    if args.action == "assignments":
+        written = grading.write_course(args.root, labs=args.labs, exchange=args.exchange)
+        for path in written:
+            print(f"wrote {path}")
+        if args.generate:
+            for path in written:
+                grading.run_nbgrader(["generate_assignment", path.parent.name, "--force"],
+                                     cwd=args.root)
+                print(f"generated {args.root / 'release' / path.parent.name}")
+        print(f"exchange: {grading.exchange_root(args.exchange)} (nbgrader_config.py)")
+        return 0
+    report = grading.grading_report(args.root)
+    for student, labs in sorted(report["students"].items()):
+        for lab, result in sorted(labs.items()):
+            if not result["submitted"]:
+                print(f"{student:>16} {lab}: not submitted")
+                continue
+            tier1 = result["tier1"]
+            print(f"{student:>16} {lab}: {tier1['score']:g}/{tier1['max_score']:g} autograded"
+                  f", {len(result['tier2'])} criteria not gradable here")
+    print(f"report: {report['path']}")
+    return 0
+
+
 def _clean(everything):
     from course_lib.launch import clean_clusters
     stopped = clean_clusters(all=everything)
@@ -104,6 +133,14 @@ def main(argv=None):
     cluster.add_argument("--all", action="store_true", help="also clusters of live kernels")
     labs = sub.add_parser("labs", help="student labs")
     labs.add_argument("action", choices=["build", "check"])
+    course = sub.add_parser("class", help="teach with the labs: nbgrader assignments, reports")
+    course.add_argument("action", choices=["assignments", "report"])
+    course.add_argument("--root", type=Path, required=True, help="the nbgrader course directory")
+    course.add_argument("--labs", nargs="+", help="lab numbers (default: every lab)")
+    course.add_argument("--exchange", help="nbgrader exchange directory (default: "
+                        "$COURSE_LIB_NBGRADER_EXCHANGE, else /srv/nbgrader/exchange)")
+    course.add_argument("--generate", action="store_true",
+                        help="also run nbgrader generate_assignment (release/labNN/)")
     images = sub.add_parser("images", help="regenerate images/")
     images.add_argument("--out", type=Path, default=ROOT / "images")
     args = parser.parse_args(argv)
@@ -127,6 +164,8 @@ def main(argv=None):
         return _clean(args.all)
     if args.command == "labs":
         return _labs(args.action)
+    if args.command == "class":
+        return _class(args)
     return _images(args.out)
 
 

@@ -74,6 +74,23 @@ def first_host(nodelist: str) -> str:
     return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")  # "03-05" -> "03"
 
 
+def hostnames(nodelist: str) -> list[str]:
+    """Every host of a SLURM node list, in order and zero padding kept, as ``scontrol show
+    hostnames`` prints them: ``"node[01-03,07],gpu1"`` -> ``node01 node02 node03 node07 gpu1``;
+    the first is :func:`first_host`. Introduced in notebooks/12_scaling_out.ipynb."""
+    names = []
+    # items are separated by the commas outside brackets: a prefix, then optional [ranges]
+    for prefix, ranges in re.findall(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip()):
+        if not ranges:
+            names.append(prefix)
+            continue
+        for part in ranges.split(","):
+            low, _, high = part.partition("-")
+            # "08-10": node08 node09 node10, as wide as the lower bound is written
+            names += [f"{prefix}{n:0{len(low)}d}" for n in range(int(low), int(high or low) + 1)]
+    return names
+
+
 def slurm_rendezvous(env: Mapping[str, str] | None = None) -> tuple[int, int, str, int]:
     """(rank, world size, MASTER_ADDR, MASTER_PORT) of a task started by ``srun``: the port is
     derived from the job id so every task of the job computes the same one.

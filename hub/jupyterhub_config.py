@@ -12,6 +12,9 @@ COURSE_HUB_MEMORY                memory of each student's server and all it star
 COURSE_HUB_IDLE                  seconds after which an idle server is stopped (3600; 0: never)
 COURSE_HUB_AUTH                  "pam" (system passwords, the default) or "shared": one password
                                  for a demo, from COURSE_HUB_PASSWORD (never stored here)
+COURSE_HUB_SHARED                what all users share (/srv/course-hub): nbgrader's exchange, where
+                                 assignments are released and submitted, and the Jupyter config
+                                 that tells every server where it is
 
 Who may log in: the members of the groups course-students and course-instructors; instructors
 are the hub's admins. Each user's server runs as that system user, from this checkout's
@@ -28,6 +31,8 @@ from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
 
+from course_lib.classroom import grading
+
 COURSE = Path(__file__).resolve().parent.parent  # this checkout: the shared install
 VENV = Path(sys.prefix)  # the environment that runs the hub runs every user's server too
 STATE = Path(os.environ.get("COURSE_HUB_STATE", "/var/lib/course-hub"))
@@ -36,6 +41,7 @@ ENGINES = os.environ.get("COURSE_HUB_ENGINES", "4")
 MEMORY = os.environ.get("COURSE_HUB_MEMORY", "4G")
 IDLE = int(os.environ.get("COURSE_HUB_IDLE", "3600"))
 COPIED = ["notebooks", "labs"]  # labs/solutions/ is left out below
+SHARED = Path(os.environ.get("COURSE_HUB_SHARED", "/srv/course-hub"))
 
 
 def _readable_by_all(path):
@@ -51,6 +57,19 @@ for needed in (COURSE / "course_lib", Path(sys.executable)):
                  "there")
 
 STATE.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+# nbgrader's exchange: every user may write in it; the folders nbgrader makes there say who may
+# read what (a student's submission: only the instructor who collects it)
+for folder, mode in [(SHARED, 0o755), (SHARED / "exchange", 0o777), (SHARED / "jupyter", 0o755)]:
+    folder.mkdir(exist_ok=True)
+    folder.chmod(mode)
+(SHARED / "jupyter" / "nbgrader_config.py").write_text(f"""\
+import os
+c = get_config()
+c.CourseDirectory.course_id = {grading.COURSE_ID!r}
+c.Exchange.root = {str(SHARED / "exchange")!r}
+c.CourseDirectory.root = os.path.expanduser("~/grading")  # an instructor's assignments
+""")
 c = get_config()  # noqa: F821 - JupyterHub's config loader defines it
 
 c.JupyterHub.ip = os.environ.get("COURSE_HUB_IP", "127.0.0.1")
@@ -90,20 +109,28 @@ else:
 
 
 # ---------------------------------------------------------------- each user's server
+def _give(path, user):
+    for root, dirs, files in os.walk(path):
+        for name in [root, *(os.path.join(root, f) for f in dirs + files)]:
+            os.chown(name, user.pw_uid, user.pw_gid)
+
+
 def _copy_course(spawner):
-    """The user's own copy of the course, at their first start, owned by them."""
+    """At a user's first start: their own copy of the course, and for an instructor the labs as
+    nbgrader assignments (~/grading, with the hidden tests), owned by them."""
     user = pwd.getpwnam(spawner.user.name)
     home = Path(user.pw_dir)
     home.chmod(0o700)  # their work is theirs alone, whatever the system's default
     target = home / "course"
-    if target.exists():
-        return
-    for name in COPIED:
-        shutil.copytree(COURSE / name, target / name,
-                        ignore=shutil.ignore_patterns("solutions", ".ipynb_checkpoints", "log"))
-    for root, dirs, files in os.walk(target):
-        for name in [root, *(os.path.join(root, f) for f in dirs + files)]:
-            os.chown(name, user.pw_uid, user.pw_gid)
+    if not target.exists():
+        for name in COPIED:
+            shutil.copytree(COURSE / name, target / name,
+                            ignore=shutil.ignore_patterns("solutions", ".ipynb_checkpoints", "log"))
+        _give(target, user)
+    grading_root = home / "grading"
+    if spawner.user.name in _members("course-instructors") and not grading_root.exists():
+        grading.write_course(grading_root, exchange=SHARED / "exchange", repo=COURSE)
+        _give(grading_root, user)
 
 
 c.Spawner.pre_spawn_hook = _copy_course
@@ -112,6 +139,7 @@ c.Spawner.notebook_dir = "~"
 c.Spawner.default_url = "/lab/tree/course/notebooks/00_welcome_and_cluster.ipynb"
 c.Spawner.environment = {
     "COURSE_LIB_MAX_ENGINES": ENGINES,  # start_cluster refuses more (course_lib.cluster)
+    "JUPYTER_CONFIG_PATH": str(SHARED / "jupyter"),  # nbgrader's course and exchange
     "PATH": f"{VENV / 'bin'}:/usr/local/bin:/usr/bin:/bin",
 }
 c.Spawner.mem_limit = MEMORY

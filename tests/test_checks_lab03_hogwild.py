@@ -1,12 +1,20 @@
-"""Lab 03 checks (course_lib/checks_hogwild.py): pass the reference, fail realistic mistakes."""
+"""Lab 03 checks (course_lib/checks/lab03_hogwild.py): the reference loop and worker pass; the
+usual mistakes of the loop, of the worker process on shared memory (a private copy, the wrong
+dtype, the wrong rows or order, unlinking, closing too early, a copy written back, a crash, a
+hang) and of the collision probability fail with a hint that says what the code did; a template
+is a notice, not a failure."""
 
 import math
+import os
+import time
+from multiprocessing.shared_memory import SharedMemory
 
 import numpy as np
 import pytest
 
 from course_lib.checks import CheckFailed
 from course_lib.checks import lab03_hogwild as checks_hogwild
+from course_lib.sharding import shard_bounds
 from course_lib.sparse_problem import collision_probability, sparse_sgd_epoch
 
 
@@ -91,3 +99,127 @@ def test_collision_probability_check():
     assert checks_hogwild.check_collision_probability(collision_probability)
     with pytest.raises(CheckFailed):
         checks_hogwild.check_collision_probability(lambda nnz, d: nnz * nnz / d)
+
+
+# ---------------------------------------------------------------- exercise 2: the worker process
+def worker(view="ndarray", rows="shard", key="rank", per_epoch_rng=False, step=1.0, epochs=0,
+           unlink=False, close_first=False, use_after_close=False, write_back=False):
+    """A Hogwild worker, right by default, or with one of the usual mistakes."""
+    def hogwild_worker(rank, world_size, shm_name, data, lr, num_epochs, seed):
+        shm = SharedMemory(name=shm_name)
+        if view == "ndarray":
+            w = np.ndarray((data.n_features,), dtype=np.float64, buffer=shm.buf)
+        elif view == "frombuffer":
+            w = np.frombuffer(shm.buf, dtype=np.float64, count=data.n_features)
+        elif view == "copy":
+            w = np.array(np.frombuffer(shm.buf, dtype=np.float64))  # a private copy
+        else:
+            w = np.frombuffer(shm.buf, dtype=np.float32)  # the wrong dtype
+        shared = w
+        if write_back:
+            w = w.copy()
+            time.sleep(0.3)  # slow enough that the other worker starts meanwhile
+        start, stop = shard_bounds(len(data), rank, world_size)
+        order_rows = {"shard": lambda r: start + r, "all": None, "no offset": lambda r: r,
+                      "inclusive": lambda r: start + r}[rows]
+        size = {"all": len(data), "inclusive": stop - start + 1}.get(rows, stop - start)
+        seed_key = {"rank": [seed, rank], "seed + rank": seed + rank}[key]
+        rng = np.random.default_rng(seed_key)
+        for _ in range(num_epochs + epochs):
+            if per_epoch_rng:
+                rng = np.random.default_rng(seed_key)
+            order = rng.permutation(size)
+            if order_rows is not None:
+                order = order_rows(order)
+            sparse_sgd_epoch(w, data.indptr, data.indices, data.values, data.y, order, lr * step)
+        if write_back:
+            shared[:] = w
+        if unlink:
+            shm.unlink()
+        if close_first:
+            shm.close()  # np.frombuffer's view refuses it (BufferError), np.ndarray's does not
+        if use_after_close:
+            w[0] = 1.0  # the block is unmapped: a segmentation fault
+        del w, shared
+        shm.close()
+    return hogwild_worker
+
+
+def raises_in_worker(rank, world_size, shm_name, data, lr, num_epochs, seed):
+    shm = SharedMemory(name=shm_name)
+    w = np.ndarray((data.n_features,), dtype=np.float64, buffer=shm.buf)
+    w[data.indices[:3]] -= data.values[:4]  # shapes (3,) and (4,): a ValueError here
+
+
+def dies(rank, world_size, shm_name, data, lr, num_epochs, seed):
+    os._exit(3)
+
+
+def hangs(rank, world_size, shm_name, data, lr, num_epochs, seed):
+    while True:
+        time.sleep(0.05)
+
+
+def test_the_right_worker_passes(capsys):
+    assert checks_hogwild.check_hogwild_worker(worker())
+    assert checks_hogwild.check_hogwild_worker(worker(view="frombuffer"))
+    out = capsys.readouterr().out
+    assert "4/4 launches" in out and "serial SGD" in out
+
+
+@pytest.mark.parametrize("wrong, did, fix", [
+    (worker(view="copy"), "updated a private copy", "buffer=shm.buf"),
+    (worker(view="float32"), "as float32", "dtype=np.float64"),
+    (worker(rows="all"), "visited all the rows", "shard_bounds"),
+    (worker(rows="no offset"), "the first rows of the data", "add start"),
+    (worker(rows="inclusive"), "raised IndexError", "stop - 1"),
+    (worker(key="seed + rank"), "default_rng(seed", "default_rng([seed, rank])"),
+    (worker(per_epoch_rng=True), "same order in every epoch", "create the generator once"),
+    (worker(epochs=1), "one epoch more", "range(num_epochs)"),
+    (worker(step=-1.0), "uphill", "w[idx] -= lr"),
+    (worker(unlink=True), "was gone", "the parent unlinks"),
+    (worker(view="frombuffer", close_first=True), "BufferError", "del w"),
+    (worker(close_first=True, use_after_close=True), "exited with code -11", "del w first"),
+    (worker(write_back=True), "every update of worker", "writes it back"),
+    (raises_in_worker, "worker 0 raised ValueError", "w[data.indices[:3]]"),
+    (dies, "exited with code 3", "ended without an exception"),
+])
+def test_worker_mistakes_fail_with_a_hint(wrong, did, fix):
+    with pytest.raises(CheckFailed) as failed:
+        checks_hogwild.check_hogwild_worker(wrong)
+    message = str(failed.value)
+    assert did in message and fix in message, message
+
+
+def test_a_worker_that_never_returns_is_killed_at_the_deadline():
+    began = time.monotonic()
+    with pytest.raises(CheckFailed, match="did not return within 2 s"):
+        checks_hogwild.check_hogwild_worker(hangs, timeout=2)
+    assert time.monotonic() - began < 15
+    import multiprocessing
+    assert not [p for p in multiprocessing.active_children() if "hogwild-worker" in p.name]
+
+
+def test_worker_template_is_a_notice(capsys):
+    def hogwild_worker(rank, world_size, shm_name, data, lr, num_epochs, seed):
+        raise NotImplementedError("fill in hogwild_worker")
+    assert checks_hogwild.check_hogwild_worker(hogwild_worker) is False
+    assert "not implemented" in capsys.readouterr().out
+
+
+def test_run_workers_leaves_no_block_behind():
+    from course_lib.sparse_problem import make_sparse_classification, serial_sgd
+
+    def blocks():  # SharedMemory's names on Linux (only lab 03 creates them)
+        return {f for f in os.listdir("/dev/shm") if f.startswith("psm_")}
+    linux = os.path.isdir("/dev/shm")
+    before = blocks() if linux else set()
+    data = make_sparse_classification(300, 200, 5, seed=2)
+    w = checks_hogwild.run_workers(worker(), data, world_size=1, lr=0.5, num_epochs=2, seed=4)
+    np.testing.assert_array_equal(w, serial_sgd(data, lr=0.5, num_epochs=2, seed=4)[0])
+    with pytest.raises(CheckFailed):
+        checks_hogwild.check_hogwild_worker(worker(unlink=True))
+    with pytest.raises(CheckFailed):
+        checks_hogwild.check_hogwild_worker(dies)
+    if linux:
+        assert blocks() <= before

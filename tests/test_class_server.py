@@ -225,6 +225,8 @@ def hub(people, tmp_path_factory):
     requests = pytest.importorskip("requests")
     pytest.importorskip("jupyterhub", reason="pip install -c constraints.txt -e '.[class]'")
     state = tmp_path_factory.mktemp("hub-state")
+    shared = Path(tempfile.mkdtemp(prefix="course-hub-"))  # all users may enter it
+    shared.chmod(0o755)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -233,7 +235,7 @@ def hub(people, tmp_path_factory):
         [str(Path(PYTHON).parent / "jupyterhub"), "-f", str(ROOT / "hub" / "jupyterhub_config.py")],
         cwd=state, stdout=log, stderr=subprocess.STDOUT,
         env=dict(os.environ, COURSE_HUB_PORT=str(port), COURSE_HUB_STATE=str(state),
-                 COURSE_HUB_IDLE="0", COURSE_HUB_MEMORY="3G"))
+                 COURSE_HUB_IDLE="0", COURSE_HUB_MEMORY="3G", COURSE_HUB_SHARED=str(shared)))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -253,6 +255,7 @@ def hub(people, tmp_path_factory):
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+    shutil.rmtree(shared, ignore_errors=True)
 
 
 def _login(url, name, password):
@@ -300,4 +303,6 @@ def test_hub_runs_each_student_server_as_that_student(people, hub):
     assert (course / "labs" / "05_allreduce.ipynb").exists()
     assert not (course / "labs" / "solutions").exists()  # the answers stay with the teacher
     assert course.stat().st_uid == pwd.getpwnam(a).pw_uid
+    listed = session.get(f"{url}/user/{a}/assignments?course_id=dist-dl", timeout=30)
+    assert listed.ok and listed.json()["success"], listed.text[-500:]  # nbgrader finds the course
     session.delete(f"{url}/hub/api/users/{a}/server", headers=xsrf, timeout=60)

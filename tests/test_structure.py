@@ -1,6 +1,6 @@
 """The shape of the code a student reads: lessons at the bottom of the import graph, the
-scaffolding (bench/, figures/, checks/, testing/) above them, no circle, and no private name
-(``_name``) used outside the module that defines it."""
+scaffolding (bench/, figures/, checks/, testing/, classroom/) above them, no circle, and no
+private name (``_name``) used outside the module that defines it."""
 
 import ast
 import json
@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "course_lib"
-SCAFFOLDING = ("course_lib.bench", "course_lib.figures", "course_lib.checks", "course_lib.testing")
+SCAFFOLDING = ("course_lib.bench", "course_lib.figures", "course_lib.checks", "course_lib.testing",
+               "course_lib.classroom")
 # above everything, as a command line is: the CLI and the headless tour run scaffolding on purpose
 ENTRY_POINTS = {"course_lib.__main__", "course_lib.demo"}
 

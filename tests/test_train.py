@@ -31,6 +31,16 @@ def test_detect_launcher_and_slurm_rendezvous():
     assert train.slurm_rendezvous(env) == (3, 8, "gpu12", 10000 + 123456 % 10000)
 
 
+def test_hostnames_expand_a_node_list_as_scontrol_does():
+    assert train.hostnames("node[01-03,07],gpu1") == ["node01", "node02", "node03", "node07",
+                                                      "gpu1"]
+    assert train.hostnames("gpu-a[9-11],gpu-b1") == ["gpu-a9", "gpu-a10", "gpu-a11", "gpu-b1"]
+    assert train.hostnames("n[08-10]") == ["n08", "n09", "n10"]
+    assert train.hostnames("login7") == ["login7"]
+    for nodelist in ("node[03-05,09],gpu1", "a[1-2],b[3-4]", "x"):
+        assert train.hostnames(nodelist)[0] == train.first_host(nodelist)
+
+
 def test_the_cluster_trains(reference):
     assert reference["launcher"] == "cluster" and reference["world_size"] == 2
     assert reference["losses"][-1] < reference["losses"][0]

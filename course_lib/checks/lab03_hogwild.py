@@ -1,33 +1,67 @@
-"""Lab 03 (Hogwild!) checks: the lock-free worker loop and the collision probability.
+"""Lab 03 (Hogwild!) checks: the lock-free loop, the worker process on shared memory, and the
+collision probability.
 
 Use in labs/03_hogwild.ipynb right under each exercise::
 
     from course_lib.checks import lab03_hogwild as checks
     checks.check_lockfree_epoch(lockfree_epoch)
+    checks.check_hogwild_worker(hogwild_worker)
     checks.check_collision_probability(collision_probability)
+    w = checks.run_workers(hogwild_worker, data, world_size=2)   # the student's workers, for real
 
 The loop runs here, in this process, on seeded sparse data, against
 ``course_lib.sparse_problem.sparse_sgd_epoch``: with one worker Hogwild is plain SGD, so the
 values must match exactly. The parameter vector it gets records which coordinates were written;
 a loop that writes a coordinate its samples do not touch (a dense update, or a copy of all the
 parameters written back) would, with other workers running, erase their updates, and fails.
+
+The worker runs in real processes (``launch.worker_context``: forked from a warm server, or
+spawned with ``COURSE_LIB_WARM=0``), sent there with cloudpickle. :func:`run_workers` creates
+the parameter vector in a named ``SharedMemory`` block, puts the data in shared memory too, and
+``launch.supervise`` watches the workers with a deadline: a worker that raises, dies or never
+returns comes back as a hint naming it, never a hang. The cases: one worker (serial SGD, exactly);
+each worker of two alone, on data whose two shards touch disjoint features, so what one worker
+writes is known exactly and a wrong shard, order, step or number of epochs is decoded by
+replaying the usual mistakes here; then both workers at once on the same data, where every
+coordinate still has a single writer, so the result is exact again and an update that the other
+worker erased shows up.
 """
 
 from __future__ import annotations
 
+import contextlib
+import linecache
+import os
+import signal
+import sys
+import threading
+import traceback
 from collections.abc import Callable
+from multiprocessing import shared_memory
 
 import numpy as np
 
-from course_lib.checks.framework import Case, CheckFailed, run_check
+from course_lib.checks.framework import (
+    Case,
+    CheckFailed,
+    compare,
+    not_implemented,
+    pack_function,
+    run_check,
+)
+from course_lib.launch import supervise, worker_context
+from course_lib.sharding import shard_bounds
 from course_lib.sparse_problem import (
+    SparseData,
     collision_probability,
     make_sparse_classification,
+    serial_sgd,
     sparse_loss,
     sparse_sgd_epoch,
 )
 
 
+# ---------------------------------------------------------------- exercise 1: the loop
 class _WriteLog(np.ndarray):
     """A float vector that records in ``written`` which of its coordinates were assigned.
 
@@ -156,8 +190,368 @@ def check_lockfree_epoch(student_fn: Callable, seed: int = 0) -> bool:
     return ok
 
 
+# ---------------------------------------------------------------- exercise 2: the worker process
+WORKER_TIMEOUT = 20.0  # seconds a launch of the student's workers may take, start-up included
+DATA_FIELDS = ("indptr", "indices", "values", "y")
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised, died, missed its deadline or unlinked the parameters' block.
+
+    ``kind`` is "raised", "died", "late" or "unlinked"; ``ranks`` the workers concerned;
+    ``error`` the exception a worker raised (``"TypeError: ..."``), with ``lines`` the student's
+    own lines that led to it."""
+
+    def __init__(self, message: str, kind: str = "died", ranks: list[int] | None = None,
+                 error: str = "", lines: list[str] | None = None):
+        super().__init__(message)  # (``launch.supervise`` raises it with the message alone)
+        self.kind, self.ranks, self.error, self.lines = kind, ranks or [], error, lines or []
+
+
+def _share_array(arr):
+    """A copy of ``arr`` in a new named SharedMemory block: (block, (name, dtype, shape))."""
+    arr = np.ascontiguousarray(arr)
+    block = shared_memory.SharedMemory(create=True, size=max(arr.nbytes, 1))
+    np.ndarray(arr.shape, arr.dtype, buffer=block.buf)[...] = arr  # a temporary view
+    return block, (block.name, arr.dtype.str, arr.shape)
+
+
+def _student_frames(tb):
+    """(file, line, function) of the traceback's frames outside the library and Python itself:
+    the student's code, which the parent (holding the notebook's cells) can print."""
+    library = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return [(f.f_code.co_filename, line, f.f_code.co_name) for f, line in traceback.walk_tb(tb)
+            if not f.f_code.co_filename.startswith((library, sys.prefix, sys.base_prefix))]
+
+
+def _worker_main(payload, rank, world_size, shm_name, spec, lr, num_epochs, seed, errors,
+                 barrier):
+    """In the worker process: the data as read-only views of shared memory, then the student's
+    ``worker(rank, world_size, shm_name, data, lr, num_epochs, seed)``; an exception is sent to
+    the parent (``errors``) and ends the process with code 1."""
+    import cloudpickle  # here: only the workers unpickle
+    blocks = [shared_memory.SharedMemory(name=spec[k][0]) for k in DATA_FIELDS]
+    views = []
+    for block, k in zip(blocks, DATA_FIELDS, strict=True):
+        views.append(np.ndarray(spec[k][2], spec[k][1], buffer=block.buf))
+        views[-1].flags.writeable = False  # the data is read-only for the workers
+    data = SparseData(*views, spec["n_features"])
+    try:
+        worker = cloudpickle.loads(payload)
+    except Exception as err:  # noqa: BLE001 - e.g. a module of the student's that is not here
+        errors.put((rank, f"{type(err).__name__} while your function was loaded in the "
+                          f"worker process: {err}", []))
+        sys.exit(1)
+    try:
+        barrier.wait(timeout=WORKER_TIMEOUT)  # every worker set up: start together
+    except threading.BrokenBarrierError:  # another worker failed first: it is the one named
+        sys.exit(2)
+    try:
+        worker(rank, world_size, shm_name, data, lr, num_epochs, seed)
+    except BaseException as err:  # noqa: BLE001 - anything the student's code raises
+        errors.put((rank, f"{type(err).__name__}: {err}", _student_frames(err.__traceback__)))
+        sys.exit(1)
+    finally:
+        del data, views
+        for block in blocks:
+            with contextlib.suppress(BufferError):  # a view the student kept: exit unmaps it
+                block.close()
+
+
+def _exists(name):
+    """Whether a SharedMemory block of this name can still be attached."""
+    try:
+        block = shared_memory.SharedMemory(name=name)
+    except FileNotFoundError:
+        return False
+    block.close()
+    return True
+
+
+def _failure(err, procs, ranks, errors, timeout):
+    """The WorkerFailed for a launch that ``supervise`` stopped: who raised, died or ran late."""
+    raised = {}
+    while not errors.empty():
+        rank, text, frames = errors.get()
+        raised[rank] = (text, [f"  {file}, line {line}, in {name}\n"
+                               f"    {linecache.getline(file, line).strip()}"
+                               for file, line, name in frames])
+    if raised:
+        rank = min(raised)
+        text, lines = raised[rank]
+        return WorkerFailed(f"worker {rank} raised {text}", "raised", sorted(raised), text, lines)
+    if "still running" in str(err):
+        late = [r for r, p in zip(ranks, procs, strict=True) if p.exitcode == -signal.SIGKILL]
+        return WorkerFailed(f"worker(s) {late} did not return within {timeout:g} s and were "
+                            "killed", "late", late)
+    dead = [(r, p) for r, p in zip(ranks, procs, strict=True) if p.exitcode not in (0, None)]
+    return WorkerFailed("; ".join(f"worker {r} (pid {p.pid}) exited with code {p.exitcode}"
+                                  for r, p in dead), "died", [r for r, _ in dead])
+
+
+def run_workers(worker: Callable, data: SparseData, world_size: int = 2, lr: float = 0.5,
+                num_epochs: int = 3, seed: int = 0, ranks: list[int] | None = None,
+                w0: np.ndarray | None = None, timeout: float = WORKER_TIMEOUT) -> np.ndarray:
+    """Run ``worker(rank, world_size, shm_name, data, lr, num_epochs, seed)`` in one process per
+    rank (all of ``range(world_size)``, or only ``ranks``) on one parameter vector of float64 in
+    the SharedMemory block named ``shm_name`` (``w0``, zeros by default); return its final value.
+
+    The data reaches the workers through shared memory as well (read-only views). The workers
+    start together (a barrier); past ``timeout`` seconds, or when one raises or dies, every
+    worker is killed and a :class:`WorkerFailed` names it, with the exception it raised. A
+    worker must not unlink the block: the parent reads it afterwards (WorkerFailed "unlinked").
+    Every block is unlinked here at the end. Lab 03, exercise 2 (labs/03_hogwild.ipynb).
+    """
+    ranks = list(range(world_size)) if ranks is None else list(ranks)
+    w0 = np.zeros(data.n_features) if w0 is None else np.asarray(w0, dtype=np.float64)
+    payload = pack_function(worker)
+    ctx = worker_context()  # forked from a warm server (or spawned with COURSE_LIB_WARM=0)
+    blocks = []
+    try:
+        params, _ = _share_array(w0)
+        blocks.append(params)
+        spec = {"n_features": data.n_features}
+        for k in DATA_FIELDS:
+            block, spec[k] = _share_array(getattr(data, k))
+            blocks.append(block)
+        errors, barrier = ctx.SimpleQueue(), ctx.Barrier(len(ranks))
+        procs = [ctx.Process(target=_worker_main, name=f"hogwild-worker-{rank}", daemon=True,
+                             args=(payload, rank, world_size, params.name, spec, lr, num_epochs,
+                                   seed, errors, barrier))
+                 for rank in ranks]
+        try:
+            supervise(procs, timeout, f"hogwild_worker on {len(ranks)} process(es)",
+                      WorkerFailed, barrier)
+        except WorkerFailed as err:
+            raise _failure(err, procs, ranks, errors, timeout) from None
+        if not _exists(params.name):
+            raise WorkerFailed(
+                f"after worker(s) {ranks} ended, the parameters' block {params.name!r} was gone: "
+                "SharedMemory(name=...) in the parent raised FileNotFoundError", "unlinked", ranks)
+        return np.ndarray(w0.shape, np.float64, buffer=params.buf).copy()
+    finally:
+        for block in blocks:
+            block.close()
+            with contextlib.suppress(FileNotFoundError):  # a worker unlinked it already
+                block.unlink()
+
+
+def _disjoint_shards(seed, rows=(2501, 2500), features=(300, 300), nnz=5):
+    """Data whose two shards (``shard_bounds(n, r, 2)``) touch disjoint features: shard 0 rows
+    the first ``features[0]``, shard 1 rows the rest. Each feature then has one writer."""
+    parts = [make_sparse_classification(n, d, nnz, seed=seed + k)
+             for k, (n, d) in enumerate(zip(rows, features, strict=True))]
+    indices = np.concatenate([parts[0].indices, parts[1].indices + features[0]])
+    indptr = np.concatenate([parts[0].indptr, parts[1].indptr[1:] + parts[0].indptr[-1]])
+    return SparseData(indptr, indices, np.concatenate([p.values for p in parts]),
+                      np.concatenate([p.y for p in parts]), sum(features))
+
+
+# The usual mistakes of a worker, replayed here: (name, what the worker did, how to fix it).
+# The name selects the rows, the order, the number of epochs, the step or the view of w.
+WORKER_MISTAKES = [
+    ("unchanged", "the shared vector did not change at all: your worker updated a private copy",
+     "np.array(shm.buf), np.frombuffer(...).copy() and w.copy() are copies that vanish with "
+     "the process. Make w a view of the block: np.ndarray((data.n_features,), dtype=np.float64, "
+     "buffer=shm.buf), and update it in place."),
+    ("float32", "your worker read and wrote the block as float32: the parent's float64 values "
+     "were reinterpreted and overwritten byte by byte",
+     "the view must have the parent's dtype and shape: np.ndarray((data.n_features,), "
+     "dtype=np.float64, buffer=shm.buf) (np.frombuffer's default dtype is float64 too)."),
+    ("all rows", "your worker visited all the rows, not only its shard",
+     "take start, stop = shard_bounds(len(data), rank, world_size) and visit rows start .. "
+     "stop - 1 only: order = start + rng.permutation(stop - start)."),
+    ("no offset", "your worker visited rows 0 .. stop - start - 1, the first rows of the data, "
+     "instead of its own shard", "the permutation numbers the rows of the shard from 0: add "
+     "start (order = start + rng.permutation(stop - start))."),
+    ("strided", "your worker visited rows rank, rank + world_size, ... (a strided split)",
+     "the shards are contiguous: start, stop = shard_bounds(len(data), rank, world_size)."),
+    ("seed only", "your worker's order came from np.random.default_rng(seed): every rank shuffles "
+     "alike", "use rng = np.random.default_rng([seed, rank]), created once, before the epochs."),
+    ("seed + rank", "your worker's order came from np.random.default_rng(seed + rank)",
+     "use rng = np.random.default_rng([seed, rank]) (a list: [0, 1] is a different stream "
+     "from 1), created once, before the epochs."),
+    ("rank 0's order", "your worker's order came from np.random.default_rng([seed, 0]) whatever "
+     "its rank", "use rng = np.random.default_rng([seed, rank])."),
+    ("one order", "your worker visited its rows in the same order in every epoch",
+     "create the generator once, before the epochs, and draw a new rng.permutation(stop - start) "
+     "in each epoch."),
+    ("sorted", "your worker visited its rows in their stored order, without shuffling",
+     "draw order = start + rng.permutation(stop - start) in each epoch, rng = "
+     "np.random.default_rng([seed, rank])."),
+    ("missing epoch", "your worker ran one epoch fewer than num_epochs",
+     "for epoch in range(num_epochs): one permutation and one pass each."),
+    ("extra epoch", "your worker ran one epoch more than num_epochs",
+     "for epoch in range(num_epochs): one permutation and one pass each."),
+    ("lr 1", "your worker stepped as if lr were 1", "pass lr to your loop."),
+    ("uphill", "your worker stepped uphill (lr with the wrong sign)",
+     "w[idx] -= lr * g * v: subtract the gradient step."),
+]
+
+
+def _orders(n, rank, world_size, num_epochs, seed, mistake=""):
+    """The rows a worker visits, one array per epoch, correct or with ``mistake``."""
+    start, stop = shard_bounds(n, rank, world_size)
+    rows = {"all rows": np.arange(n), "no offset": np.arange(stop - start),
+            "strided": np.arange(rank, n, world_size)}.get(mistake, np.arange(start, stop))
+    key = {"seed only": seed, "seed + rank": seed + rank, "rank 0's order": [seed, 0]}
+    rng = np.random.default_rng(key.get(mistake, [seed, rank]))
+    epochs = num_epochs + {"missing epoch": -1, "extra epoch": 1}.get(mistake, 0)
+    if mistake == "sorted":
+        return [rows] * epochs
+    if mistake == "one order":
+        return [rows[rng.permutation(len(rows))]] * epochs
+    return [rows[rng.permutation(len(rows))] for _ in range(epochs)]
+
+
+def _replay(data, w0, world_size, ranks, lr, num_epochs, seed, mistake=""):
+    """What the workers ``ranks`` leave in the shared vector, one after the other (exact when
+    their shards touch disjoint features), each correct or making ``mistake``."""
+    w = w0.copy()
+    if mistake == "unchanged":
+        return w
+    view = w.view(np.float32)[: w.size] if mistake == "float32" else w
+    step = {"lr 1": 1.0, "uphill": -lr}.get(mistake, lr)
+    with np.errstate(all="ignore"):  # a float32 view of float64 bytes holds any number
+        for rank in ranks:
+            for order in _orders(len(data), rank, world_size, num_epochs, seed, mistake):
+                sparse_sgd_epoch(view, data.indptr, data.indices, data.values, data.y, order,
+                                 step)
+    return w
+
+
+def _same(a, b):
+    return np.allclose(a, b, rtol=1e-10, atol=1e-12, equal_nan=True)
+
+
+def _worker_cases(seed):
+    """(label, data, w0, world_size, ranks, lr, num_epochs) of each launch, in order."""
+    rng = np.random.default_rng(seed + 300)
+    small = make_sparse_classification(400, 300, 5, seed=seed + 20)
+    shards = _disjoint_shards(seed + 30)
+    w_small, w_shards = 0.1 * rng.normal(size=300), 0.1 * rng.normal(size=shards.n_features)
+    return [
+        ("1 worker: serial SGD", small, w_small, 1, [0], 0.5, 3),
+        ("worker 0 of 2, alone", shards, w_shards, 2, [0], 0.3, 2),
+        ("worker 1 of 2, alone", shards, w_shards, 2, [1], 0.3, 2),
+        ("workers 0 and 1 of 2 at the same time", shards, w_shards, 2, [0, 1], 0.3, 2),
+    ]
+
+
+def _worker_failure_hint(err, name):
+    """The CheckFailed for a launch whose workers raised, died, ran late or unlinked."""
+    if err.kind == "unlinked":
+        return ("your worker unlinked the shared memory (shm.unlink()): the block's name is "
+                "gone, and a parent that attaches by name to read the result, or a worker that "
+                "starts later, finds nothing. The parent created the block and owns it: a worker "
+                "only detaches with shm.close(); the parent unlinks once everybody is done.")
+    if err.kind == "late":
+        return ("your worker did not return before the deadline and was killed: an endless loop "
+                "(a while loop whose condition never changes?), or a wait for something that "
+                "never comes.")
+    if err.kind == "died":
+        return ("the worker process ended without an exception: os._exit, or a crash in native "
+                "code (code -11 is a segmentation fault). Using a view after shm.close() does "
+                "that: close() unmaps the block, and an np.ndarray(..., buffer=shm.buf) view "
+                "does not stop it, so the next w[idx] touches memory that is gone. del w first, "
+                "close last.")
+    if err.error.startswith("BufferError"):
+        return ("shm.close() refuses while a numpy array still points into the block: delete "
+                "your view first (del w), then call shm.close().")
+    if err.error.startswith("FileNotFoundError"):
+        return ("attach to the block the parent created, by the name you are given: "
+                "SharedMemory(name=shm_name) (create=False, the default).")
+    if err.error.startswith("IndexError"):
+        return ("a row or feature number out of range: rows start .. stop - 1 of "
+                "shard_bounds(len(data), rank, world_size), and a view of data.n_features "
+                "float64 values.")
+    if err.error.startswith("ValueError") and "read-only" in err.error:
+        return "the data is read-only: only the shared vector w is yours to write."
+    return ("attach with SharedMemory(name=shm_name), view it with np.ndarray((data.n_features,), "
+            "dtype=np.float64, buffer=shm.buf), run your shard's epochs with your lockfree_epoch, "
+            "then del the view and shm.close().")
+
+
+def check_hogwild_worker(student_fn: Callable, seed: int = 0,
+                         timeout: float = WORKER_TIMEOUT) -> bool:
+    """Lab 03, exercise 2: ``student_fn(rank, world_size, shm_name, data, lr, num_epochs,
+    seed)``, run in real worker processes by :func:`run_workers`, attaches to the float64
+    vector in the SharedMemory block ``shm_name``, runs lock-free SGD on its shard of
+    ``data`` (``sharding.shard_bounds``, order ``start + rng.permutation(stop - start)`` per
+    epoch, ``rng = np.random.default_rng([seed, rank])``) and detaches without unlinking.
+
+    Four launches (see the module docstring) must leave exactly the values that
+    ``sparse_problem.sparse_sgd_epoch`` gives; then two workers on overlapping features must
+    reach the loss of serial SGD."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    name = "check_hogwild_worker"
+    cases = _worker_cases(seed)
+    for number, (label, data, w0, world_size, ranks, lr, num_epochs) in enumerate(cases, 1):
+        where = (f"{name}: case {number}/{len(cases)} ({label}; {len(data)} rows, "
+                 f"{data.n_features} features, lr={lr}, num_epochs={num_epochs})")
+        try:
+            got = run_workers(student_fn, data, world_size, lr, num_epochs, seed, ranks, w0,
+                              timeout)
+        except WorkerFailed as err:
+            if err.error.startswith("NotImplementedError"):
+                return not_implemented(name)
+            lines = "\n".join(["", "  Your code in the worker (most recent call last):",
+                               *err.lines]) if err.lines else ""
+            raise CheckFailed(f"{where}\n  {err}{lines}\nHint: "
+                              f"{_worker_failure_hint(err, name)}") from None
+        expected = _replay(data, w0, world_size, ranks, lr, num_epochs, seed)
+        if _same(got, expected):
+            continue
+        problem = compare(expected, got, "the shared vector after the workers", 1e-10, 1e-12)
+        if len(ranks) > 1:  # each worker passed alone: together, one erased the other's updates
+            lost = _lost_updates(data, w0, expected, got, ranks)
+            raise CheckFailed(f"{where}\n  {problem}\n{lost}")
+        for mistake, did, fix in WORKER_MISTAKES:
+            if _same(got, _replay(data, w0, world_size, ranks, lr, num_epochs, seed, mistake)):
+                raise CheckFailed(f"{where}\n  {problem}\n  {did}.\nHint: {fix}")
+        raise CheckFailed(
+            f"{where}\n  {problem}\nHint: rows start .. stop - 1 of shard_bounds(len(data), rank, "
+            "world_size), in the order start + rng.permutation(stop - start) drawn each epoch "
+            "from rng = np.random.default_rng([seed, rank]), each through your lockfree_epoch "
+            "with lr, on a float64 view of the block.")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} launches leave exactly the values of serial SGD")
+    data = make_sparse_classification(4000, 2000, 10, seed=seed + 40)
+    _, serial = serial_sgd(data, lr=0.5, num_epochs=2, seed=seed)
+    two = sparse_loss(run_workers(student_fn, data, 2, 0.5, 2, seed, timeout=timeout), data)
+    if not abs(two - serial[-1]) <= 0.05 * serial[-1]:
+        raise CheckFailed(f"{name}: 2 workers on rows that share features reach loss {two:.4f}, "
+                          f"serial SGD {serial[-1]:.4f}.\nHint: with few collisions the two "
+                          "should be within a few per cent; are both workers' updates kept?")
+    print(f"  and 2 workers on rows that share features reach loss {two:.4f} "
+          f"(serial SGD: {serial[-1]:.4f})")
+    return True
+
+
+def _lost_updates(data, w0, expected, got, ranks):
+    """What a run of two workers with disjoint features lost: whose coordinates differ."""
+    lines = []
+    for rank in ranks:
+        start, stop = shard_bounds(len(data), rank, 2)
+        mine = np.unique(data.indices[data.indptr[start]:data.indptr[stop]])
+        if _same(got[mine], expected[mine]):
+            continue
+        if _same(got[mine], w0[mine]):
+            lines.append(f"  every update of worker {rank} is missing: its coordinates hold "
+                         "their values from before the run")
+        else:
+            lines.append(f"  some updates of worker {rank} are missing or wrong: its "
+                         "coordinates differ from what it wrote when it ran alone")
+    return "\n".join(lines + [
+        "Hint: each worker alone was right, and each feature here has one writer, so together "
+        "the result must be the same: another worker overwrote these coordinates with old "
+        "values. A worker that keeps a copy of w (w_local = w.copy(), np.array(shm.buf)) and "
+        "writes it back (w[:] = w_local) erases every update the others made meanwhile; write "
+        "only the touched coordinates, w[idx] -= ..., straight into the shared view."])
+
+
+# ---------------------------------------------------------------- exercise 3: collisions
 def check_collision_probability(student_fn: Callable) -> bool:
-    """Lab 03, exercise 2: ``student_fn(nnz, n_features)`` = chance that two rows with ``nnz``
+    """Lab 03, exercise 3: ``student_fn(nnz, n_features)`` = chance that two rows with ``nnz``
     distinct uniform features share at least one (``sparse_problem.collision_probability``)."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     cases = [Case(f"nnz={k}, n_features={d}", lambda k=k, d=d: (k, d))
