@@ -1,12 +1,16 @@
 """A class on one machine: two students and an instructor as real system users (hub/users.sh),
-the students' clusters isolated from each other, and the class server (hub/) letting them in and
-running each one's server as them. Every attempt of student B on student A's work must fail, and
-the test shows the error it gets. Needs root and a course readable by every user (skipped
-otherwise, saying why); the hub also needs Node.js and `npm install --prefix hub`."""
+the students' clusters isolated from each other, the class server (hub/) letting them in and
+running each one's server as them, and nbgrader's cycle on lab 05 through it, clicked in Chromium
+where a person clicks (marked browser). Every attempt of student B on student A's work must
+fail, and the test shows the error it gets. Needs root and a course readable by every user
+(skipped otherwise, saying why); the hub also needs Node.js and `npm install --prefix hub`, the
+class cycle Chromium and Playwright."""
 
+import contextlib
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import signal
@@ -16,9 +20,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlencode
 
+import nbformat
 import psutil
 import pytest
+
+from course_lib.classroom import grading
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -218,44 +226,67 @@ def test_engines_per_student_are_capped(people):
 
 
 # ---------------------------------------------------------------- the hub itself
-@pytest.fixture(scope="module")
-def hub(people, tmp_path_factory):
+@contextlib.contextmanager
+def running_hub(state, **settings):
+    """The class server on free ports, state in ``state``, shared folder of its own, the
+    ``COURSE_HUB_*`` settings given (e.g. ``IDLE="0"``): yields (url, shared folder)."""
     if not PROXY.exists():
         pytest.skip(f"the hub's proxy is missing: npm install --prefix {ROOT / 'hub'}")
     requests = pytest.importorskip("requests")
     pytest.importorskip("jupyterhub", reason="pip install -c constraints.txt -e '.[class]'")
-    state = tmp_path_factory.mktemp("hub-state")
     shared = Path(tempfile.mkdtemp(prefix="course-hub-"))  # all users may enter it
     shared.chmod(0o755)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(state / "hub.log", "w")
-    proc = subprocess.Popen(
-        [str(Path(PYTHON).parent / "jupyterhub"), "-f", str(ROOT / "hub" / "jupyterhub_config.py")],
-        cwd=state, stdout=log, stderr=subprocess.STDOUT,
-        env=dict(os.environ, COURSE_HUB_PORT=str(port), COURSE_HUB_STATE=str(state),
-                 COURSE_HUB_IDLE="0", COURSE_HUB_MEMORY="3G", COURSE_HUB_SHARED=str(shared)))
+    port, hub_port, proxy_port = _free_ports(3)  # never a default that another hub holds
+    env = dict(os.environ, COURSE_HUB_PORT=str(port), COURSE_HUB_STATE=str(state),
+               COURSE_HUB_INTERNAL_PORTS=f"{hub_port},{proxy_port}",
+               COURSE_HUB_SHARED=str(shared),
+               **{f"COURSE_HUB_{key}": value for key, value in settings.items()})
+    with open(state / "hub.log", "w") as log:
+        proc = subprocess.Popen(
+            [str(Path(PYTHON).parent / "jupyterhub"), "-f",
+             str(ROOT / "hub" / "jupyterhub_config.py")],
+            cwd=state, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(f"{url}/hub/api", timeout=2).ok:
-                break
-        except requests.ConnectionError:
-            assert proc.poll() is None, (state / "hub.log").read_text()[-3000:]
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("the hub did not answer in 60 s:\n" + (state / "hub.log").read_text()[-3000:])
-    yield url, state
-    proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
-    shutil.rmtree(shared, ignore_errors=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(f"{url}/hub/api", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                lines = (state / "hub.log").read_text().splitlines()
+                hub_lines = [line for line in lines if "ConfigProxy" not in line]  # its 404s
+                pytest.fail(("the hub did not answer in 60 s" if proc.poll() is None else
+                             f"the hub ended with exit code {proc.returncode}") + ":\n"
+                            + "\n".join(hub_lines[-40:]))
+            time.sleep(0.5)
+        yield url, shared
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def hub(people, tmp_path_factory):
+    state = tmp_path_factory.mktemp("hub-state")
+    with running_hub(state, IDLE="0", MEMORY="3G") as (url, shared):
+        yield url, state, shared
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
 
 
 def _login(url, name, password):
@@ -269,7 +300,7 @@ def _login(url, name, password):
 
 
 def test_hub_runs_each_student_server_as_that_student(people, hub):
-    url, state = hub
+    url, state, _ = hub
     (a, a_password), (b, _) = people["a"], people["b"]
     _, refused = _login(url, a, "not-" + a_password)
     assert refused.status_code == 403, refused.status_code
@@ -306,3 +337,308 @@ def test_hub_runs_each_student_server_as_that_student(people, hub):
     listed = session.get(f"{url}/user/{a}/assignments?course_id=dist-dl", timeout=30)
     assert listed.ok and listed.json()["success"], listed.text[-500:]  # nbgrader finds the course
     session.delete(f"{url}/hub/api/users/{a}/server", headers=xsrf, timeout=60)
+
+
+def test_hub_stops_an_idle_server(people, tmp_path):
+    name, password = people["b"]
+    with running_hub(tmp_path, IDLE="6") as (url, _):  # the culler looks every 3 s
+        session, answer = _login(url, name, password)
+        assert answer.status_code == 302
+        xsrf = {"X-XSRFToken": session.cookies.get("_xsrf", "")}
+        started = session.post(f"{url}/hub/api/users/{name}/server", headers=xsrf, timeout=60)
+        assert started.status_code in (201, 202), started.text
+        deadline, seen = time.monotonic() + 60, []
+        while time.monotonic() < deadline:
+            servers = session.get(f"{url}/hub/api/users/{name}", headers=xsrf,
+                                  timeout=10).json().get("servers", {})
+            seen.append(bool(servers))
+            if seen[0] and not servers:
+                break
+            time.sleep(1)
+        assert seen[0] and not seen[-1], f"B's idle server was not stopped: {seen}"
+        assert "Culling server" in (tmp_path / "hub.log").read_text()
+
+
+# ---------------------------------------------------------------- a class cycle, in the browser
+# The instructor generates and releases lab 05 in nbgrader's Formgrader, students A and B fetch
+# and submit it in JupyterLab's Assignment List (A with the solutions, B untouched), all by
+# clicks in Chromium; the instructor then grades on the command line, as their own system user,
+# with no student's password. Screenshots of each step go to the artifacts folder.
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = ("class-server", "class server: screenshots of the class cycle")
+LAB, NOTEBOOK = "lab05", "05_allreduce.ipynb"
+CHECKS = ["check_ring_reduce_scatter", "check_ring_allgather", "check_ring_allreduce",
+          "check_bidirectional_ring_allreduce"]  # lab 05's autograded tests, 1 point each
+PAGE_TIMEOUT_MS = 30_000   # any one click or wait in a page
+SPAWN_TIMEOUT_MS = 120_000  # a login, until the user's server has started and answers
+DIALOG_TIMEOUT_MS = 60_000  # a Formgrader button, until its dialog says how it went
+NBGRADER_TIMEOUT = 240     # one nbgrader command (autograde runs lab 05 for each student)
+
+no_chromium = pytest.mark.skipif(CHROMIUM is None,
+                                 reason="needs Chromium: apt-get install -y chromium")
+
+
+@pytest.fixture(scope="module")
+def cycle(request, hub, people, chromium, artifacts):
+    """What the class cycle's steps hand each other, and their timings (printed at the end)."""
+    pytest.importorskip("nbgrader", reason="pip install -c constraints.txt -e '.[class]'")
+    url, _, shared = hub
+    done = {"url": url, "exchange": shared / "exchange" / grading.COURSE_ID, "timings": {},
+            "grading": Path(pwd.getpwnam(people["teacher"][0]).pw_dir, "grading")}
+    yield done
+    timings = done["timings"]
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if timings and capture is not None:
+        in_browser = sum(v for k, v in timings.items() if k[0].isdigit())
+        with capture.global_and_fixture_disabled():  # shown even when pytest captures
+            print(f"\nclass cycle, seconds: in the browser {in_browser:.1f} (",
+                  ", ".join(f"{k} {v:.1f}" for k, v in timings.items()), ")")
+
+
+def _needs(cycle, step):
+    if step not in cycle:
+        pytest.skip(f"the class cycle stopped before: {step}")
+
+
+@contextlib.contextmanager
+def _step(cycle, page, name, artifacts):
+    """Time a step and screenshot its page at the end, whether it succeeded or not."""
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        cycle["timings"][name] = time.monotonic() - start
+        page.screenshot(path=artifacts / f"{name}.png")
+
+
+def _new_browser(browser):
+    """A browser of a person's own (its cookies apart), with deadlines on every action."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    context.set_default_timeout(PAGE_TIMEOUT_MS)
+    return context, context.new_page()
+
+
+def _sign_in(page, url, name, password, landing):
+    """The hub's login form; the hub then starts the user's server and opens ``landing``, a
+    path in it."""
+    after_spawn = urlencode({"next": f"/user/{name}/{landing}"})
+    page.goto(f"{url}/hub/login?{urlencode({'next': f'/hub/spawn?{after_spawn}'})}")
+    page.fill("#username_input", name)
+    page.fill("#password_input", password)
+    page.click("#login_submit")
+    page.wait_for_url(f"**/user/{name}/{landing.split('?')[0]}**", timeout=SPAWN_TIMEOUT_MS)
+
+
+def _formgrader_click(page, lab, column, expected):
+    """Click ``column``'s button in ``lab``'s row of the Formgrader, wait for the dialog it opens
+    and check it says ``expected``."""
+    row = page.locator("#main-table tr", has=page.locator("td.name", has_text=lab))
+    row.locator(f"td.{column} a").click()
+    dialog = page.locator("#success-modal, #error-modal")
+    dialog.wait_for(timeout=DIALOG_TIMEOUT_MS)
+    from playwright.sync_api import expect  # only where the browser tests run
+    expect(dialog).to_have_css("opacity", "1")  # faded in: the screenshot shows it
+    text = dialog.inner_text()
+    assert dialog.get_attribute("id") == "success-modal" and expected in text, text
+
+
+def _close_dialog(page):
+    page.locator("#success-modal .modal-footer button").click()
+    page.locator("#success-modal").wait_for(state="detached")
+
+
+def _assignment_list(page):
+    """Nbgrader > Assignment List, in JupyterLab's menu."""
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Nbgrader$")).click()
+    page.locator("#jp-mainmenu-nbgrader li[data-command='nbgrader:open-assignment-list']").click()
+
+
+def _list_row(page, section, lab):
+    return page.locator(f"#{section}_assignments_list > .list_item", has_text=lab)
+
+
+def _answers(solution):
+    """{grade_id: source} of the solution cells of the lab's nbgrader source notebook."""
+    return {c.metadata.nbgrader["grade_id"]: c.source
+            for c in grading.assignment_source(solution).cells
+            if c.cell_type == "code" and c.metadata.nbgrader.get("solution")}
+
+
+def _write_answers(context, url, user, path, answers):
+    """Fill in the answer cells of ``path`` through the user's Jupyter contents API, with the
+    session of their browser (its cookies and XSRF token), as JupyterLab saves a notebook."""
+    api = f"{url}/user/{user}/api/contents/{path}"
+    xsrf, = [c["value"] for c in context.cookies(f"{url}/user/{user}/") if c["name"] == "_xsrf"]
+    got = context.request.get(api, params={"content": "1"})
+    assert got.ok, got.text()
+    notebook = got.json()["content"]
+    filled = 0
+    for cell in notebook["cells"]:
+        grade_id = cell["metadata"].get("nbgrader", {}).get("grade_id")
+        if grade_id in answers:
+            assert "raise NotImplementedError()" in cell["source"]  # released without solutions
+            cell["source"], filled = answers[grade_id], filled + 1
+    assert filled == len(answers)
+    saved = context.request.put(api, headers={"X-XSRFToken": xsrf},
+                                data={"type": "notebook", "format": "json", "content": notebook})
+    assert saved.ok, saved.text()
+
+
+def _nbgrader_as(user, args, timeout=NBGRADER_TIMEOUT):
+    """``nbgrader <args>`` run by ``user`` (their system user, no password) in ~/grading, through
+    grading.run_nbgrader: a step that fails or passes its deadline raises, naming itself."""
+    return as_user(user, "from course_lib.classroom.grading import run_nbgrader\n"
+                         f"print(run_nbgrader({args!r}, cwd='grading', timeout={timeout}).stdout)",
+                   timeout=timeout + 30)
+
+
+@pytest.mark.browser
+@no_chromium
+def test_instructor_generates_and_releases_lab05_in_the_formgrader(people, cycle, chromium,
+                                                                      artifacts):
+    url, (teacher, password) = cycle["url"], people["teacher"]
+    # JupyterHub forbids framing any user's pages (all users share one origin here), so the
+    # Formgrader's panel in JupyterLab, an iframe, stays blank: an instructor opens it in a
+    # browser tab of its own, as nbgrader's documentation advises for JupyterHub >= 4.1
+    context, page = _new_browser(chromium)
+    try:
+        with _step(cycle, page, "1_instructor_formgrader", artifacts):
+            _sign_in(page, url, teacher, password, "formgrader")
+            page.locator("#main-table td.name", has_text=LAB).wait_for()
+        headers = context.request.get(page.url).headers
+        assert "frame-ancestors 'none'" in headers["content-security-policy"]
+        with _step(cycle, page, "2_instructor_generated", artifacts):
+            _formgrader_click(page, LAB, "assign",
+                              f"Successfully created the student version of '{LAB}'")
+        _close_dialog(page)
+        with _step(cycle, page, "3_instructor_released", artifacts):
+            _formgrader_click(page, LAB, "release", f"Successfully released '{LAB}'")
+        _close_dialog(page)
+        row = page.locator("#main-table tr", has=page.locator("td.name", has_text=LAB))
+        row.locator("td.status", has_text="released").wait_for()
+    finally:
+        context.close()
+    released = (cycle["exchange"] / "outbound" / LAB / NOTEBOOK).read_text()
+    for secret in ("### BEGIN SOLUTION", grading.BEGIN_HIDDEN, f"seed={grading.HIDDEN_SEED}"):
+        assert secret not in released
+    cycle["released"] = True
+
+
+@pytest.mark.browser
+@no_chromium
+def test_students_fetch_and_submit_in_the_assignment_list(people, cycle, chromium, artifacts):
+    """A fetches, gets the solutions written into the fetched notebook through A's own Jupyter
+    (contents API, A's browser session) and submits; B fetches and submits the stubs."""
+    _needs(cycle, "released")
+    url, answers = cycle["url"], _answers(ROOT / "labs" / "solutions" / NOTEBOOK)
+    for n, who in enumerate(["a", "b"], start=4):
+        name, password = people[who]
+        context, page = _new_browser(chromium)
+        try:
+            with _step(cycle, page, f"{n}{who}_student_{who}_assignment_list", artifacts):
+                _sign_in(page, url, name, password, "lab?reset")
+                _assignment_list(page)
+                _list_row(page, "released", LAB).wait_for()
+            with _step(cycle, page, f"{n}{who}_student_{who}_fetched", artifacts):
+                _list_row(page, "released", LAB).get_by_role("button", name="Fetch").click()
+                _list_row(page, "fetched", LAB).wait_for()
+            if who == "a":
+                start = time.monotonic()
+                _write_answers(context, url, name, f"{LAB}/{NOTEBOOK}", answers)
+                cycle["timings"]["4a_answers_written"] = time.monotonic() - start
+            with _step(cycle, page, f"{n}{who}_student_{who}_submitted", artifacts):
+                _list_row(page, "fetched", LAB).get_by_role("button", name="Submit").click()
+                error = page.locator(".nbgrader-ErrorDialog")
+                error.or_(_list_row(page, "submitted", LAB)).first.wait_for()
+                assert not error.count(), error.inner_text()
+        finally:
+            context.close()
+    inbound = cycle["exchange"] / "inbound"  # root looks; the students cannot (see below)
+    submitted = {who: [p for p in inbound.iterdir() if p.name.startswith(f"{name}+{LAB}+")]
+                 for who, (name, _) in people.items()}
+    assert len(submitted["a"]) == len(submitted["b"]) == 1 and not submitted["teacher"]
+    work = {who: {c.metadata.get("nbgrader", {}).get("grade_id"): c.source
+                  for c in nbformat.read(paths[0] / NOTEBOOK, as_version=4).cells}
+            for who, paths in submitted.items() if paths}
+    assert all(work["a"][grade_id] == source for grade_id, source in answers.items())
+    assert all("raise NotImplementedError()" in work["b"][grade_id] for grade_id in answers)
+    cycle["submitted"] = {who: paths[0] for who, paths in submitted.items() if paths}
+
+
+@pytest.mark.browser  # grades what the browser steps submitted
+@no_chromium
+def test_instructor_grades_on_the_command_line_without_any_student_password(people, cycle,
+                                                                            tmp_path):
+    _needs(cycle, "submitted")
+    from nbgrader.api import Gradebook  # the class extra: the cycle fixture skipped without it
+
+    teacher, a, b = people["teacher"][0], people["a"][0], people["b"][0]
+    for step in ("collect", "autograde", "generate_feedback"):
+        start = time.monotonic()
+        done = _nbgrader_as(teacher, [step, LAB])
+        cycle["timings"][f"nbgrader {step}"] = time.monotonic() - start
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+    course = cycle["grading"]
+    shutil.copy(course / "gradebook.db", tmp_path / "gradebook.db")  # root reads a copy
+    with Gradebook(f"sqlite:///{tmp_path / 'gradebook.db'}") as gradebook:
+        assert sorted(s.id for s in gradebook.students) == sorted([a, b])
+        scores = {s: gradebook.find_submission(LAB, s) for s in (a, b)}
+        assert {s: (sub.code_score, sub.max_code_score) for s, sub in scores.items()} == {
+            a: (len(CHECKS), len(CHECKS)), b: (0, len(CHECKS))}
+
+    feedback = {s: (course / "feedback" / s / LAB / NOTEBOOK.replace(".ipynb", ".html"))
+                .read_text(encoding="utf-8") for s in (a, b)}
+    for check in CHECKS:  # what B saw in the lab: the stub's notice under every check
+        assert f"{check}: not implemented yet" in feedback[b], check
+        assert f"✓ {check}" in feedback[a] and f"✓ {check}" not in feedback[b], check
+    assert "Finish exercises 1 to 3" in feedback[b]
+    assert "not implemented yet" not in feedback[a]
+
+    home = pwd.getpwnam(teacher).pw_dir
+    report = subprocess.run(
+        ["runuser", "-u", teacher, "--", PYTHON, "-m", "course_lib", "class", "report",
+         "--root", "grading"], cwd=home, capture_output=True, text=True, timeout=120,
+        env={"HOME": home, "USER": teacher, "PATH": os.environ["PATH"]})
+    assert report.returncode == 0, report.stderr[-3000:]
+    n = len(CHECKS)
+    assert f"{a} {LAB}: {n}/{n} autograded, 2 criteria not gradable here" in report.stdout
+    assert f"{b} {LAB}: 0/{n} autograded, 2 criteria not gradable here" in report.stdout
+    written = json.loads((course / "grading_report.json").read_text())
+    tiers = {s: written["students"][s][LAB] for s in (a, b)}
+    assert {s: lab["tier1"]["score"] for s, lab in tiers.items()} == {a: n, b: 0}
+    assert [c["status"] for c in tiers[b]["tier2"]] == [
+        "not gradable here: needs CUDA GPUs and NCCL", "not gradable here: needs two hosts"]
+
+
+@pytest.mark.browser  # tries what the browser steps submitted
+@no_chromium
+def test_b_cannot_list_or_read_a_submission(people, cycle):
+    _needs(cycle, "submitted")
+    a, b = people["a"][0], people["b"][0]
+    inbound, a_submission = cycle["exchange"] / "inbound", cycle["submitted"]["a"]
+    a_fetched = Path(pwd.getpwnam(a).pw_dir, LAB, NOTEBOOK)
+    tried = as_user(b, f"""
+import glob, os
+for what, attempt in [("list the submissions", lambda: os.listdir({str(inbound)!r})),
+                      ("read A's fetched copy", lambda: open({str(a_fetched)!r}).read())]:
+    try:
+        attempt()
+        print(what, "worked")
+    except OSError as err:
+        print(what, "refused:", err)
+print("A's submissions found:", glob.glob(os.path.join({str(inbound)!r}, {a + "+*"!r})))
+""")
+    assert tried.returncode == 0, tried.stderr
+    assert "list the submissions refused: [Errno 13] Permission denied" in tried.stdout, \
+        tried.stdout
+    assert "read A's fetched copy refused: [Errno 13] Permission denied" in tried.stdout
+    assert "A's submissions found: []" in tried.stdout  # the folder's name holds 72 random bits
+    # the instructor's command, tried by B with his own course folder, reads nothing either
+    collect = as_user(b, "from course_lib.classroom.grading import run_nbgrader\n"
+                         f"run_nbgrader(['collect', {LAB!r}, '--CourseDirectory.course_id="
+                         f"{grading.COURSE_ID}', '--Exchange.root={inbound.parent.parent}'], "
+                         "cwd='.', timeout=60)", timeout=90)
+    assert collect.returncode != 0 and "You don't have read permissions for the directory: " \
+        f"{inbound}" in collect.stderr, collect.stdout + collect.stderr[-2000:]
+    assert a_submission.exists() and not Path(pwd.getpwnam(b).pw_dir, "submitted").exists()
