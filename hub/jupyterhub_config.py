@@ -5,6 +5,7 @@ an environment variable, read once here:
 
 COURSE_HUB_IP, COURSE_HUB_PORT   where the hub listens (127.0.0.1:8000: only this machine; for a
                                  class, the machine's address behind HTTPS, see the README)
+COURSE_HUB_INTERNAL_PORTS        the loopback ports of the hub's API and the proxy's (8081,8001)
 COURSE_HUB_STATE                 the hub's database and cookie secret (/var/lib/course-hub)
 COURSE_HUB_ENGINES               engines each student may start at once (4)
 COURSE_HUB_MEMORY                memory of each student's server and all it starts (4G),
@@ -74,6 +75,10 @@ c = get_config()  # noqa: F821 - JupyterHub's config loader defines it
 
 c.JupyterHub.ip = os.environ.get("COURSE_HUB_IP", "127.0.0.1")
 c.JupyterHub.port = int(os.environ.get("COURSE_HUB_PORT", "8000"))
+# the hub's own API and the proxy's, on loopback (JupyterHub's 8081 and 8001 unless given)
+hub_port, proxy_port = os.environ.get("COURSE_HUB_INTERNAL_PORTS", "8081,8001").split(",")
+c.JupyterHub.hub_port = int(hub_port)
+c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{int(proxy_port)}"
 c.JupyterHub.db_url = f"sqlite:///{STATE / 'jupyterhub.sqlite'}"
 c.JupyterHub.cookie_secret_file = str(STATE / "jupyterhub_cookie_secret")
 c.JupyterHub.pid_file = str(STATE / "jupyterhub.pid")
