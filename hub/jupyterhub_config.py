@@ -59,9 +59,10 @@ for needed in (COURSE / "course_lib", Path(sys.executable)):
 
 STATE.mkdir(mode=0o700, parents=True, exist_ok=True)
 
-# nbgrader's exchange: every user may write in it; the folders nbgrader makes there say who may
-# read what (a student's submission: only the instructor who collects it)
-for folder, mode in [(SHARED, 0o755), (SHARED / "exchange", 0o777), (SHARED / "jupyter", 0o755)]:
+# nbgrader's exchange: every user may write in it, as in /tmp (the sticky bit: nobody renames or
+# removes what another made, such as the course's folder); the folders nbgrader makes there say
+# who may list what (a student cannot list the submissions)
+for folder, mode in [(SHARED, 0o755), (SHARED / "exchange", 0o1777), (SHARED / "jupyter", 0o755)]:
     folder.mkdir(exist_ok=True)
     folder.chmod(mode)
 (SHARED / "jupyter" / "nbgrader_config.py").write_text(f"""\

@@ -620,8 +620,10 @@ def test_b_cannot_list_or_read_a_submission(people, cycle):
     a_fetched = Path(pwd.getpwnam(a).pw_dir, LAB, NOTEBOOK)
     tried = as_user(b, f"""
 import glob, os
+course = {str(cycle["exchange"])!r}
 for what, attempt in [("list the submissions", lambda: os.listdir({str(inbound)!r})),
-                      ("read A's fetched copy", lambda: open({str(a_fetched)!r}).read())]:
+                      ("read A's fetched copy", lambda: open({str(a_fetched)!r}).read()),
+                      ("move the course away", lambda: os.rename(course, course + "-gone"))]:
     try:
         attempt()
         print(what, "worked")
@@ -633,6 +635,7 @@ print("A's submissions found:", glob.glob(os.path.join({str(inbound)!r}, {a + "+
     assert "list the submissions refused: [Errno 13] Permission denied" in tried.stdout, \
         tried.stdout
     assert "read A's fetched copy refused: [Errno 13] Permission denied" in tried.stdout
+    assert "move the course away refused: [Errno 1] Operation not permitted" in tried.stdout
     assert "A's submissions found: []" in tried.stdout  # the folder's name holds 72 random bits
     # the instructor's command, tried by B with his own course folder, reads nothing either
     collect = as_user(b, "from course_lib.classroom.grading import run_nbgrader\n"
