@@ -334,7 +334,8 @@ def test_hub_runs_each_student_server_as_that_student(people, hub):
     assert (course / "labs" / "05_allreduce.ipynb").exists()
     assert not (course / "labs" / "solutions").exists()  # the answers stay with the teacher
     assert course.stat().st_uid == pwd.getpwnam(a).pw_uid
-    listed = session.get(f"{url}/user/{a}/assignments?course_id=dist-dl", timeout=30)
+    listed = session.get(f"{url}/user/{a}/assignments?course_id={grading.COURSE_ID}",
+                         timeout=30)
     assert listed.ok and listed.json()["success"], listed.text[-500:]  # nbgrader finds the course
     session.delete(f"{url}/hub/api/users/{a}/server", headers=xsrf, timeout=60)
 
