@@ -47,8 +47,8 @@ def _unavailable():
     return None
 
 
-pytestmark = pytest.mark.skipif(_unavailable() is not None,
-                                reason=f"class server: {_unavailable()}")
+UNAVAILABLE = _unavailable()
+pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"class server: {UNAVAILABLE}")
 
 # student A's side: a cluster of 2 engines, then one command per line on stdin
 DRIVER = r"""
@@ -70,12 +70,13 @@ cluster.stop()
 """
 
 
-def as_user(user, code, timeout=60, env=None):
-    """Run Python ``code`` as ``user`` in their home; the finished process."""
+def as_user(user, code, timeout=60, env=None, python_args=None):
+    """Run Python ``code`` (or Python with ``python_args``) as ``user`` in their home; the
+    finished process."""
     home = pwd.getpwnam(user).pw_dir
     return subprocess.run(
-        ["runuser", "-u", user, "--", PYTHON, "-c", code], cwd=home, capture_output=True,
-        text=True, timeout=timeout,
+        ["runuser", "-u", user, "--", PYTHON, *(python_args or ["-c", code])], cwd=home,
+        capture_output=True, text=True, timeout=timeout,
         env={"HOME": home, "USER": user, "PATH": os.environ["PATH"], **(env or {})})
 
 
@@ -596,11 +597,8 @@ def test_instructor_grades_on_the_command_line_without_any_student_password(peop
     assert "Finish exercises 1 to 3" in feedback[b]
     assert "not implemented yet" not in feedback[a]
 
-    home = pwd.getpwnam(teacher).pw_dir
-    report = subprocess.run(
-        ["runuser", "-u", teacher, "--", PYTHON, "-m", "course_lib", "class", "report",
-         "--root", "grading"], cwd=home, capture_output=True, text=True, timeout=120,
-        env={"HOME": home, "USER": teacher, "PATH": os.environ["PATH"]})
+    report = as_user(teacher, None, timeout=120,
+                     python_args=["-m", "course_lib", "class", "report", "--root", "grading"])
     assert report.returncode == 0, report.stderr[-3000:]
     n = len(CHECKS)
     assert f"{a} {LAB}: {n}/{n} autograded, 2 criteria not gradable here" in report.stdout

@@ -162,6 +162,19 @@ def _in_thread(fn: Callable[[], Any], what: str) -> Any:
     return out["value"]
 
 
+def _run_student(run: Callable[[], Any], where: str, hint: str) -> Any:
+    """``run()`` (the student's server replaying a schedule) by :func:`_in_thread`; an error of
+    the student's code becomes a CheckFailed with ``hint`` (NotImplementedError passes: the
+    stub's notice)."""
+    try:
+        return _in_thread(run, where)
+    except (NotImplementedError, CheckFailed):
+        raise
+    except Exception as err:
+        raise CheckFailed(f"{where}\n  your server raised {type(err).__name__}: {err}\n"
+                          f"Hint: {hint}") from err
+
+
 def _replay(messages: list[tuple], server: Any, sync: bool) -> ServerLoop:
     loop = ServerLoop(server, sync)
     for message in messages:
@@ -491,16 +504,11 @@ def check_sync_shard(shard_class: Callable, seed: int = 0) -> bool:
         where = f"{name}: schedule {number}/{len(schedules)} ({label})"
         reference = _replay(messages, ReferenceSyncShard(theta0, num_workers, lr), True)
         try:
-            student = _in_thread(lambda nw=num_workers, m=messages: _replay(
-                m, shard_class(theta0.copy(), nw, lr), True), where)
+            student = _run_student(lambda nw=num_workers, m=messages: _replay(
+                m, shard_class(theta0.copy(), nw, lr), True), where,
+                "hold a push with on_push, step when ready(), answer a pull when on_pull says so.")
         except NotImplementedError:
             return not_implemented(name)
-        except CheckFailed:
-            raise
-        except Exception as err:
-            raise CheckFailed(f"{where}\n  your server raised {type(err).__name__}: {err}\nHint: "
-                              "hold a push with on_push, step when ready(), answer a pull when "
-                              "on_pull says so.") from err
         failure = _sync_failure(where, messages, student, reference, num_workers, lr, theta0)
         if failure is not None:
             raise failure
@@ -621,17 +629,13 @@ def check_async_shard(shard_class: Callable, seed: int = 0) -> bool:
         where = f"{name}: schedule {number}/{len(schedules)} ({label})"
         reference = _replay(messages, ReferenceAsyncShard(theta0, **opts), False)
         try:
-            student = _in_thread(lambda o=opts, m=messages: _replay(
+            student = _run_student(lambda o=opts, m=messages: _replay(
                 m, shard_class(theta0.copy(), o["lr"], o["staleness_aware"],
-                               o["max_staleness"]), False), where)
+                               o["max_staleness"]), False), where,
+                "staleness = self.version - version; step = lr / max(staleness, 1) when "
+                "staleness_aware (a fresh push has staleness 0).")
         except NotImplementedError:
             return not_implemented(name)
-        except CheckFailed:
-            raise
-        except Exception as err:
-            raise CheckFailed(f"{where}\n  your server raised {type(err).__name__}: {err}\nHint: "
-                              "staleness = self.version - version; step = lr / max(staleness, 1) "
-                              "when staleness_aware (a fresh push has staleness 0).") from err
         failure = _async_failure(where, messages, student, reference, opts, theta0)
         if failure is not None:
             raise failure
