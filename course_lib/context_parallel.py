@@ -16,7 +16,10 @@ and values, which every rank adds to, and one last hop brings them home. With a 
 query ignores the keys after it: split contiguously, rank 0 attends to one block and rank N-1 to
 N, and everyone waits for the last. The zig-zag assignment (rank r holds chunks r and 2N-1-r of
 2N) gives every rank the same work: counted in pairs of chunks, 2N+1 each, against 4(r+1) for
-contiguous rank r (a diagonal block is computed whole, its masked half too).
+contiguous rank r (a diagonal block is computed whole, its masked half too). The work is cut in
+*tiles*, each rank's runs of consecutive positions no longer than the shortest run of any rank
+(a zig-zag chunk; a contiguous rank's whole block), so the last zig-zag rank, whose two chunks
+N-1 and N are adjacent, still skips the pair of its chunk N-1's queries and chunk N's keys.
 
 Ulysses (:func:`ulysses_attention`) splits the other way: an all-to-all switches every rank from
 T/N tokens of every head to every token of H/N heads. PyTorch's own context parallelism
@@ -71,12 +74,29 @@ def causal_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
 
 
 # ---------------------------------------------------------------- one block, and the merge
-def runs(pos: torch.Tensor) -> list[slice]:
+def runs(pos: torch.Tensor, tile: int | None = None) -> list[slice]:
     """The runs of consecutive positions in ``pos`` (one for a contiguous chunk, two for a
-    zig-zag rank's), as slices of it. Introduced in
-    notebooks/14_transformers_and_long_sequences.ipynb."""
+    zig-zag rank's), as slices of it, each cut into pieces of at most ``tile`` positions.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     cuts = [0, *(torch.nonzero(pos[1:] != pos[:-1] + 1).flatten() + 1).tolist(), len(pos)]
-    return [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    tile = tile or max(len(pos), 1)
+    return [slice(i, min(i + tile, b)) for a, b in zip(cuts[:-1], cuts[1:], strict=True)
+            for i in range(a, b, tile)]
+
+
+def tiles(q_pos: torch.Tensor, k_pos: torch.Tensor, tile: int | None = None
+          ) -> list[tuple[slice, slice]]:
+    """The (queries, keys) pairs of :func:`runs` that causal attention computes: every pair
+    but those whose keys all come after their queries.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    return [(qs, ks) for qs in runs(q_pos, tile) for ks in runs(k_pos, tile)
+            if k_pos[ks.start] <= q_pos[qs.stop - 1]]
+
+
+def shortest_run(positions: list[torch.Tensor]) -> int:
+    """The tile of ring attention: the shortest run of consecutive positions any rank holds.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    return min(s.stop - s.start for p in positions for s in runs(p))
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -94,19 +114,16 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                    k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`dense_attention`, run by runs of consecutive positions, skipping each pair of runs
-    whose keys all come after its queries: a zig-zag rank's early chunk is not computed against
-    a late block. Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+                    k_pos: torch.Tensor, tile: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dense_attention`, run by :func:`tiles`, skipping each pair whose keys all come
+    after its queries: a zig-zag rank's early chunk is not computed against a late block.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     out = q.new_zeros(*q.shape[:-1], v.shape[-1])
     lse = q.new_full(q.shape[:-1], float("-inf"))
-    for qs in runs(q_pos):
-        for ks in runs(k_pos):
-            if k_pos[ks.start] > q_pos[qs.stop - 1]:  # every key after every query: no work
-                continue
-            o, s = dense_attention(q[..., qs, :], k[..., ks, :], v[..., ks, :], q_pos[qs],
-                                   k_pos[ks])
-            out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, s)
+    for qs, ks in tiles(q_pos, k_pos, tile):
+        o, s = dense_attention(q[..., qs, :], k[..., ks, :], v[..., ks, :], q_pos[qs], k_pos[ks])
+        out[..., qs, :], lse[..., qs] = merge(out[..., qs, :], lse[..., qs], o, s)
     return out, lse
 
 
@@ -152,7 +169,7 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
                 positions: list[torch.Tensor], stats: dict, merge_blocks: Callable,
                 overlap: bool) -> torch.Tensor:
-        N, r = comm.world_size, comm.rank
+        N, r, tile = comm.world_size, comm.rank, shortest_run(positions)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         block = torch.stack([k, v])  # one message per step: this block's keys and values
@@ -163,10 +180,14 @@ class RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(block)
                 pending = _exchange(comm, block, incoming, TAG_KV, step, "forward")
             t = time.thread_time()  # CPU time: fair even when ranks share cores
-            if causal_pairs(positions[r], positions[owner]):  # a block wholly in the future: skip
-                o, s = block_attention(q, block[0], block[1], positions[r], positions[owner])
+            pairs = tiles(positions[r], positions[owner], tile)
+            if pairs:  # a block wholly in the future: skip
+                o, s = block_attention(q, block[0], block[1], positions[r], positions[owner],
+                                       tile)
                 out, lse = merge_blocks(out, lse, o, s)
                 stats["blocks"] = stats.get("blocks", 0) + 1
+                stats["scores"] = stats.get("scores", 0) + sum(
+                    (qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks in pairs)
             stats["busy_s"] = stats.get("busy_s", 0.0) + time.thread_time() - t
             if step < N - 1 and not overlap:  # the naive ring: compute, then pass the block on
                 incoming = torch.empty_like(block)
@@ -183,6 +204,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm, positions = ctx.comm, ctx.positions
         N, r, scale = comm.world_size, comm.rank, 1 / math.sqrt(q.shape[-1])
+        tile = shortest_run(positions)
         dout = dout.contiguous()
         delta = (dout * out).sum(-1, keepdim=True)  # D_i = sum_j P_ij dP_ij, from the output
         dq = torch.zeros_like(q)
@@ -192,29 +214,30 @@ class RingAttention(torch.autograd.Function):
         for step in range(N):
             owner = (r - step) % N
             q_pos, k_pos = positions[r], positions[owner]
-            for qs in runs(q_pos):  # as in the forward: skip the pairs wholly in the future
-                for ks in runs(k_pos):
-                    if k_pos[ks.start] > q_pos[qs.stop - 1]:
-                        continue
-                    qb, do = q[..., qs, :], dout[..., qs, :]
-                    kb, vb = block[0][..., ks, :], block[1][..., ks, :]
-                    future = k_pos[ks][None, :] > q_pos[qs][:, None]
-                    scores = (qb @ kb.transpose(-2, -1) * scale).masked_fill(future,
-                                                                             float("-inf"))
-                    p = torch.exp(scores - safe_lse[..., qs, :])        # the final P
-                    block[3][..., ks, :] += p.transpose(-2, -1) @ do    # dV += P^T dO
-                    ds = p * (do @ vb.transpose(-2, -1) - delta[..., qs, :])  # dS = P (dP - D)
-                    dq[..., qs, :] += ds @ kb * scale                   # dQ += dS K / sqrt(d)
-                    block[2][..., ks, :] += ds.transpose(-2, -1) @ qb * scale  # dK += dS^T Q
+            for qs, ks in tiles(q_pos, k_pos, tile):  # the forward's tiles, recomputed
+                qb, do = q[..., qs, :], dout[..., qs, :]
+                kb, vb = block[0][..., ks, :], block[1][..., ks, :]
+                future = k_pos[ks][None, :] > q_pos[qs][:, None]
+                scores = (qb @ kb.transpose(-2, -1) * scale).masked_fill(future, float("-inf"))
+                p = torch.exp(scores - safe_lse[..., qs, :])        # the final P
+                block[3][..., ks, :] += p.transpose(-2, -1) @ do    # dV += P^T dO
+                ds = p * (do @ vb.transpose(-2, -1) - delta[..., qs, :])  # dS = P (dP - D)
+                dq[..., qs, :] += ds @ kb * scale                   # dQ += dS K / sqrt(d)
+                block[2][..., ks, :] += ds.transpose(-2, -1) @ qb * scale  # dK += dS^T Q
+                ctx.stats["backward_scores"] = (ctx.stats.get("backward_scores", 0)
+                                                + (qs.stop - qs.start) * (ks.stop - ks.start))
             if step < N - 1:  # pass the block on (after its gradients were added here)
                 incoming = torch.empty_like(block)
                 _wait(_exchange(comm, block, incoming, TAG_GRAD, step, "backward"), step,
                       "backward")
                 block = incoming
         # now rank r holds the block of rank r + 1: one more hop takes every gradient home
-        home = torch.empty_like(block[2:])
-        _wait(_exchange(comm, block[2:].contiguous(), home, TAG_GRAD, N, "backward"), N,
-              "backward")
+        # (none when N = 1: the block never left)
+        home = block[2:]
+        if N > 1:
+            home = torch.empty_like(block[2:])
+            _wait(_exchange(comm, block[2:].contiguous(), home, TAG_GRAD, N, "backward"), N,
+                  "backward")
         return dq, home[0], home[1], None, None, None, None, None
 
 
@@ -227,7 +250,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     its own); ``overlap=False`` sends each block on only after computing with it (the naive
     ring, to measure what the overlap saves). ``stats`` (a dict) collects this rank's ``busy_s``
     (CPU seconds of the forward's block computations: torch computes on the calling thread
-    here) and ``blocks`` (blocks attended).
+    here), ``blocks`` (blocks attended) and ``scores`` (query-key scores computed, masked ones
+    inside a tile included; ``backward_scores`` for the backward).
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     if len(positions) != comm.world_size:
         raise ValueError(f"positions names {len(positions)} ranks; the comm has "

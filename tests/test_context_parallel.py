@@ -4,6 +4,7 @@ end in clear errors. Ranks run as threads of one process (the recording transpor
 cluster's real Gloo transport."""
 
 import functools
+import threading
 
 import numpy as np
 import pytest
@@ -99,6 +100,56 @@ def test_zigzag_gives_every_rank_the_same_causal_work():
                       for p in cp.contiguous_positions(64, N)]
         assert len(set(work)) == 1 and sum(work) == sum(contiguous) == 64 * 65 // 2
         assert max(contiguous) / np.mean(contiguous) > 1.5 if N >= 4 else True
+
+
+@pytest.mark.parametrize("N, T", [(2, 20), (3, 18), (3, 30), (4, 40)])
+def test_ring_attention_computes_the_counted_pairs_of_chunks_on_every_rank(N, T, monkeypatch):
+    """Zig-zag: 2N + 1 pairs of chunks of T/2N on every rank (the last rank, whose two chunks are
+    adjacent, too); contiguous: 4(r + 1), its diagonal block whole. Counted at the kernel."""
+    chunk = T // (2 * N)
+    computed = {}  # thread id -> query-key scores dense_attention computed
+    dense = cp.dense_attention
+
+    def counting(q, k, v, q_pos, k_pos):
+        ident = threading.get_ident()
+        computed[ident] = computed.get(ident, 0) + len(q_pos) * len(k_pos)
+        return dense(q, k, v, q_pos, k_pos)
+
+    monkeypatch.setattr(cp, "dense_attention", counting)
+    for layout, want in ((cp.zigzag_positions, [2 * N + 1] * N),
+                         (cp.contiguous_positions, [4 * (r + 1) for r in range(N)])):
+        pos = layout(T, N)
+
+        def rank(_, comm, pos=pos):
+            q, k, v = (t.detach()[..., pos[comm.rank], :].clone().requires_grad_()
+                       for t in random_qkv(T, B=1, H=1, d=4))
+            stats = {}
+            cp.ring_attention(q, k, v, comm, pos, stats).sum().backward()
+            return threading.get_ident(), stats
+
+        computed.clear()
+        results, _ = run_ranks(rank, [None] * N, check_sizes=False, timeout=20)
+        assert [computed[ident] // chunk**2 for ident, _ in results] == want, layout.__name__
+        assert [s["scores"] // chunk**2 for _, s in results] == want
+        assert [s["backward_scores"] // chunk**2 for _, s in results] == want
+
+
+def test_ring_attention_on_one_rank_is_attention_and_sends_nothing_back_to_itself():
+    q, k, v = random_qkv(T=6)
+    ref = tf.causal_attention(q, k, v)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+
+    def rank(_, comm):
+        mine = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = cp.ring_attention(*mine, comm, [torch.arange(6)])
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in mine]
+
+    (got,), _ = run_ranks(rank, [None], check_sizes=False, timeout=5)
+    for name, g, w in zip(["output", "dq", "dk", "dv"], got,
+                          [ref.detach(), q.grad, k.grad, v.grad], strict=True):
+        assert (g - w).abs().max() < 1e-12, name
 
 
 def test_the_whole_transformer_on_split_sequences_equals_one_process():
