@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +75,12 @@ class Routing:
 
 def capacity(tokens: int, experts: int, top_k: int, capacity_factor: float | None) -> int:
     """The most tokens an expert takes from a group of ``tokens``: ``ceil(factor k T / E)``, or
-    every choice when ``capacity_factor`` is None (nothing dropped).
+    every choice when ``capacity_factor`` is None (nothing dropped). The factor is read as the
+    decimal it prints as: in floats, ``1.1 * 50 / 5`` is 11.000000000000002, whose ceiling is 12.
     Introduced in notebooks/15_mixture_of_experts.ipynb."""
     if capacity_factor is None:
         return tokens * top_k
-    return math.ceil(capacity_factor * top_k * tokens / experts)
+    return math.ceil(Fraction(str(capacity_factor)) * top_k * tokens / experts)
 
 
 def keep_within_capacity(expert: torch.Tensor, experts: int, limit: int) -> torch.Tensor:

@@ -56,6 +56,17 @@ def test_the_router_matches_a_loop_token_by_token(top_k, capacity_factor, groups
         assert r.dropped > 0
 
 
+def test_capacity_is_the_ceiling_of_the_decimal_factor_times_the_fair_share():
+    """ceil(cf k T / E) in integers, cf = m / 100: no binary rounding of 1.1 * 50 / 5 above 11."""
+    assert M.capacity(50, 5, 1, 1.1) == 11 and M.capacity(10, 3, 3, 0.8) == 8
+    for m, T, E, k in itertools.product(range(5, 305, 5), range(1, 41), (1, 2, 3, 4, 5, 8),
+                                        (1, 2, 3)):
+        if k <= E:
+            want = -(-m * k * T // (100 * E))  # the ceiling, in integers
+            assert M.capacity(T, E, k, m / 100) == want, (T, E, k, m / 100)
+    assert M.capacity(7, 4, 2, None) == 14
+
+
 def test_the_router_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="top_k=5: between 1 and the 4 experts"):
         M.route(torch.zeros(4, 4), top_k=5)
