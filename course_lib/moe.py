@@ -6,10 +6,11 @@ Transformer, GShard, Mixtral) replaces a block's MLP by E MLPs, the *experts*, a
 a linear layer whose softmax over the experts picks the k most probable for each token (top-1
 as in Switch, top-2 as in GShard and Mixtral). The token's output is the experts' outputs
 weighted by their probabilities (top-1: its expert's probability; top-2: the two renormalised
-to add up to 1). The parameters grow with E; the computation per token does not.
+to add up to 1). The parameters grow with E; the computation per token only with k.
 
 **Capacity.** An expert takes at most ``ceil(capacity_factor * k * T / E)`` of a group's T
-tokens; the rest of its tokens are *dropped* (they skip the layer, carried by the residual).
+tokens; the rest of its choices are *dropped*: they add nothing to their tokens' outputs, and a
+token whose k choices are all dropped skips the layer, carried by the residual.
 Slots go to the tokens' first choices in token order, then to their second choices (GShard).
 With expert parallelism each rank's tokens are one group, so one process routes N groups to
 drop the same tokens.

@@ -64,28 +64,36 @@ def arguments(parser):
 
 
 # ---------------------------------------------------------------- one process: the load
-def train_runs(steps: int, seed: int = 0) -> dict:
+def train_runs(steps: int, seed: int = 0, progress: bool = False) -> dict:
     """Train the dense model, the dense model as large as the mixture in all, and the mixture
     (4 experts, top-1) with and without the load-balancing loss, on the same batches. Returns,
     per run, the cross-entropy per step and (mixtures) the tokens per expert of the first
-    block at each step, an array (steps, experts)."""
+    block at each step, an array (steps, experts). ``progress=True`` shows a bar
+    (``tqdm.auto``) naming the run under way, removed when done."""
+    from tqdm.auto import tqdm  # only when training: a progress bar
     data = tf.encode(tf.load_text())
     configs = {"dense": tf.GPTConfig(),
                "dense, as many parameters in all": tf.GPTConfig(hidden=4 * 64 * EXPERTS),
                "experts, balance loss": tf.GPTConfig(experts=EXPERTS),
                "experts, no balance loss": tf.GPTConfig(experts=EXPERTS, aux_weight=0.0)}
     runs = {}
-    for name, cfg in configs.items():
-        loads: list = []
+    bar = tqdm(total=steps * len(configs), desc="training", disable=not progress, leave=False)
+    try:
+        for name, cfg in configs.items():
+            bar.set_postfix_str(name)
+            loads: list = []
 
-        def record(model, loads=loads):
-            loads.append(model.blocks[0].mlp.routing.load.numpy().copy())
+            def record(model, loads=loads, cfg=cfg):
+                if cfg.experts:
+                    loads.append(model.blocks[0].mlp.routing.load.numpy().copy())
+                bar.update()
 
-        model = tf.GPT(cfg, seed=seed)
-        losses = tf.train(model, data, steps=steps, seed=seed,
-                          after_step=record if cfg.experts else None)
-        runs[name] = dict(losses=np.array(losses), loads=np.array(loads),
-                          parameters=model.num_parameters())
+            model = tf.GPT(cfg, seed=seed)
+            losses = tf.train(model, data, steps=steps, seed=seed, after_step=record)
+            runs[name] = dict(losses=np.array(losses), loads=np.array(loads),
+                              parameters=model.num_parameters())
+    finally:
+        bar.close()
     return runs
 
 
