@@ -11,7 +11,8 @@ stacks itself when a call passes its deadline and puts them in the ``ClusterTime
     print(stacks.summary(cluster.stacks()))
     # from a shell: python -m course_lib cluster stacks
 
-py-spy (``py-spy dump --pid PID``) shows the same stacks from outside, native frames included.
+py-spy (``py-spy dump --pid PID``) shows the same stacks from outside, and with ``--native``
+the C and C++ frames beneath them.
 """
 
 from __future__ import annotations
