@@ -107,7 +107,7 @@ class Cluster:
         self.link = link  # the emulated network of every rank (course_lib.netem), or None
         self.requested_backend, self.timeout = backend, timeout
         self.pg_timeout, self.threads = pg_timeout, threads
-        self._store_dir = tempfile.mkdtemp(prefix="course_lib-pg-")
+        self._store_dir = tempfile.mkdtemp(prefix=f"course_lib-pg-{os.getpid()}-")
         self._broken = None  # None, "pg" (re-create the process group) or "engines" (restart)
         self._replaced: set[int] = set()  # ids of engines a restart replaced
         self.watchdog = None  # pid of the process that stops it if its owner dies

@@ -132,7 +132,8 @@ def alive(pid: int) -> bool:
 def clean_clusters(all: bool = False, shared_by: int | str | None = None) -> list[str]:
     """Stop clusters left behind by a killed notebook kernel (all of ours with ``all=True``,
     the shared ones a test session kept running with ``shared_by=`` its pid; see
-    ``cluster.SHARED_ENV``).
+    ``cluster.SHARED_ENV``), and remove the rendezvous folders of owners that are gone
+    (:func:`clean_stores`).
 
     Returns the ids of the clusters stopped. ``python -m course_lib cluster clean`` calls this.
     Introduced in notebooks/00_welcome_and_cluster.ipynb.
@@ -142,7 +143,8 @@ def clean_clusters(all: bool = False, shared_by: int | str | None = None) -> lis
     manager = ipp.ClusterManager()
     try:
         clusters = manager.load_clusters(profile=PROFILE)
-    except Exception:  # noqa: BLE001 - no profile yet: nothing to clean
+    except Exception:  # noqa: BLE001 - no profile yet: no cluster to clean
+        clean_stores()
         return stopped
 
     def doomed(cluster_id):
@@ -158,7 +160,47 @@ def clean_clusters(all: bool = False, shared_by: int | str | None = None) -> lis
             c.remove_cluster_file()
             stopped.append(c.cluster_id)
     # clusters whose file is gone (removed while they ran) are found by their processes
-    return stopped + [found for found in _kill_leftovers(doomed) if found not in stopped]
+    leftovers = [found for found in _kill_leftovers(doomed) if found not in stopped]
+    clean_stores()  # their rendezvous folders, and any other whose owner is gone
+    return stopped + leftovers
+
+
+STORE_PREFIX = "course_lib-pg-"  # a cluster's rendezvous folder: {prefix}{owner pid}-{random}
+
+
+def clean_stores(tmp: str | os.PathLike | None = None) -> list[str]:
+    """Remove the rendezvous folders of clusters (``course_lib-pg-{owner pid}-*`` in ``tmp``,
+    default the temporary directory) whose owner is gone: no process of that pid runs as the
+    folder's owner. A killed kernel leaves its folder behind; an id recycled since, of a process
+    or of a user, inherits nothing. Only this user's folders, or every user's for root (the
+    class server cleans them before each user's server starts). A folder without a pid in its
+    name (an older course_lib's) goes once its owner runs no process at all.
+    Returns the paths removed. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    import psutil  # standard library only at the top (see the module docstring)
+    running: dict[int, int] = {}  # pid: real uid
+    for proc in psutil.process_iter(["uids"]):
+        with contextlib.suppress(TypeError):  # gone meanwhile: no uids
+            running[proc.pid] = proc.info["uids"].real
+    removed = []
+    for folder in Path(tmp or tempfile.gettempdir()).glob(STORE_PREFIX + "*"):
+        try:
+            info = folder.lstat()
+        except OSError:
+            continue
+        if os.getuid() not in (0, info.st_uid):
+            continue  # another user's: theirs to clean (and root's)
+        pid = folder.name[len(STORE_PREFIX):].split("-", 1)[0]
+        if "-" in folder.name[len(STORE_PREFIX):] and pid.isdigit():
+            owner_alive = running.get(int(pid)) == info.st_uid
+        else:
+            owner_alive = info.st_uid in running.values()
+        if not owner_alive:
+            if folder.is_dir() and not folder.is_symlink():
+                shutil.rmtree(folder, ignore_errors=True)
+            else:
+                folder.unlink(missing_ok=True)
+            removed.append(str(folder))
+    return removed
 
 
 def cluster_processes(select: Callable[[str], bool] = lambda cluster_id: True,

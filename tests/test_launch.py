@@ -1,8 +1,11 @@
 """course_lib.launch's command line from a notebook: run_cli and bench_rows run
 ``python -m course_lib ...`` in a subprocess, return its output or rows, and fail with the
-command and its stderr's tail, or within their deadline, never hanging."""
+command and its stderr's tail, or within their deadline, never hanging; the clean-up removes the
+rendezvous folders of clusters whose owner is gone."""
 
+import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -45,3 +48,16 @@ def test_a_run_past_its_deadline_is_stopped(tmp_path, monkeypatch):
                                            r"within 0.5 s and was stopped"):
         launch.run_cli("doctor", deadline=0.5, echo=False)
     assert time.monotonic() - t < 10
+
+
+def test_clean_removes_the_rendezvous_folders_whose_owner_is_gone(tmp_path):
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()  # its pid is free now: a killed kernel's
+    dead = tmp_path / f"{launch.STORE_PREFIX}{gone.pid}-k1ll3d"
+    live = tmp_path / f"{launch.STORE_PREFIX}{os.getpid()}-al1ve"
+    other = tmp_path / "course_lib-slurm-0"  # not a rendezvous folder: never touched
+    for folder in (dead, live, other):
+        folder.mkdir()
+        (folder / "store-x").write_text("")
+    assert launch.clean_stores(tmp_path) == [str(dead)]
+    assert not dead.exists() and (live / "store-x").exists() and other.exists()
