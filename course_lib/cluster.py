@@ -474,6 +474,13 @@ def _reuse(cluster_id, n, *args):
         client.wait_for_engines(n, timeout=5, interactive=False)
         if len(client.ids) != n:
             raise ClusterError(f"{len(client.ids)} engines, not {n}")
+        # work a dead kernel left (trials of a load-balanced view, a call it stopped waiting
+        # for) would run between this kernel's calls: a collective would find one rank busy
+        # with it, "idle (not in a cluster call)", until its deadline. Reuse idle engines only.
+        busy = {e: s for e, s in client.queue_status().items()
+                if e == "unassigned" and s or isinstance(s, dict) and (s["queue"] or s["tasks"])}
+        if busy:
+            raise ClusterError(f"engines busy with an earlier kernel's work: {busy}")
         return Cluster(ipp_cluster, client, n, *args, shared=True)
     except Exception:  # noqa: BLE001 - dead or half gone: start afresh
         stop_and_reap(ipp_cluster)

@@ -187,6 +187,49 @@ def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
     assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
 
 
+def test_a_kept_cluster_busy_with_a_dead_kernels_work_is_not_reused():
+    """A kernel that ends with trials still queued on its load-balanced view (notebook 13's
+    search, cut short) must not hand them to the next notebook: there they ran between its
+    calls, and a collective found rank 0 busy with a trial, "idle (not in a cluster call)",
+    until the deadline. The next start_cluster gets idle engines, and its first call does not
+    wait for the old work."""
+    leave = ("import time\n"
+             "from course_lib.cluster import start_cluster, engine_info\n"
+             "c = start_cluster(n=2)\n"
+             "print([i['pid'] for i in c.run(engine_info)])\n"
+             "trials = [c.balanced_view().apply_async(time.sleep, 120) for _ in range(4)]\n"
+             "time.sleep(0.5)\n")  # ends without stop(), as a kernel that was shut down
+    # the set-up must not have waited for the old work (it used to: up to SETUP_TIMEOUT for
+    # the engines to answer, then a fresh start); its failures are recorded, its wait shortened
+    use = ("import course_lib.cluster as C\n"
+           "C.SETUP_TIMEOUT, failed, setup = 5, [], C.Cluster._setup\n"
+           "def spy(self):\n"
+           "    try:\n"
+           "        setup(self)\n"
+           "    except BaseException as e:\n"
+           "        failed.append(repr(e))\n"
+           "        raise\n"
+           "C.Cluster._setup = spy\n"
+           "c = C.start_cluster(n=2)\n"
+           "print([c.run(C.allreduce_ranks, timeout=20), [i['pid'] for i in c.run(C.engine_info)],"
+           " failed])\n"
+           "c.stop()\n")
+    owner = subprocess.Popen(["sleep", "300"])
+    env = dict(os.environ, **{C.SHARED_ENV: str(owner.pid)})
+    try:
+        left, used = (subprocess.run([sys.executable, "-c", s], env=env, capture_output=True,
+                                     text=True, timeout=120) for s in (leave, use))
+        from course_lib.launch import clean_clusters
+        clean_clusters(shared_by=owner.pid)
+    finally:
+        owner.kill()
+        owner.wait()
+    assert used.returncode == 0, used.stderr[-2000:]
+    old_pids = eval(left.stdout.strip().splitlines()[-1])
+    sums, pids, failed = eval(used.stdout.strip().splitlines()[-1])
+    assert failed == [] and sums == [1.0, 1.0] and not set(pids) & set(old_pids)
+
+
 @pytest.mark.skipif(shutil.which("mpiexec") is None and
                     not os.path.exists(os.path.join(sys.prefix, "bin", "mpiexec")),
                     reason="no mpiexec (pip install mpi4py mpich)")
