@@ -1,1 +1,18 @@
-"""Distributed deep learning, built from scratch and run for real: the course library."""
+"""Distributed deep learning, built from scratch and run for real: the course library.
+
+The process that imports it (a notebook's kernel, a test, a benchmark's driver) computes with one
+thread, as every engine of a cluster does: the course's models are small enough that a second
+thread gains nothing on an idle machine, and on a busy one the threads of each operation wait for
+one another (notebook 14's training cell, 600 steps of a small transformer: 7 s alone, over 300 s
+with two threads beside two CPU-bound processes, 13 s with one). Set ``OMP_NUM_THREADS`` before
+the import to choose otherwise.
+"""
+
+import os as _os
+import sys as _sys
+
+if "OMP_NUM_THREADS" not in _os.environ:
+    for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        _os.environ.setdefault(_name, "1")
+    if "torch" in _sys.modules:  # imported first: its thread pool already read the environment
+        _sys.modules["torch"].set_num_threads(1)

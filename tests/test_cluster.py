@@ -289,3 +289,17 @@ def test_nccl_on_gpus():
         assert c.backend == "nccl"
         assert c.run(C.allreduce_ranks) == [float(n * (n - 1) // 2)] * n
         assert [i["device"] for i in c.run(C.engine_info)] == [f"cuda:{r}" for r in range(n)]
+
+
+def test_the_course_computes_with_one_thread_unless_told_otherwise():
+    """Importing course_lib sets one intra-op thread, as on the engines (before or after torch
+    is imported); OMP_NUM_THREADS set by the user wins."""
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    script = "import {}, {}, torch; print(torch.get_num_threads())"
+    for order, extra, threads in [(("course_lib", "torch"), {}, "1"),
+                                  (("torch", "course_lib"), {}, "1"),
+                                  (("course_lib", "torch"), {"OMP_NUM_THREADS": "2"}, "2")]:
+        out = subprocess.run([sys.executable, "-c", script.format(*order)],
+                             cwd=Path(__file__).resolve().parents[1], env={**env, **extra},
+                             capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == threads, (order, extra, out.stderr[-500:])

@@ -1,7 +1,8 @@
 """The Makefile: `make lab` serves the whole repository (notebooks and labs), also as root,
 without start-up warnings; kernels of `make lab` and `make slides` encrypt their messages;
 `make setup` asks PyTorch's CPU index for torch when it answers, and PyPI alone otherwise;
-`make slides` and `make site` build the notebooks NOTEBOOKS names."""
+`make slides` and `make site` build the notebooks NOTEBOOKS names; nbval interrupts a late cell
+before pytest-timeout fires."""
 
 import json
 import os
@@ -164,3 +165,14 @@ def test_slides_and_site_build_the_notebooks_named():
     assert site("SITE_NOTEBOOKS=notebooks/01_*.ipynb") == "notebooks/01_*.ipynb"
     assert site("SITE_NOTEBOOKS=notebooks/01_*.ipynb", "NOTEBOOKS=notebooks/02_*.ipynb") == \
         "notebooks/01_*.ipynb"
+
+
+def test_nbval_interrupts_a_late_cell_before_pytest_timeout_fires():
+    """A cell past nbval's timeout is interrupted, and the next cells run in a free kernel. When
+    pytest-timeout (pyproject.toml) fired first, nbval never interrupted the kernel: it went on
+    with the late cell, and every later cell of the notebook queued behind it and timed out."""
+    nbval = re.search(r"--nbval-cell-timeout=(\d+)", (ROOT / "Makefile").read_text())
+    pytest_timeout = re.search(r"^timeout = (\d+)$", (ROOT / "pyproject.toml").read_text(),
+                               re.MULTILINE)
+    assert int(nbval.group(1)) < int(pytest_timeout.group(1))
+
