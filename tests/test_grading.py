@@ -91,6 +91,8 @@ def test_every_lab_is_a_valid_assignment(solution):
         elif labs.BEGIN in cell.source:
             assert meta["solution"], (i, meta)
             assert meta["grade"] == (cell.cell_type == "markdown")  # written: graded by hand
+            if cell.cell_type == "code":  # its stub raises: Run All goes on, as in the labs
+                assert labs.RAISES_TAG in cell.metadata.tags
         else:
             assert meta["locked"] and not meta["grade"] and not meta["solution"], (i, meta)
 
@@ -106,7 +108,9 @@ def test_every_lab_is_a_valid_assignment(solution):
     tests = [c for c in released.cells if nbgrader_meta(c).get("grade")
              and c.cell_type == "code"]
     assert len(tests) == len(checks)
-    assert all("\nassert " in c.source for c in tests)
+    for test in tests:  # asserts only where nbgrader runs it (Validate): Run All carries on
+        assert '\nif os.environ.get("NBGRADER_EXECUTION"):\n    assert ' in test.source
+        assert "\nassert " not in test.source
 
 
 def test_checks_with_a_seed_get_hidden_cases_with_another():
@@ -117,7 +121,7 @@ def test_checks_with_a_seed_get_hidden_cases_with_another():
     for test in tests:
         hidden = test.split(grading.BEGIN_HIDDEN)[1].split(grading.END_HIDDEN)[0]
         assert f"seed={grading.HIDDEN_SEED}" in hidden and "assert " in hidden
-    for solution in SOLUTIONS:  # every check that takes a seed, and the table's
+    for solution in SOLUTIONS:  # every check that takes a seed, and the table's, get cases
         source = grading.assignment_source(solution)
         module = grading.CHECKS_IMPORT.search(
             "\n".join(c.source for c in source.cells)).group(1)
@@ -126,7 +130,26 @@ def test_checks_with_a_seed_get_hidden_cases_with_another():
         for cell in source.cells:
             if nbgrader_meta(cell).get("grade") and cell.cell_type == "code":
                 check = cell.source.split("checks.", 1)[1].split("(")[0]
-                assert (grading.BEGIN_HIDDEN in cell.source) == (check in seeded), check
+                hidden = cell.source.split(grading.BEGIN_HIDDEN)[1]
+                assert hidden.startswith("\nassert ok")  # the autograder's own assert, always
+                assert ("_reference" in hidden or f"seed={grading.HIDDEN_SEED}" in hidden) == (
+                    check in seeded), check
+
+
+def test_run_all_of_a_released_lab_goes_past_an_unsolved_exercise(tmp_path):
+    """A student's Run All of the released lab 01, run as JupyterLab runs it (it stops at the
+    first error but in cells tagged raises-exception): exercise 1 as released, exercise 2
+    solved. Exercise 1's check says what is missing, and exercise 2's still runs and passes."""
+    from nbclient import NotebookClient  # nbgrader's own dependency
+
+    source = grading.assignment_source(ROOT / "labs/solutions/01_gradient_descent.ipynb")
+    released = answer(release(source), source, only=["step_decay"])
+    NotebookClient(released, timeout=STEP_TIMEOUT, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = {nbgrader_meta(c).get("grade_id"): "".join(o.get("text", "") for o in c.outputs)
+               for c in released.cells if c.cell_type == "code"}
+    assert "check_minibatch_epoch: not implemented yet" in printed["test-check_minibatch_epoch"]
+    assert "✓ check_step_decay" in printed["test-check_step_decay"]
 
 
 def test_write_course_makes_a_course_directory(tmp_path, monkeypatch):
@@ -160,11 +183,12 @@ def student_env(home):
     return env
 
 
-def answer(released, source, mistake=None):
-    """The released notebook with every answer cell taken from the source (the solutions);
-    ``mistake``: (old, new) text replaced in them."""
+def answer(released, source, mistake=None, only=None):
+    """The released notebook with every answer cell taken from the source (the solutions), or
+    those whose grade id ``only`` lists; ``mistake``: (old, new) text replaced in them."""
     answers = {nbgrader_meta(c)["grade_id"]: c.source for c in source.cells
-               if nbgrader_meta(c).get("solution")}
+               if nbgrader_meta(c).get("solution")
+               and (only is None or nbgrader_meta(c)["grade_id"] in only)}
     for cell in released.cells:
         grade_id = nbgrader_meta(cell).get("grade_id")
         if grade_id in answers:
@@ -198,7 +222,7 @@ def test_the_whole_nbgrader_cycle_on_lab_01(tmp_path, capsys):
     step("release_assignment", ["release_assignment", "lab01"])
     source = nbformat.read(course / "source" / "lab01" / notebook, as_version=4)
     students = {"alice": None,                                        # every answer right
-                "bob": "unsolved",                                    # submits the stubs
+                "bob": ["step_decay"],                     # exercise 1 left unsolved
                 "carol": ("perm = rng.permutation(len(X))", "perm = np.arange(len(X))")}
     for student, work in students.items():
         home = tmp_path / student
@@ -208,8 +232,8 @@ def test_the_whole_nbgrader_cycle_on_lab_01(tmp_path, capsys):
         step("fetch_assignment", ["fetch_assignment", "lab01", *who], cwd=home, env=env)
         path = home / "lab01" / notebook
         released = nbformat.read(path, as_version=4)
-        if work != "unsolved":
-            nbformat.write(answer(released, source, work), path)
+        only, mistake = (work, None) if isinstance(work, list) else (None, work)
+        nbformat.write(answer(released, source, mistake, only), path)
         step("submit", ["submit", "lab01", *who], cwd=home, env=env)
     step("collect", ["collect", "lab01"])
     step("autograde", ["autograde", "lab01"])
@@ -224,13 +248,13 @@ def test_the_whole_nbgrader_cycle_on_lab_01(tmp_path, capsys):
         scores = {s: gradebook.find_submission("lab01", s) for s in students}
         assert scores["alice"].max_score == 2  # two tests; the written answer counts 0
         assert {s: (sub.code_score, sub.max_code_score) for s, sub in scores.items()} == {
-            "alice": (2, 2), "bob": (0, 2), "carol": (1, 2)}
+            "alice": (2, 2), "bob": (1, 2), "carol": (1, 2)}
 
     feedback = {s: (course / "feedback" / s / "lab01" / notebook.replace(".ipynb", ".html"))
                 .read_text(encoding="utf-8") for s in students}
     # what the student saw in the lab: the stub's notice, the check's hint
     assert "check_minibatch_epoch: not implemented yet" in feedback["bob"]
-    assert "check_step_decay: not implemented yet" in feedback["bob"]
+    assert "✓ check_step_decay" in feedback["bob"]  # checked past the unsolved exercise 1
     assert "you did not shuffle" in feedback["carol"]
     assert "✓ check_step_decay" in feedback["carol"]
     assert "not implemented yet" not in feedback["alice"]
@@ -243,7 +267,9 @@ def test_the_whole_nbgrader_cycle_on_lab_01(tmp_path, capsys):
         k: v for k, v in report.items() if k != "path"}
     tier1 = {s: report["students"][s]["lab01"]["tier1"] for s in students}
     assert {s: (t["score"], t["max_score"]) for s, t in tier1.items()} == {
-        "alice": (2, 2), "bob": (0, 2), "carol": (1, 2)}
+        "alice": (2, 2), "bob": (1, 2), "carol": (1, 2)}
+    assert tier1["bob"]["tests"] == {"test-check_minibatch_epoch": {"score": 0, "max_score": 1},
+                                     "test-check_step_decay": {"score": 1, "max_score": 1}}
     assert tier1["carol"]["tests"] == {"test-check_minibatch_epoch": {"score": 0, "max_score": 1},
                                        "test-check_step_decay": {"score": 1, "max_score": 1}}
     assert tier1["alice"]["written"] == {"written-10": "needs manual grade"}
@@ -254,14 +280,14 @@ def test_the_whole_nbgrader_cycle_on_lab_01(tmp_path, capsys):
     lab = with_gpu["students"]["bob"]["lab01"]
     assert lab["tier2"] == [{"criterion": "on NCCL", "what": "the same epoch on CUDA tensors",
                              "status": "not gradable here: needs CUDA GPUs and NCCL"}]
-    assert lab["tier1"]["score"] == 0 and with_gpu["students"]["alice"]["lab01"]["tier1"][
+    assert lab["tier1"]["score"] == 1 and with_gpu["students"]["alice"]["lab01"]["tier1"][
         "score"] == 2
 
 
     capsys.readouterr()
     assert main(["class", "report", "--root", str(course)]) == 0
     out = capsys.readouterr().out
-    assert "bob lab01: 0/2 autograded" in out and "alice lab01: 2/2 autograded" in out
+    assert "bob lab01: 1/2 autograded" in out and "alice lab01: 2/2 autograded" in out
 
 
 def test_tier_two_names_labs_that_exist():

@@ -6,7 +6,9 @@ own markers) is an autograded answer; a cell that calls a check, ``ok_x = checks
 is an autograder test that asserts the check passed (the stub's notice scores 0, a
 ``CheckFailed`` scores 0 with its hint in the feedback) and runs hidden cases the released
 notebook does not show: the same check with another seed, or the student's function against
-the course's reference on cases of its own. Written answers are manually graded; every other
+the course's reference on cases of its own. The assert runs where nbgrader runs the notebook
+(Validate, autograde): in the student's own Run All each check prints its verdict and the
+notebook carries on to the next exercise, as in the course's labs. Written answers are manually graded; every other
 cell is read-only. What a CPU autograder cannot judge (NCCL on GPUs, two hosts) is listed per
 lab in ``NOT_GRADABLE_HERE`` and reported as such, never failed::
 
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import nbformat
 
-from course_lib.labs import BEGIN, PATTERN, default_root
+from course_lib.labs import BEGIN, PATTERN, RAISES_TAG, default_root
 
 COURSE_ID = "distributed-deep-learning"
 EXCHANGE_ENV = "COURSE_LIB_NBGRADER_EXCHANGE"  # where release/fetch/submit meet, unless given
@@ -124,27 +126,30 @@ def check_parameters(module: str) -> dict[str, list[str]]:
 def _test_source(source: str, name: str | None, call: ast.Call,
                  parameters: list[str]) -> str:
     """The test cell: the lab's own line (its names stay defined for the cells below), an
-    assert on the check's result, then hidden cases."""
+    assert on the check's result where nbgrader runs the notebook (Validate, autograde; in a
+    student's Run All the check prints its verdict and the notebook carries on, as in the
+    course's labs), then the hidden cases, which assert it again."""
     check = call.func.attr
     target = name or "_ok"  # a bare call gets a name, to assert on
+    failed = f"assert {target}, \"{check} did not pass: see its message above\""
     lines = [source.strip() if name else f"{target} = {source.strip()}",
-             f"assert {target}, \"{check} did not pass: see its message above\""]
-    hidden = []
+             "import os  # nbgrader's Validate and autograder set NBGRADER_EXECUTION",
+             "if os.environ.get(\"NBGRADER_EXECUTION\"):",
+             f"    {failed}"]
+    hidden = [failed]  # whatever the notebook did to os.environ
     if "seed" in parameters:
         again = copy.deepcopy(call)
         again.keywords = [k for k in again.keywords if k.arg != "seed"]
         again.keywords.append(ast.keyword("seed", ast.Constant(HIDDEN_SEED)))
-        hidden = [f"assert {ast.unparse(again)}, \"{check}: a hidden case failed\""]
+        hidden.append(f"assert {ast.unparse(again)}, \"{check}: a hidden case failed\"")
     elif check in HIDDEN_CASES and call.args:
         reference, cases = HIDDEN_CASES[check]
         student = ast.unparse(call.args[0])
-        hidden = ["from course_lib.checks import compare", reference,
-                  f"for _args in [{', '.join(f'({c})' for c in cases)}]:",
-                  f"    _problem = compare(_reference(*_args), {student}(*_args))",
-                  f"    assert _problem is None, f\"{check}: a hidden case failed: {{_problem}}\""]
-    if hidden:
-        lines += [BEGIN_HIDDEN, *hidden, END_HIDDEN]
-    return "\n".join(lines)
+        hidden += ["from course_lib.checks import compare", reference,
+                   f"for _args in [{', '.join(f'({c})' for c in cases)}]:",
+                   f"    _problem = compare(_reference(*_args), {student}(*_args))",
+                   f"    assert _problem is None, f\"{check}: a hidden case failed: {{_problem}}\""]
+    return "\n".join([*lines, BEGIN_HIDDEN, *hidden, END_HIDDEN])
 
 
 def assignment_source(solution_path: str | Path, points: float = 1,
@@ -180,6 +185,9 @@ def assignment_source(solution_path: str | Path, points: float = 1,
             definition = DEFINITION.search(cell.source)
             _nbgrader(cell, unique(definition.group(1) if definition else f"answer-{index}"),
                       solution=True)
+            tags = cell.metadata.setdefault("tags", [])
+            if RAISES_TAG not in tags:  # the stub raises: Run All goes on, as in the labs
+                tags.append(RAISES_TAG)
         elif has_solution:
             _nbgrader(cell, unique(f"written-{index}"), solution=True, grade=True,
                       points=written_points)
