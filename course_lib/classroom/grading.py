@@ -8,9 +8,10 @@ is an autograder test that asserts the check passed (the stub's notice scores 0,
 notebook does not show: the same check with another seed, or the student's function against
 the course's reference on cases of its own. The assert runs where nbgrader runs the notebook
 (Validate, autograde): in the student's own Run All each check prints its verdict and the
-notebook carries on to the next exercise, as in the course's labs. Written answers are manually graded; every other
-cell is read-only. What a CPU autograder cannot judge (NCCL on GPUs, two hosts) is listed per
-lab in ``NOT_GRADABLE_HERE`` and reported as such, never failed::
+notebook carries on to the next exercise, as in the course's labs. Written answers are
+manually graded; every other cell is read-only. What a CPU autograder cannot judge (NCCL on
+GPUs, two hosts) is listed per lab in ``NOT_GRADABLE_HERE`` and reported as such, never
+failed::
 
     python -m course_lib class assignments --root course --exchange /srv/nbgrader/exchange
     cd course && nbgrader generate_assignment lab01 && nbgrader release_assignment lab01
