@@ -16,6 +16,7 @@ from course_lib.checks import CheckFailed
 from course_lib.checks import lab03_hogwild as checks_hogwild
 from course_lib.sharding import shard_bounds
 from course_lib.sparse_problem import collision_probability, sparse_sgd_epoch
+from course_lib.testing.timing import assert_no_hang
 
 
 def _row(indptr, indices, values, i):
@@ -195,7 +196,7 @@ def test_a_worker_that_never_returns_is_killed_at_the_deadline():
     began = time.monotonic()
     with pytest.raises(CheckFailed, match="did not return within 2 s"):
         checks_hogwild.check_hogwild_worker(hangs, timeout=2)
-    assert time.monotonic() - began < 15
+    assert_no_hang(time.monotonic() - began, 2, timed_out=True)
     import multiprocessing
     assert not [p for p in multiprocessing.active_children() if "hogwild-worker" in p.name]
 

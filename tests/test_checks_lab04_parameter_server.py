@@ -10,6 +10,7 @@ from course_lib import data, gd
 from course_lib.checks import CheckFailed
 from course_lib.checks import lab04_parameter_server as checks_ps
 from course_lib.models import LinearRegression
+from course_lib.testing.timing import assert_no_hang
 
 
 # ---------------------------------------------------------------- the right answers
@@ -99,7 +100,7 @@ def test_a_server_that_never_answers_ends_in_a_deadline():
     t0 = time.monotonic()
     run = checks_ps.run_threads(Silent(np.zeros(2), 2, 0.1), 2, 3,
                                 lambda w, v, theta: (theta, 1), timeout=0.3)
-    assert time.monotonic() - t0 < 5
+    assert_no_hang(time.monotonic() - t0, 0.3)
     assert sorted(run["late"]) == [(0, "pull of version 0"), (1, "pull of version 0")]
 
 
@@ -203,7 +204,7 @@ def test_sync_shard_a_blocking_handler_is_a_hint_not_a_hang():
             checks_ps.check_sync_shard(BlocksInPull)
     finally:
         RELEASED.set()
-    assert time.monotonic() - t0 < 3 * checks_ps.TIMEOUT
+    assert_no_hang(time.monotonic() - t0, checks_ps.TIMEOUT)
 
 
 # ---------------------------------------------------------------- async mistakes

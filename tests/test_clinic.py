@@ -11,6 +11,7 @@ import pytest
 
 from course_lib import clinic, stacks
 from course_lib.cluster import ClusterTimeout, RemoteError
+from course_lib.testing.timing import assert_no_hang
 
 CLUSTER_SIZE = 4
 STEPS = 4
@@ -118,5 +119,6 @@ def test_the_wrong_interface_on_two_hosts_is_named_by_its_address():
         pytest.skip(f"two hosts: {reason}")
     wrong = clinic.across_hosts("lo", timeout=60)
     assert not wrong["ok"] and "connectFullMesh failed" in wrong["error"], wrong
-    assert wrong["remote"] == "127.0.0.1" and wrong["seconds"] < 45
+    assert wrong["remote"] == "127.0.0.1"
+    assert_no_hang(wrong["seconds"], 10, instead=60)  # Gloo's connect, not the 60 s deadline
     assert clinic.across_hosts(None, timeout=60)["ok"]

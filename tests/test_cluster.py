@@ -15,6 +15,7 @@ import pytest
 from course_lib import cluster as C
 from course_lib.launch import slurm_batch_script, slurm_config
 from course_lib.parallel_gd import check_full_gradient
+from course_lib.testing.timing import assert_no_hang
 
 CLUSTER_SIZE = 3  # the shared cluster of tests/conftest.py
 CLUSTER_TIMEOUT = 30
@@ -69,7 +70,7 @@ def test_timeout_interrupts_and_names_the_late_rank(cluster):
     t = time.monotonic()
     with pytest.raises(C.ClusterTimeout, match=r"within 1s on rank\(s\) \[2\] of 3"):
         cluster.run(C.sleep_on, [2], 60, timeout=1)
-    assert time.monotonic() - t < 10
+    assert_no_hang(time.monotonic() - t, 1, timed_out=True, instead=60)
     assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
 
 
@@ -77,7 +78,7 @@ def test_rank_missing_from_a_collective_times_out_then_cluster_is_usable(cluster
     t = time.monotonic()
     with pytest.raises(C.ClusterTimeout, match=r"rank\(s\) \[0, 1\] of 3"):
         cluster.run(C.skip_collective, 2, timeout=2)
-    assert time.monotonic() - t < 15
+    assert_no_hang(time.monotonic() - t, 2, timed_out=True)
     assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]
     assert [i["rank"] for i in cluster.run(C.engine_info)] == [0, 1, 2]
 
@@ -111,8 +112,9 @@ def test_an_engine_the_controller_dropped_is_dead_not_a_key_error(cluster, monke
     pid = cluster.pids[2]
     t = time.monotonic()
     with pytest.raises(C.EngineDied, match=rf"rank 2 \(pid {pid}\) died while running exit_on"):
-        cluster.run(C.exit_on, 2, 30.0)
-    assert time.monotonic() - t < 25  # ranks 0 and 1 were interrupted, not waited for
+        cluster.run(C.exit_on, 2, 120.0)
+    # ranks 0 and 1 were interrupted (a grace of 3 s), not waited for
+    assert_no_hang(time.monotonic() - t, 3, instead=120)
     monkeypatch.undo()
     assert cluster.run(C.allreduce_ranks) == [3.0, 3.0, 3.0]  # restarted, ranks kept
     assert cluster.engine_ids[2] != dropped

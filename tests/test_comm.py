@@ -13,6 +13,7 @@ from course_lib import cluster as CL
 from course_lib.comm import CommTimeout, describe, get_comm
 from course_lib.launch import mpiexec_path
 from course_lib.testing import comm as K
+from course_lib.testing.timing import assert_no_hang
 
 MPIEXEC = mpiexec_path() or "mpiexec"
 needs_mpiexec = pytest.mark.skipif(not os.path.exists(MPIEXEC),
@@ -72,7 +73,7 @@ def _check_timeout(result, rank, silent, transport, world_size, op="recv"):
     else:
         assert message.startswith(f"rank {rank}: barrier over {transport} did not complete "
                                   "within 1s") and "a rank is missing" in message
-    assert 0.9 < seconds < 3.0
+    assert_no_hang(seconds, 1, timed_out=True)
 
 
 # ---------------------------------------------------------------- torch.distributed on a cluster
@@ -105,7 +106,7 @@ def test_timeout_over_torch_names_op_rank_peer_and_size(cluster):
     t = time.monotonic()
     with pytest.raises(CL.RemoteError) as info:  # comm timeout 1 s, no linger, let it raise
         cluster.run(K.p2p_timeout, 1, "recv", "torch", 1.0, 0.0, False, timeout=20)
-    assert time.monotonic() - t < 6
+    assert_no_hang(time.monotonic() - t, 1, timed_out=True)
     assert sorted(info.value.errors) == [0]
     assert info.value.errors[0].startswith(
         "CommTimeout: rank 0: recv from rank 1 of 256 x float32 (1024 bytes) over torch (world "

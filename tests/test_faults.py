@@ -48,22 +48,26 @@ def test_a_broken_promise_fails_its_row(context):
         raise Broken("raised nothing")
 
     def slow(ctx):
-        return 9.0, "late"
+        return 24.0, "hung"
+
+    def late(ctx):
+        return 5.0, "late"
 
     def leaves_and_listens(ctx):
         import socket
         import subprocess
-        import time
         ctx.stray = subprocess.Popen(["sleep", "60"])
         with socket.socket() as s:
             s.bind(("0.0.0.0", 0))
             s.listen()
-            time.sleep(0.5)  # the watcher samples every 0.1 s
+            ctx.watch.wait_samples()  # seen listening, however busy the machine
         return 0.1, "done"
 
     assert run_one(Scenario("x", "p", 1.0, silent), context).broken == "raised nothing"
-    late = run_one(Scenario("y", "p", 1.0, slow), context)
-    assert not late.passed and "past 1 + 3 s" in late.broken
+    hung = run_one(Scenario("y", "p", 1.0, slow), context)
+    assert not hung.passed and "past 23 s for a 1 s deadline: a hang" in hung.broken
+    slow_but_kept = run_one(Scenario("w", "p", 1.0, late), context)  # a busy machine's delay
+    assert slow_but_kept.passed and slow_but_kept.late and "5.0s*" in format_row(slow_but_kept)
     messy = run_one(Scenario("z", "p", 1.0, leaves_and_listens), context)
     assert not messy.passed and "sleep 60" in messy.left[0] and "0.0.0.0" in messy.exposed[0]
     assert context.stray.wait(timeout=5) != 0  # the runner killed what was left

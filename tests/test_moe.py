@@ -15,6 +15,7 @@ from course_lib.collectives import allreduce
 from course_lib.comm import CommTimeout, run_ranks
 from course_lib.tensor_parallel import TensorParallel
 from course_lib.testing import moe as on_ranks
+from course_lib.testing.timing import assert_no_hang
 
 D, HIDDEN, TOKENS = 8, 16, 12  # tokens per rank
 
@@ -189,7 +190,8 @@ def test_a_rank_whose_expert_raises_ends_the_others_within_the_deadline():
     start = time.monotonic()
     with pytest.raises(CommTimeout, match=r"expert parallelism, rank 0, combine: .*rank 1"):
         run_ranks(rank, [None] * 2, check_sizes=False, timeout=1)
-    assert time.monotonic() - start < 10 and raised == ["expert 2 ran out of memory"]
+    assert raised == ["expert 2 ran out of memory"]
+    assert_no_hang(time.monotonic() - start, 1, timed_out=True)
 
 
 def test_a_rank_that_never_sends_its_counts_is_named():
@@ -203,7 +205,7 @@ def test_a_rank_that_never_sends_its_counts_is_named():
     start = time.monotonic()
     with pytest.raises(CommTimeout, match=r"expert parallelism, rank 0, the load's allreduce"):
         run_ranks(rank, [None] * 2, check_sizes=False, timeout=2)
-    assert time.monotonic() - start < 15
+    assert_no_hang(time.monotonic() - start, 2, timed_out=True)
 
 
 def test_the_transformer_with_experts_splits_over_ranks_as_one_process():

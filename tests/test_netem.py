@@ -125,6 +125,7 @@ def test_bench_reports_the_prediction_beside_each_time(tmp_path):
     assert [r["algorithm"] for r in rows] == ["naive", "tree", "ring", "ring_pipelined"]
     for r in rows:
         assert r["wrong"] == "0" and r["link"] == netem.make_link(LINK).text
+        # holds under load: never early
         assert float(r["time_us"]) >= float(r["predicted_us"]) - SLACK * 1e6
         assert float(r["predicted_us"]) == pytest.approx(1e6 * netem.predict_allreduce(
             r["algorithm"], 2**18, 2, netem.make_link(LINK)))
@@ -161,7 +162,7 @@ def test_one_cluster_measures_a_smaller_world_on_a_subgroup(cluster, slow_link):
     assert results[2:] == [None] * (cluster.n - 2) and results[0] == results[1]
     (row,) = results[0]
     assert row["world_size"] == 2 and row["wrong"] == 0 and row["link"] == slow_link.text
-    assert row["time_us"] >= row["predicted_us"] - SLACK * 1e6
+    assert row["time_us"] >= row["predicted_us"] - SLACK * 1e6  # holds under load: never early
 
 
 def test_parameter_server_messages_pay_the_link_too(cluster, slow_link):
@@ -169,6 +170,6 @@ def test_parameter_server_messages_pay_the_link_too(cluster, slow_link):
     rows = ps_bench(cluster, servers=(1,), workers=(1, 2), modes=("sync",), n_params=2**15,
                     steps=3)
     for r in rows:  # the emulation never delivers early: at most the model's pace
-        assert r["steps_per_s"] <= 1.15 * r["predicted_steps_per_s"]
+        assert r["steps_per_s"] <= 1.15 * r["predicted_steps_per_s"]  # holds under load: ditto
         assert r["predicted_steps_per_s"] == predicted_sync_steps(2**15, 1, r["workers"],
                                                                   slow_link)

@@ -6,6 +6,7 @@ import torch
 
 from course_lib import pipeline as P
 from course_lib.testing import pipeline as K
+from course_lib.testing.timing import assert_no_hang
 
 CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
 
@@ -84,7 +85,7 @@ def test_a_stage_that_never_sends_is_named_on_every_rank_within_the_deadline(clu
             assert message == "silent"
             continue
         assert message.startswith(f"stage {rank} (rank {rank}):"), message
-        assert seconds < 2.0 * 3 + 3  # each stage's own deadline, the chain of them at worst
+        assert_no_hang(seconds, 2.0 * 3)  # the chain of the stages' deadlines at worst
     assert "from stage 1" in reports[2][0] or "from stage 1" in reports[0][0]
     assert cluster.run(K.pipeline_matches_one_process, "1f1b", 4)[-1]["loss"] < 1e-10
 

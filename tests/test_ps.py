@@ -9,6 +9,7 @@ import pytest
 from course_lib import data, gd, ps
 from course_lib.cluster import RemoteError
 from course_lib.models import LinearRegression, SoftmaxRegression
+from course_lib.testing.timing import assert_no_hang
 
 CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
 
@@ -149,7 +150,7 @@ def test_sync_names_the_missing_worker_within_the_deadline(cluster, linear):
     with pytest.raises(RemoteError, match=r"no gradient from worker rank\(s\) \[3\]"):
         ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, num_epochs=1, batch_size=30,
                  faults=["ps-worker-step:stop@3:rank=3"], timeout=2)
-    assert time.monotonic() - t0 < 20
+    assert_no_hang(time.monotonic() - t0, 2, timed_out=True)
     again = ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, num_epochs=1, batch_size=30)
     assert np.isfinite(again.theta).all()  # the cluster recovers
 

@@ -34,8 +34,9 @@ def test_no_way_beats_the_link_and_staging_adds_to_the_direct_send(rows):
     link = netem.make_link(LINK)
     for r in rows:
         n, k = r["bytes"], -(-r["bytes"] // CHUNK)
-        assert r["direct_s"] >= link.seconds(n) - SLACK
-        assert r["staged_s"] >= link.seconds(n) - SLACK
+        assert r["direct_s"] >= link.seconds(n) - SLACK  # holds under load: never early
+        assert r["staged_s"] >= link.seconds(n) - SLACK  # holds under load: never early
+        # holds under load: never early
         assert r["pipelined_s"] >= k * link.latency + n / link.bandwidth - SLACK
 
 

@@ -127,3 +127,78 @@ def test_the_checker_sees_what_it_must():
     assert imported == {"course_lib.race", "course_lib.bench.ps", "course_lib.cluster"}
     assert sorted(private) == ["course_lib.bench.ps._ints", "course_lib.cluster._dead_ranks",
                                "course_lib.race._run"]
+
+
+# ---------------------------------------------------------------- time in tests
+CLOCKS = {"monotonic", "perf_counter", "time", "process_time", "monotonic_ns", "perf_counter_ns"}
+TIMED = __import__("re").compile(r"(^|_)(seconds|secs|elapsed|took|duration|wall|speedup)$"
+                                 r"|_(s|ms|us)$|per_s$")
+LOAD_PROOF = "holds under load:"  # the comment that vouches for a bound (course_lib.testing.timing)
+
+
+def _is_clock(node):
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in CLOCKS and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "time")
+
+
+def _measured(node, clocked):
+    """Whether an expression holds a measured time: a clock read, a name set from one, or a
+    name, attribute or key named as a duration or a rate (``seconds``, ``step_s``, ``per_s``)."""
+    for n in ast.walk(node):
+        if (_is_clock(n) or isinstance(n, ast.Name) and (n.id in clocked or TIMED.search(n.id))
+                or isinstance(n, ast.Attribute) and TIMED.search(n.attr)
+                or isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant)
+                and isinstance(n.slice.value, str) and TIMED.search(n.slice.value)):
+            return True
+    return False
+
+
+def fixed_timing_asserts(source):
+    """Line numbers of ``assert`` statements that order a measured time against anything but 0
+    (``elapsed < 10``, ``a["step_s"] > b["step_s"] + 0.1``) without a ``# holds under load:``
+    comment: bounds a busy machine breaks. ``timing.assert_no_hang`` is the way to bound one."""
+    tree, lines, found = ast.parse(source), source.splitlines(), set()
+    for scope in ast.walk(tree):
+        if not isinstance(scope, ast.FunctionDef | ast.Module):
+            continue
+        clocked = {t.id for n in ast.walk(scope) if isinstance(n, ast.Assign)
+                   and any(_is_clock(c) for c in ast.walk(n.value))
+                   for t in n.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(scope):
+            if not isinstance(node, ast.Assert) or any(
+                    LOAD_PROOF in line for line in lines[node.lineno - 2:node.end_lineno]):
+                continue
+            for compare in (c for c in ast.walk(node.test) if isinstance(c, ast.Compare)):
+                sides = [compare.left, *compare.comparators]
+                for a, op, b in zip(sides, compare.ops, sides[1:], strict=False):
+                    zero = any(isinstance(x, ast.Constant) and x.value == 0 for x in (a, b))
+                    if (isinstance(op, ast.Lt | ast.LtE | ast.Gt | ast.GtE) and not zero
+                            and (_measured(a, clocked) or _measured(b, clocked))):
+                        found.add(node.lineno)
+    return sorted(found)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "tests").glob("test_*.py")), ids=lambda p: p.name)
+def test_no_test_bounds_a_time_that_load_can_break(path):
+    lines = path.read_text().splitlines()
+    bad = [f"{path.name}:{n}: {lines[n - 1].strip()}"
+           for n in fixed_timing_asserts("\n".join(lines))]
+    assert not bad, ("a busy machine breaks these bounds: assert the promise with "
+                     "course_lib.testing.timing.assert_no_hang, report the figure in a benchmark, "
+                     "or say why it holds under any load (# holds under load: ...):\n"
+                     + "\n".join(bad))
+
+
+def test_the_timing_checker_sees_what_it_must():
+    source = ("import time\n"
+              "def test_x(r, run):\n"
+              "    t = time.monotonic()\n"
+              "    assert time.monotonic() - t < 10\n"              # 4: a clock read
+              "    elapsed = time.monotonic() - t\n"
+              "    assert elapsed < 5\n"                             # 6: set from a clock
+              "    assert r['step_s'] > r['base_s'] + 0.1\n"         # 7: named as a duration
+              "    assert 0 < run.fetch_s\n"                         # positive: fine
+              "    assert r['steps_per_s'] <= 2 * r['model']  # holds under load: never early\n"
+              "    assert r['loss'] < 0.5 and len(r) > 3\n")         # not a time
+    assert fixed_timing_asserts(source) == [4, 6, 7]

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from course_lib.testing import torchft as ft
+from course_lib.testing.timing import assert_no_hang
 
 STEPS, KILL_AT = 25, 4
 
@@ -44,7 +45,8 @@ def test_the_survivor_trains_on_alone_during_the_outage(run):
     assert run.quorum[:kill] == [2] * kill
     assert run.outage_steps >= 1 and run.quorum[kill:kill + run.outage_steps] == \
         [1] * run.outage_steps
-    assert 0 < run.resume_s < 5  # about the Lighthouse's heartbeat timeout (1 s)
+    assert run.resume_s > 0
+    assert_no_hang(run.resume_s, 1)  # about the Lighthouse's heartbeat timeout (1 s)
 
 
 def test_the_restarted_replica_rejoins_with_the_survivors_weights(run):
@@ -54,7 +56,8 @@ def test_the_restarted_replica_rejoins_with_the_survivors_weights(run):
     assert run.quorum[run.rejoin_step:] == [2] * (len(run.quorum) - run.rejoin_step)
     assert run.weights_equal and run.max_difference == 0.0
     assert run.final_equal
-    assert 0 < run.restart_s <= run.recover_s and run.fetch_s < 2
+    assert 0 < run.restart_s <= run.recover_s  # holds under load: a part of the whole
+    assert_no_hang(run.fetch_s, 0)  # the survivor's weights, fetched once
     assert "bit for bit" in run.summary()
 
 
