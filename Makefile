@@ -45,11 +45,12 @@ test: test-lib test-notebooks lint   ## the whole suite: library tests, every no
 JOBS   ?= 2
 XDIST   = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
+# each ends with its ten slowest items, so the next slow test or notebook cell shows itself
 test-lib: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) tests
+	$(PY) -m pytest -q $(XDIST) --durations=10 tests
 
 test-notebooks: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(NBVAL) notebooks labs
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 $(NBVAL) notebooks labs
 
 lint: $(STAMP)
 	$(PY) -m ruff check course_lib tests
@@ -78,8 +79,9 @@ $(CLASS_STAMP): $(STAMP) hub/package.json
 	npm install --prefix hub --no-audit --no-fund --loglevel=error
 	touch $(CLASS_STAMP)
 
+# exec: make passes a SIGTERM on to its command, which is then the hub itself (not a shell)
 hub: $(CLASS_STAMP)       ## the class server on 127.0.0.1:8000, run as root (accounts: hub/users.sh)
-	cd hub && $(VENV)/bin/jupyterhub -f jupyterhub_config.py
+	cd hub && exec $(abspath $(VENV))/bin/jupyterhub -f jupyterhub_config.py
 
 SITE_STAMP := $(VENV)/.installed-site
 $(SITE_STAMP): $(STAMP)
