@@ -42,9 +42,20 @@ CONF
 [ -s /etc/munge/munge.key ] || mungekey --create 2>/dev/null || dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null
 chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge 2>/dev/null || true
 chmod 400 /etc/munge/munge.key
-pgrep -x munged >/dev/null || runuser -u munge -- munged
-pgrep -x slurmctld >/dev/null || slurmctld
-pgrep -x slurmd >/dev/null || slurmd
+# A daemon must not keep what its caller had open (a CI log's pipe, a lock of the caller's held
+# for hours): each starts with stdin, stdout and stderr on /dev/null and every other fd closed.
+start_daemon() {
+    (
+        for fd in /proc/$BASHPID/fd/*; do
+            fd=${fd##*/}
+            if [ "$fd" -gt 2 ]; then eval "exec $fd>&-" 2>/dev/null || true; fi
+        done
+        exec setsid "$@" </dev/null >/dev/null 2>&1
+    )
+}
+pgrep -x munged >/dev/null || start_daemon runuser -u munge -- munged
+pgrep -x slurmctld >/dev/null || start_daemon slurmctld
+pgrep -x slurmd >/dev/null || start_daemon slurmd
 for _ in $(seq 60); do
     if sinfo -h -o %t 2>/dev/null | grep -qE '^(idle|mix|alloc)'; then
         sinfo; exit 0

@@ -113,3 +113,17 @@ def test_srun_and_slurm_engines_give_the_same_run(reference):
         jobs = c.run(os.getenv, "SLURM_JOB_ID")
         assert jobs[0] and len(set(jobs)) == 1  # both engines in one sbatch job
         assert c.run(train.train, STEPS)[0]["params_sha256"] == reference["params_sha256"]
+
+
+def test_the_slurm_daemons_close_what_their_caller_had_open(tmp_path):
+    """scripts/slurm-single-node.sh starts munged, slurmctld and slurmd with only stdin, stdout
+    and stderr (on /dev/null): a daemon once held a lock of its caller's for an hour."""
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "slurm-single-node.sh")
+    marker = tmp_path / "held"
+    shell = (f"source <(sed -n '/^start_daemon() {{/,/^}}/p' {script})\n"
+             f"exec 7>{marker}\n"
+             "start_daemon python3 -c 'import os; print(sorted(os.listdir(\"/proc/self/fd\")),"
+             f" file=open(\"{marker}.fds\", \"w\"), flush=True)'\n")
+    subprocess.run(["bash", "-c", shell], check=True, timeout=60)
+    fds = (tmp_path / "held.fds").read_text().strip()
+    assert fds == "['0', '1', '2', '3']", fds  # 3: the listing's own; the caller's 7 is gone
