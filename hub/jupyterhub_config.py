@@ -20,10 +20,13 @@ COURSE_HUB_SHARED                what all users share (/srv/course-hub): nbgrade
 Who may log in: the members of the groups course-students and course-instructors; instructors
 are the hub's admins. Each user's server runs as that system user, from this checkout's
 environment (.venv, shared read-only by all), and opens the user's own copy of the course,
-~/course, made at the first start from notebooks/ and labs/ (never labs/solutions/).
+~/course, made at the first start from notebooks/ and labs/ (never labs/solutions/). The
+solutions, and the git history that holds them, are closed to every user but the checkout's
+owner at each start; students get nbgrader's Assignment List, not its Formgrader.
 """
 
 import grp
+import json
 import os
 import pwd
 import shutil
@@ -31,8 +34,10 @@ import sys
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
+from tornado.web import RedirectHandler
 
 from course_lib.classroom import grading
+from course_lib.launch import clean_stores
 
 COURSE = Path(__file__).resolve().parent.parent  # this checkout: the shared install
 VENV = Path(sys.prefix)  # the environment that runs the hub runs every user's server too
@@ -57,12 +62,19 @@ for needed in (COURSE / "course_lib", Path(sys.executable)):
                  f"Install the course where all may read it (e.g. /opt/course) and run `make hub` "
                  "there")
 
+# the answers stay with the instructors: labs/solutions/ and the git history (which holds them
+# too) are closed to all but the checkout's owner; an instructor finds them in ~/grading
+for private in (COURSE / "labs" / "solutions", COURSE / ".git"):
+    if private.is_dir() and not private.is_symlink():
+        private.chmod(private.stat().st_mode & 0o700)
+
 STATE.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 # nbgrader's exchange: every user may write in it, as in /tmp (the sticky bit: nobody renames or
 # removes what another made, such as the course's folder); the folders nbgrader makes there say
 # who may list what (a student cannot list the submissions)
-for folder, mode in [(SHARED, 0o755), (SHARED / "exchange", 0o1777), (SHARED / "jupyter", 0o755)]:
+for folder, mode in [(SHARED, 0o755), (SHARED / "exchange", 0o1777), (SHARED / "jupyter", 0o755),
+                     (SHARED / "students", 0o755), (SHARED / "students" / "labconfig", 0o755)]:
     folder.mkdir(exist_ok=True)
     folder.chmod(mode)
 (SHARED / "jupyter" / "nbgrader_config.py").write_text(f"""\
@@ -72,6 +84,15 @@ c.CourseDirectory.course_id = {grading.COURSE_ID!r}
 c.Exchange.root = {str(SHARED / "exchange")!r}
 c.CourseDirectory.root = os.path.expanduser("~/grading")  # an instructor's assignments
 """)
+# what a student's server adds (see CourseSpawner.get_env): nbgrader's Assignment List (fetch,
+# validate, submit) without the instructor's parts, in the server and in JupyterLab's menu
+(SHARED / "students" / "jupyter_server_config.json").write_text(json.dumps({"ServerApp": {
+    "jpserver_extensions": {"nbgrader.server_extensions.formgrader": False,
+                            "nbgrader.server_extensions.course_list": False}}}, indent=1))
+(SHARED / "students" / "labconfig" / "page_config.json").write_text(json.dumps({
+    "disabledExtensions": {f"@jupyter/nbgrader:{plugin}": True
+                           for plugin in ("formgrader", "create-assignment", "course-list")}},
+    indent=1))
 c = get_config()  # noqa: F821 - JupyterHub's config loader defines it
 
 c.JupyterHub.ip = os.environ.get("COURSE_HUB_IP", "127.0.0.1")
@@ -123,7 +144,10 @@ def _give(path, user):
 
 def _copy_course(spawner):
     """At a user's first start: their own copy of the course, and for an instructor the labs as
-    nbgrader assignments (~/grading, with the hidden tests), owned by them."""
+    nbgrader assignments (~/grading, with the hidden tests), owned by them. Before every start:
+    the rendezvous folders in /tmp whose owner process is gone, whoever's (a user's id may be an
+    earlier user's: it inherits none of theirs)."""
+    clean_stores()
     user = pwd.getpwnam(spawner.user.name)
     home = Path(user.pw_dir)
     home.chmod(0o700)  # their work is theirs alone, whatever the system's default
@@ -177,7 +201,15 @@ def memory_cgroup(user, limit):
 
 class CourseSpawner(LocalProcessSpawner):
     """Each user's server as that system user; its memory and everything it starts (kernels,
-    engines) capped together by a cgroup, where the machine lets root make one."""
+    engines) capped together by a cgroup, where the machine lets root make one. Everyone but
+    an instructor gets the students' Jupyter config: no Formgrader, no assignment creation."""
+
+    def get_env(self):
+        env = super().get_env()
+        if self.user.name not in _members("course-instructors"):
+            env["JUPYTER_CONFIG_PATH"] = os.pathsep.join([str(SHARED / "students"),
+                                                          env["JUPYTER_CONFIG_PATH"]])
+        return env
 
     async def start(self):
         url = await super().start()
@@ -200,6 +232,12 @@ class CourseSpawner(LocalProcessSpawner):
 
 c.JupyterHub.spawner_class = CourseSpawner
 
+# nbgrader's Formgrader, in a tab of its own, links an assignment's folder to /tree/<path> (and a
+# notebook to /notebooks/, a file to /edit/), without the /user/<name>/ of the server it is on:
+# the hub takes these (as /hub/tree/...) to the same path on the user's own server
+c.JupyterHub.extra_handlers = [(r"/(tree|notebooks|edit)/(.*)", RedirectHandler,
+                                {"url": "/hub/user-redirect/{0}/{1}", "permanent": False})]
+
 # ---------------------------------------------------------------- idle servers
 if IDLE > 0:
     c.JupyterHub.load_roles = [{
@@ -207,7 +245,12 @@ if IDLE > 0:
         "scopes": ["list:users", "read:users:activity", "read:servers", "delete:servers"],
         "services": ["idle-culler"],
     }]
+    # The hub stops it with SIGINT and waits 30 s before a SIGTERM: a hub started where SIGINT
+    # is ignored (in the background: `make hub &`, nohup) passes that on to its children, so
+    # the culler listens to SIGINT again, and stopping the hub takes a second, not 30
     c.JupyterHub.services = [{
         "name": "idle-culler",
-        "command": [sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={IDLE}"],
+        "command": [sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, "
+                    "signal.default_int_handler); from jupyterhub_idle_culler import main; main()",
+                    f"--timeout={IDLE}"],
     }]

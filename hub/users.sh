@@ -24,6 +24,9 @@ for group in course-instructors course-students; do
 done
 umask 077
 touch "$passwords"
+clear_tmp() {  # user: what the course keeps in /tmp under their id (clusters' folders)
+    find /tmp -maxdepth 1 -user "$1" -name 'course_lib-*' -exec rm -rf {} + 2>/dev/null || true
+}
 add() {  # user group
     if [ "$remove" = 1 ]; then
         if id "$1" >/dev/null 2>&1; then
@@ -33,12 +36,16 @@ add() {  # user group
             done
             rmdir /sys/fs/cgroup/course-hub/"$1" /sys/fs/cgroup/memory/course-hub/"$1" \
                 2>/dev/null || true  # their memory cgroup (hub/jupyterhub_config.py)
+            clear_tmp "$1"
             userdel --remove "$1" 2>/dev/null || userdel "$1" || echo "could not remove $1" >&2
         fi
         sed -i "/^$1:/d" "$passwords"
         return
     fi
-    id "$1" >/dev/null 2>&1 || useradd --create-home --shell /bin/bash --gid "$2" "$1"
+    if ! id "$1" >/dev/null 2>&1; then
+        useradd --create-home --shell /bin/bash --gid "$2" "$1"
+        clear_tmp "$1"  # a new user's id may be an earlier user's: inherit nothing of theirs
+    fi
     usermod --append --groups "$2" "$1"
     chmod 0700 "$(getent passwd "$1" | cut -d: -f6)"
     local password

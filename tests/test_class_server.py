@@ -1,7 +1,8 @@
 """A class on one machine: two students and an instructor as real system users (hub/users.sh),
-the students' clusters isolated from each other, the class server (hub/) letting them in and
-running each one's server as them, and nbgrader's cycle on lab 05 through it, clicked in Chromium
-where a person clicks (marked browser). Every attempt of student B on student A's work must
+the students' clusters isolated from each other, the class server (started by `make hub`, as the
+README says) letting them in, running each one's server as them and keeping the solutions from
+them, and nbgrader's cycle on lab 05 through it, clicked in Chromium where a person clicks
+(marked browser). Every attempt of student B on student A's work, or on the solutions, must
 fail, and the test shows the error it gets. Needs root and a course readable by every user
 (skipped otherwise, saying why); the hub also needs Node.js and `npm install --prefix hub`, the
 class cycle Chromium and Playwright."""
@@ -20,13 +21,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urljoin
 
 import nbformat
 import psutil
 import pytest
 
 from course_lib.classroom import grading
+from course_lib.testing import timing
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -212,12 +214,16 @@ def _running(pid):
 def test_a_killed_kernel_leaves_no_engines(people, a_cluster):
     # last of the module's tests on A's cluster: A's own watchdog stops what is left
     driver, = psutil.Process(a_cluster["proc"].pid).children()  # under runuser
+    # the rendezvous folder of A's cluster, named after its owner
+    store, = Path(tempfile.gettempdir()).glob(f"course_lib-pg-{driver.pid}-*")
     driver.kill()  # as a notebook kernel killed by its user
     a_cluster["proc"].wait(timeout=10)
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and any(map(_running, a_cluster["pids"])):
+    while time.monotonic() < deadline and (any(map(_running, a_cluster["pids"]))
+                                           or store.exists()):
         time.sleep(0.5)
     assert not any(map(_running, a_cluster["pids"])), "A's engines outlived A's kernel"
+    assert not store.exists(), "A's rendezvous folder outlived A's kernel"
 
 
 def test_engines_per_student_are_capped(people):
@@ -227,12 +233,47 @@ def test_engines_per_student_are_capped(people):
 
 
 # ---------------------------------------------------------------- the hub itself
+def _make_hub():
+    """The README's command, `make hub`. Its install steps (the class extra, the proxy) are
+    done where this test runs (it skips otherwise): when their stamps are older than the files
+    they depend on, make is told not to redo them (-o), as it would with nothing to do."""
+    stale = [stamp for stamp in (".venv/.installed", ".venv/.installed-class")
+             if subprocess.run(["make", "-q", stamp], cwd=ROOT, capture_output=True).returncode]
+    return ["make", "--no-print-directory", *(f"-o{stamp}" for stamp in stale), "hub"]
+
+
+def stop_hub(make):
+    """SIGTERM to `make hub` (make passes it on to the hub); the seconds until it ended, or
+    None when it did not within 60 s (a hub then stopped by SIGKILL, its processes with it)."""
+    start = time.monotonic()
+    if make.poll() is None:
+        make.send_signal(signal.SIGTERM)
+    try:
+        make.wait(timeout=60)
+        return time.monotonic() - start
+    except subprocess.TimeoutExpired:
+        from course_lib.launch import kill_tree
+        kill_tree([make.pid])
+        return None
+
+
+def _signals(pid, which):
+    """The signals process ``pid`` ignores (``which="SigIgn"``) or handles (``"SigCgt"``)."""
+    mask, = [line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+             if line.startswith(f"{which}:")]
+    return {n for n in range(1, 65) if int(mask, 16) >> (n - 1) & 1}
+
+
 @contextlib.contextmanager
 def running_hub(state, **settings):
-    """The class server on free ports, state in ``state``, shared folder of its own, the
-    ``COURSE_HUB_*`` settings given (e.g. ``IDLE="0"``): yields (url, shared folder)."""
+    """The class server started by `make hub` on free ports, state in ``state``, shared folder
+    of its own, the ``COURSE_HUB_*`` settings given (e.g. ``IDLE="0"``): yields (url, shared
+    folder, make's Popen). Started with SIGINT ignored, as a hub started in the background is
+    (`make hub &`, nohup); stopped by SIGTERM (:func:`stop_hub`)."""
     if not PROXY.exists():
         pytest.skip(f"the hub's proxy is missing: npm install --prefix {ROOT / 'hub'}")
+    if not shutil.which("make"):
+        pytest.skip("needs make (apt-get install make)")
     requests = pytest.importorskip("requests")
     pytest.importorskip("jupyterhub", reason="pip install -c constraints.txt -e '.[class]'")
     shared = Path(tempfile.mkdtemp(prefix="course-hub-"))  # all users may enter it
@@ -243,10 +284,8 @@ def running_hub(state, **settings):
                COURSE_HUB_SHARED=str(shared),
                **{f"COURSE_HUB_{key}": value for key, value in settings.items()})
     with open(state / "hub.log", "w") as log:
-        proc = subprocess.Popen(
-            [str(Path(PYTHON).parent / "jupyterhub"), "-f",
-             str(ROOT / "hub" / "jupyterhub_config.py")],
-            cwd=state, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(["sh", "-c", 'trap "" INT && exec "$@"', "sh", *_make_hub()],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -263,20 +302,16 @@ def running_hub(state, **settings):
                              f"the hub ended with exit code {proc.returncode}") + ":\n"
                             + "\n".join(hub_lines[-40:]))
             time.sleep(0.5)
-        yield url, shared
+        yield url, shared, proc
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_hub(proc)
         shutil.rmtree(shared, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def hub(people, tmp_path_factory):
     state = tmp_path_factory.mktemp("hub-state")
-    with running_hub(state, IDLE="0", MEMORY="3G") as (url, shared):
+    with running_hub(state, IDLE="0", MEMORY="3G") as (url, shared, _):
         yield url, state, shared
 
 
@@ -309,6 +344,13 @@ def test_hub_runs_each_student_server_as_that_student(people, hub):
     assert refused.status_code == 403, refused.status_code
     session, answer = _login(url, a, a_password)
     assert answer.status_code == 302, answer.text[-500:]
+    # a rendezvous folder of A's user id whose process is gone: left by a killed kernel, or by
+    # an earlier user who had A's id; the hub removes it before A's server starts
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = Path(tempfile.gettempdir(), f"course_lib-pg-{gone.pid}-earlier")
+    stale.mkdir(mode=0o700)
+    os.chown(stale, pwd.getpwnam(a).pw_uid, pwd.getpwnam(a).pw_gid)
     xsrf = {"X-XSRFToken": session.cookies.get("_xsrf", "")}
     started = session.post(f"{url}/hub/api/users/{a}/server", headers=xsrf, timeout=60)
     assert started.status_code in (201, 202), started.text
@@ -338,12 +380,47 @@ def test_hub_runs_each_student_server_as_that_student(people, hub):
     listed = session.get(f"{url}/user/{a}/assignments?course_id={grading.COURSE_ID}",
                          timeout=30)
     assert listed.ok and listed.json()["success"], listed.text[-500:]  # nbgrader finds the course
+    assert not stale.exists()
+    # a student's nbgrader is the Assignment List: no Formgrader, no assignment creation
+    assert session.get(f"{url}/user/{a}/formgrader", timeout=30).status_code == 404
+    page = session.get(f"{url}/user/{a}/lab", timeout=30).text
+    config = json.loads(re.search(r'id="jupyter-config-data"[^>]*>(.*?)</script>', page,
+                                  re.DOTALL).group(1))
+    assert {f"@jupyter/nbgrader:{plugin}" for plugin in ("formgrader", "create-assignment")} <= \
+        set(config["disabledExtensions"])
     session.delete(f"{url}/hub/api/users/{a}/server", headers=xsrf, timeout=60)
 
 
-def test_hub_stops_an_idle_server(people, tmp_path):
+def test_b_cannot_list_or_read_the_solutions(people, hub):
+    # the hub closed them at its start: the checkout all users read holds them, and its history
+    b = people["b"][0]
+    solution = ROOT / "labs" / "solutions" / NOTEBOOK
+    tried = as_user(b, f"""
+import os, subprocess
+for what, attempt in [("list", lambda: os.listdir({str(solution.parent)!r})),
+                      ("read", lambda: open({str(solution)!r}).read()),
+                      ("list the history", lambda: os.listdir({str(ROOT / ".git")!r}))]:
+    try:
+        attempt()
+        print(what, "worked")
+    except OSError as err:
+        print(what, "refused:", err)
+try:
+    git = subprocess.run(["git", "-C", {str(ROOT)!r}, "show",
+                          "HEAD:labs/solutions/{NOTEBOOK}"], capture_output=True, text=True)
+    print("git show exited", git.returncode, len(git.stdout), "characters")
+except FileNotFoundError:
+    print("no git here")
+""")
+    assert tried.returncode == 0, tried.stderr
+    for what in ("list", "read", "list the history"):
+        assert f"{what} refused: [Errno 13] Permission denied" in tried.stdout, tried.stdout
+    assert "git show exited 0" not in tried.stdout, tried.stdout
+
+
+def test_hub_stops_an_idle_server_and_stops_at_once(people, tmp_path):
     name, password = people["b"]
-    with running_hub(tmp_path, IDLE="6") as (url, _):  # the culler looks every 3 s
+    with running_hub(tmp_path, IDLE="6") as (url, _, make):  # the culler looks every 3 s
         session, answer = _login(url, name, password)
         assert answer.status_code == 302
         xsrf = {"X-XSRFToken": session.cookies.get("_xsrf", "")}
@@ -359,6 +436,17 @@ def test_hub_stops_an_idle_server(people, tmp_path):
             time.sleep(1)
         assert seen[0] and not seen[-1], f"B's idle server was not stopped: {seen}"
         assert "Culling server" in (tmp_path / "hub.log").read_text()
+        culler, = [p for p in psutil.Process(make.pid).children(recursive=True)
+                   if "jupyterhub_idle_culler" in " ".join(p.cmdline())]
+        # the hub stops the culler with SIGINT, then waits 30 s before a SIGTERM: a culler
+        # that ignores SIGINT, as the hub started in the background does, holds it that long
+        assert signal.SIGINT in _signals(make.pid, "SigIgn") & _signals(culler.pid, "SigCgt")
+        seconds = stop_hub(make)
+        assert seconds is not None, "make hub was still running 60 s after its SIGTERM"
+        print(f"make hub stopped {seconds:.1f} s after its SIGTERM")
+        # a second or two here: 3 s as its deadline puts the bound (29 s) below the wrong wait
+        timing.assert_no_hang(seconds, deadline=3, instead=30)
+        assert not _running(culler.pid)
 
 
 # ---------------------------------------------------------------- a class cycle, in the browser
@@ -450,9 +538,14 @@ def _close_dialog(page):
 
 
 def _assignment_list(page):
-    """Nbgrader > Assignment List, in JupyterLab's menu."""
+    """Nbgrader > Assignment List, in JupyterLab's menu; returns the commands the menu showed."""
     page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Nbgrader$")).click()
-    page.locator("#jp-mainmenu-nbgrader li[data-command='nbgrader:open-assignment-list']").click()
+    item = page.locator("#jp-mainmenu-nbgrader li[data-command='nbgrader:open-assignment-list']")
+    item.wait_for()
+    shown = [li.get_attribute("data-command")
+             for li in page.locator("#jp-mainmenu-nbgrader li.lm-Menu-item:visible").all()]
+    item.click()
+    return shown
 
 
 def _list_row(page, section, lab):
@@ -509,6 +602,12 @@ def test_instructor_generates_and_releases_lab05_in_the_formgrader(people, cycle
             page.locator("#main-table td.name", has_text=LAB).wait_for()
         headers = context.request.get(page.url).headers
         assert "frame-ancestors 'none'" in headers["content-security-policy"]
+        # the assignment's name links to its folder: nbgrader writes /tree/grading/source/lab05,
+        # without the /user/<name>/ of this server; the hub takes it there
+        link = page.locator("#main-table td.name a", has_text=LAB).get_attribute("href")
+        opened = context.request.get(urljoin(page.url, link))
+        assert opened.ok and opened.url.endswith(f"/user/{teacher}/tree/grading/source/{LAB}"), \
+            (link, opened.status, opened.url)
         with _step(cycle, page, "2_instructor_generated", artifacts):
             _formgrader_click(page, LAB, "assign",
                               f"Successfully created the student version of '{LAB}'")
@@ -539,7 +638,8 @@ def test_students_fetch_and_submit_in_the_assignment_list(people, cycle, chromiu
         try:
             with _step(cycle, page, f"{n}{who}_student_{who}_assignment_list", artifacts):
                 _sign_in(page, url, name, password, "lab?reset")
-                _assignment_list(page)
+                # a student's: no Formgrader, no "Create Assignment", no instructor's course list
+                assert _assignment_list(page) == ["nbgrader:open-assignment-list"]
                 _list_row(page, "released", LAB).wait_for()
             with _step(cycle, page, f"{n}{who}_student_{who}_fetched", artifacts):
                 _list_row(page, "released", LAB).get_by_role("button", name="Fetch").click()
