@@ -34,9 +34,9 @@ Event = namedtuple("Event", "name cat start end rank args")
 
 # Which lane of the Gantt chart a category is drawn in, and its colour.
 COMM_CATEGORIES = ("allreduce", "broadcast", "send", "recv")
-COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "step": "tab:green",
-           "wait": "tab:red", "allreduce": "tab:purple", "broadcast": "tab:brown",
-           "data": "tab:gray", "recv": "tab:olive", "send": "tab:cyan"}
+COLOURS = {"compute": "tab:pink", "forward": "tab:blue", "backward": "tab:orange",
+           "step": "tab:green", "wait": "tab:red", "allreduce": "tab:purple",
+           "broadcast": "tab:brown", "data": "tab:gray", "recv": "tab:olive", "send": "tab:cyan"}
 
 
 class Timeline:
@@ -173,8 +173,10 @@ def gantt(timelines: Timeline | Sequence[Timeline], ax: Axes | None = None,
     ax.set_yticks(range(len(rows)), [f"rank {r} {lane}" for r, lane in rows])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    cats = [c for c in COLOURS if any(e.cat == c for e in events)]
-    ax.legend(handles=[Patch(color=COLOURS[c], label=c) for c in cats], loc="upper left",
+    drawn = {e.cat for e in events}  # every category drawn is named, the known ones first
+    cats = [c for c in COLOURS if c in drawn] + sorted(drawn - set(COLOURS))
+    ax.legend(handles=[Patch(color=COLOURS.get(c, "tab:olive"), label=c) for c in cats],
+              loc="upper left",
               bbox_to_anchor=(1.0, 1.0), fontsize="small")
     if title:
         ax.set_title(title)

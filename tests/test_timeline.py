@@ -84,3 +84,12 @@ def test_gantt_draws_a_compute_and_a_comm_row_per_rank():
     assert len(ax.collections) == 6 and ax.get_title() == "two ranks"
     with pytest.raises(ValueError, match="no events"):
         timeline.gantt(timeline.Timeline())
+
+
+def test_the_gantt_legend_names_every_category_it_draws():
+    tl = timeline.Timeline(rank=0)
+    for cat in ("compute", "allreduce", "checksum"):  # a known, a communication, a new one
+        with tl.span(cat):
+            pass
+    legend = timeline.gantt([tl]).get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["compute", "allreduce", "checksum"]

@@ -24,7 +24,7 @@ def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024
     import matplotlib.pyplot as plt
     c = replace(S.CLUSTERS[cluster], devices=devices)
     if between_gbs:
-        c = replace(c, between=costmodel.Link(f"{between_gbs:g} GB/s", c.between.alpha,
+        c = replace(c, between=costmodel.Link(f"{between_gbs:.3g} GB/s", c.between.alpha,
                                               1 / (between_gbs * 1e9)))
     rows = S.plan(S.MODELS[model], batch, sequence, c)
     fit = [r for r in rows if r["fits"]][:shown]
@@ -42,7 +42,7 @@ def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024
     mem.axvline(c.memory / S.GiB, color="k", ls="--", label="device memory")
     mem.set(yticks=y, yticklabels=names, xlabel="GiB per device",
             title=f"{model} on {devices} x {cluster}")
-    mem.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
+    mem.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
     left = np.zeros(len(chosen))
     for i, term in enumerate(TIME):
         v = np.array([r["time"][term] for r in chosen])
@@ -50,11 +50,12 @@ def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024
         left += v
     for yi, r in zip(y, chosen, strict=True):
         text = f" MFU {r['mfu']:.0%}" if r["fits"] else f" does not fit: {r['breaks']}"
-        step.text(r["time"]["total"], yi, text, va="center", fontsize=7)
+        step.text(r["time"]["total"], yi, text, va="center", fontsize=10)
     step.set(yticks=y, yticklabels=[], xlabel="seconds per step",
-             title=f"batch {batch} x {sequence} tokens, between nodes {c.between.bandwidth / 1e9:g}"
-                   " GB/s", xlim=(0, 1.45 * max(r["time"]["total"] for r in chosen)))
-    step.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4)
+             title=f"batch {batch} x {sequence} tokens, between nodes "
+                   f"{c.between.bandwidth / 1e9:.3g} GB/s",
+             xlim=(0, 1.45 * max(r["time"]["total"] for r in chosen)))
+    step.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4)
     return fig
 
 
@@ -69,11 +70,11 @@ def published_figure():
     ax.bar(x + 0.2, [r["tflops"] for r in rows], 0.4, label="planned")
     for xi, r in zip(x, rows, strict=True):
         ax.text(xi + 0.2, r["tflops"], f"{r['tflops'] / r['published'].tflops - 1:+.0%}",
-                ha="center", va="bottom", fontsize=8)
+                ha="center", va="bottom", fontsize=10)
     ax.set(xticks=x, ylabel="TFLOP/s per GPU", title="the plan beside published runs",
            xticklabels=[f"{r['published'].model}\n{r['published'].devices} GPUs\n"
                         f"{S.describe(r['published'].run).split(',')[0]}" for r in rows])
-    plt.setp(ax.get_xticklabels(), fontsize=7)
+    plt.setp(ax.get_xticklabels(), fontsize=9)
     ax.legend()
     return fig
 
@@ -107,13 +108,13 @@ def gpu_figure(report: dict):
     for yi, r, d in zip(y, rates, dtypes, strict=True):
         peak = spec.get("bf16" if d == "bfloat16" else "fp32")
         if peak:
-            speed.text(r / 1e12, yi, f" {r / peak:.0%}", va="center", fontsize=8)
+            speed.text(r / 1e12, yi, f" {r / peak:.0%}", va="center", fontsize=10)
     copy = f"copy {report['copy'] / 1e12:.2f} TB/s" + (
         f" ({report['copy'] / spec['memory_bandwidth']:.0%} of the datasheet's)" if spec else "")
     speed.set(yticks=y, yticklabels=names, xlabel="TFLOP/s (model FLOPs per second)",
               title=f"{report['environment']['device']}; {copy}")
     if spec:
-        speed.legend(loc="lower right", fontsize=8)
+        speed.legend(loc="lower right", fontsize=10)
     mem = report["memory"]
     kinds = ["parameters", "gradients", "optimizer", "activations", "total"]
     x = np.arange(len(kinds))
@@ -126,5 +127,5 @@ def gpu_figure(report: dict):
     memory.set(xticks=x, xticklabels=kinds, ylabel="GiB",
                title=f"GPT d={cfg['d_model']}, {cfg['n_layers']} layers, {mem['batch']}x"
                      f"{mem['length']} tokens, float32 + Adam")
-    memory.legend(fontsize=8)
+    memory.legend(fontsize=10)
     return fig
