@@ -6,6 +6,7 @@ import io
 import os
 import shutil
 import tempfile
+import warnings
 from io import open as io_open  # as IPython binds a notebook's open: before any watch
 from os import fsync as os_fsync
 from os import replace as os_replace
@@ -43,23 +44,41 @@ def atomic_save(state, path):
         os.close(fd)
 
 
+def sync_directory(path, fsync=None):
+    fd = os.open(Path(path).parent, os.O_RDONLY)
+    try:
+        (fsync or os.fsync)(fd)
+    finally:
+        os.close(fd)
+
+
 def named_temporary_file(state, path):
-    """Right too: tempfile beside path, torch.save on the open file, no directory fsync."""
+    """Right too: tempfile beside path, torch.save on the open file."""
     with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+        try:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            os.unlink(f.name)
+            raise
     os.replace(f.name, path)
+    sync_directory(path)
 
 
 def torch_save_on_a_path(state, path):
     """Right too: torch.save writes the temporary file by its path; fsync through os.open."""
     tmp = str(path) + ".tmp"
-    torch.save(state, tmp)
+    try:
+        torch.save(state, tmp)
+    except Exception:
+        os.remove(tmp)
+        raise
     fd = os.open(tmp, os.O_RDONLY)
     os.fsync(fd)
     os.close(fd)
     os.rename(tmp, path)
+    sync_directory(path)
 
 
 def mkstemp_and_os_write(state, path):
@@ -68,11 +87,17 @@ def mkstemp_and_os_write(state, path):
     torch.save(state, buffer)
     fd, tmp = tempfile.mkstemp(dir=path.parent)
     data = memoryview(buffer.getvalue())
-    while data:
-        data = data[os.write(fd, data):]
-    os.fsync(fd)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
     os.close(fd)
     Path(tmp).replace(path)
+    sync_directory(path)
 
 
 def names_bound_early(state, path):
@@ -80,11 +105,16 @@ def names_bound_early(state, path):
     tmp = path.with_name(path.name + ".tmp")
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    with io_open(tmp, "wb") as f:  # noqa: UP020 - the point: a name bound before the watch
-        f.write(buffer.getvalue())
-        f.flush()
-        os_fsync(f.fileno())
+    try:
+        with io_open(tmp, "wb") as f:  # noqa: UP020 - the point: a name bound before the watch
+            f.write(buffer.getvalue())
+            f.flush()
+            os_fsync(f.fileno())
+    except BaseException:
+        tmp.unlink()
+        raise
     os_replace(tmp, path)
+    sync_directory(path, fsync=os_fsync)
 
 
 def library_atomic_write(state, path):
@@ -102,8 +132,7 @@ def test_atomic_save_check_passes_right_answers(fn, capsys):
     assert checks.check_atomic_save(fn) is True
     out = capsys.readouterr().out
     assert "✓ check_atomic_save: SIGKILLed after 4" in out and "previous checkpoint" in out
-    synced = fn is atomic_save or fn is library_atomic_write
-    assert ("fsynced the directory after it" in out) == synced
+    assert "then fsynced the directory; a save on a full disk raised" in out
 
 
 def test_atomic_save_check_returns_false_until_implemented(capsys):
@@ -208,6 +237,65 @@ def test_atomic_save_check_names_the_mistake(mistake, hint):
         checks.check_atomic_save(make_save(mistake))
 
 
+def make_careful_save(mistake):
+    """The lab's answer with one mistake in its clean-up or its fsync of the directory."""
+    def save(state, path):
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        if mistake == "directory fsynced before the rename":
+            sync_directory(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(buffer.getvalue())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if mistake == "temporary file left when a write fails":
+                raise
+            if mistake == "removes path when a write fails":
+                path.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
+            if mistake == "error swallowed":
+                print("could not save the checkpoint")
+                return
+            raise
+        if mistake == "another directory fsynced":
+            fd = os.open(".", os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        elif mistake not in ("no directory fsync", "directory fsynced before the rename"):
+            sync_directory(path)
+    return save
+
+
+@pytest.mark.parametrize("mistake,hint", [
+    ("no directory fsync", r"in the complete save path's directory was not fsynced after "
+                           r"os.replace\(\) put the new file over path\nHint: the rename is a "
+                           r"change to the directory"),
+    ("directory fsynced before the rename", r"path's directory was fsynced before os.replace\(\) "
+                                            r"put the new file over path, not after\nHint:.*An "
+                                            r"fsync before the rename"),
+    ("another directory fsynced", r"the directory fsynced after os.replace\(\) was .*lab11-"
+                                  r"atomic-\w+, not path's directory"),
+    ("temporary file left when a write fails",
+     r"a save on a disk that fills up half-way\n  your atomic_save raised OSError \(good\), but "
+     r"left behind \['.checkpoint.pt.tmp-\d+'\] \(the check made every write fail.*\nHint: every "
+     r"failed save then leaves one more half-written file"),
+    ("error swallowed", r"your atomic_save returned as if the checkpoint were saved, although its "
+                        r"write raised \(the check made every write fail with OSError: \[Errno "
+                        r"28\].*\nHint: the caller \(the training loop\) now believes"),
+    ("removes path when a write fails", r"after the failed save, path does not exist; expected "
+                                        r"the previous checkpoint \(step 2\).*\nHint: when the "
+                                        r"write failed, your atomic_save removed path"),
+])
+def test_atomic_save_check_names_a_careless_clean_up_or_sync(mistake, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_atomic_save(make_careful_save(mistake))
+
+
 def test_the_killed_save_in_place_leaves_half_a_file(tmp_path):
     """The watched process itself: killed at half of the bytes, the journal says where."""
     path = tmp_path / "c.pt"
@@ -268,9 +356,10 @@ def resume_inside(directory, model, optimizer):
             saved = torch.load(path, weights_only=True)
             payload = saved["payload"].numpy().tobytes()
             if hashlib.sha256(payload).hexdigest() != saved["sha256"]:
-                continue
+                raise ValueError("checksum mismatch")
             state = torch.load(io.BytesIO(payload), weights_only=True)
-        except Exception:
+        except Exception as e:
+            warnings.warn(f"{path}: {e}", stacklevel=1)
             continue
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -285,7 +374,7 @@ def save_with_the_library(directory, step, model, optimizer):
 
 
 def resume_with_the_library(directory, model, optimizer):
-    state, _ = checkpoint.load_latest(directory, report=lambda line: None)
+    state, _ = checkpoint.load_latest(directory)
     if state is None:
         return 0
     model.load_state_dict(state["model"])
@@ -300,7 +389,7 @@ def resume_with_the_library(directory, model, optimizer):
 def test_resume_check_passes_right_answers(save, load, capsys):
     assert checks.check_resume(save, load) is True
     out = capsys.readouterr().out
-    assert "✓ check_resume: 7/7 cases" in out and "bit for bit" in out
+    assert "✓ check_resume: 8/8 cases" in out and "bit for bit" in out
 
 
 def test_resume_check_returns_false_until_implemented(capsys):
@@ -360,9 +449,10 @@ def make_resume(mistake):
                         if hashlib.sha256(data).hexdigest() != expected:
                             raise ValueError("checksum mismatch")
                         state = torch.load(io.BytesIO(data), weights_only=True)
-                except Exception:
+                except Exception as e:
                     if mistake == "gives up":
                         return 0
+                    print(f"skipping {path.name}: {e}")
                     continue
             if mistake == "step from the newest name":
                 state["step"] = int(paths[0].name[5:13])
@@ -409,19 +499,19 @@ def save_tmp_pt(directory, step, model, optimizer):
 
 @pytest.mark.parametrize("save,load,hint", [
     (plain_save, make_resume("no checksum"),
-     r"case 3/7 \(one bit flipped in a parameter inside step 12's checkpoint\)\n  resume "
+     r"case 3/8 \(one bit flipped in a parameter inside step 12's checkpoint\)\n  resume "
      r"returned step 12, expected 8; the model holds step 12's parameters with the flipped "
      r"byte\nHint: the check flipped one bit of a parameter inside step 12's file, and "
      r"torch.load read it without a complaint"),
     (plain_save, make_resume("no checksum, no try"),
-     r"case 2/7 .*\n  your resume raised \w+Error: .*\n  the directory held "
+     r"case 2/8 .*\n  your resume raised \w+Error: .*\n  the directory held "
      r"\['step-00000004.pt', 'step-00000008.pt', 'step-00000012.pt'\]\nHint: a damaged or "
      r"half-written file must not stop the resume"),
     (save_checkpoint, make_resume("gives up"),
-     r"case 2/7 .*\n  resume returned step 0, expected 8.*\nHint: resume found nothing to "
+     r"case 2/8 .*\n  resume returned step 0, expected 8.*\nHint: resume found nothing to "
      r"resume from, but step 8's checkpoint is whole\. Does it give up"),
     (save_checkpoint, make_resume("oldest first"),
-     r"case 1/7 \(nothing damaged\)\n  resume returned step 4, expected 12; the model holds "
+     r"case 1/8 \(nothing damaged\)\n  resume returned step 4, expected 12; the model holds "
      r"step 4's parameters\nHint: resume went back to step 4, but step 12's checkpoint is whole"),
     (save_checkpoint, make_resume("optimizer not loaded"),
      r"the model is step 12's, but the optimizer's state is not \(it is still a fresh "
@@ -432,20 +522,21 @@ def save_tmp_pt(directory, step, model, optimizer):
     (save_checkpoint, make_resume("returns None"),
      r"resume returned None, expected the step 12\nHint: return the step"),
     (save_checkpoint, make_resume("step from the newest name"),
-     r"case 2/7 .*\n  resume returned step 12, expected 8; the model holds step 8's "
-     r"parameters\nHint: resume returned step 12, but that checkpoint is cut to half its bytes"),
+     r"case 2/8 .*\n  resume returned step 12, expected 8; the model holds step 8's "
+     r"parameters\n  it printed: skipping step-00000012.pt: checksum mismatch\nHint: resume "
+     r"returned step 12, but that checkpoint is cut to half its bytes"),
     (save_checkpoint, make_resume("loads before checking"),
-     r"case 6/7 .*\n  resume returned 0, but it changed the model or the optimizer .*; the model "
+     r"case 5/8 .*\n  resume returned 0, but it changed the model or the optimizer .*; the model "
      r"holds step 12's parameters with the flipped byte\nHint: nothing is whole"),
     (save_checkpoint, make_resume("os.listdir"),
-     r"case 7/7 \(a directory that does not exist \(a first start\)\)\n  your resume raised "
+     r"case 6/8 \(a directory that does not exist \(a first start\)\)\n  your resume raised "
      r"FileNotFoundError.*\nHint: a directory that does not exist is a first start: return 0"),
     (save_named, resume, r"there is no step-00000004.pt \(the directory holds "
                          r"\['ckpt-4.pt'\]\)\nHint: save the checkpoint of step 4 as"),
     (save_without_mkdir, resume, r"raised FileNotFoundError: .*\nHint: the directory does not "
                                  r"exist before the first save: create it"),
     (save_tmp_pt, make_resume("step from the name"),
-     r"case 5/7 .*\n  your resume raised ValueError: .*\n  the directory held "
+     r"case 8/8 .*\n  your resume raised ValueError: .*\n  the directory held "
      r"\['step-00000004.pt', 'step-00000004.sha256', 'step-00000008.pt', "
      r"'step-00000008.sha256', 'step-00000012.tmp.pt'\]\nHint: .*not the temporary file that "
      r"the killed save left behind"),
@@ -453,6 +544,88 @@ def save_tmp_pt(directory, step, model, optimizer):
         "model not loaded", "returns None", "step from the newest name", "loads before checking",
         "os.listdir", "wrong name", "no mkdir", "temporary file read"])
 def test_resume_check_names_the_mistake(save, load, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_resume(save, load)
+
+
+def make_resume_2(mistake):
+    """The lab's resume with one more of the usual mistakes."""
+    def load(directory, model, optimizer):
+        for path in sorted(Path(directory).glob("step-*.pt"), reverse=True):
+            try:
+                data = path.read_bytes()
+                digest = path.with_suffix(".sha256")
+                if mistake != "no checksum, no check" or digest.exists():
+                    expected = torch.load(digest, weights_only=True)
+                    if hashlib.sha256(data).hexdigest() != expected:
+                        raise ValueError("checksum mismatch")
+                state = torch.load(io.BytesIO(data), weights_only=True)
+            except (ValueError if mistake == "catches only ValueError" else Exception) as e:  # noqa: B030
+                if mistake != "silent":
+                    print(f"skipping {path.name}: {e}")
+                continue
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            if mistake == "the next step":
+                return state["step"] + 1
+            return str(state["step"]) if mistake == "a string" else state["step"]
+        return 0
+    return load
+
+
+def make_save_2(mistake):
+    """The lab's save_checkpoint with one of the usual mistakes."""
+    def save(directory, step, model, optimizer):
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"step-{step:08d}.pt"
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+        if mistake == "the model object":
+            state["model"] = model
+        if mistake == "no optimizer":
+            del state["optimizer"]
+        atomic_save(state, path)
+        atomic_save(hashlib.sha256(path.read_bytes()).hexdigest(), path.with_suffix(".sha256"))
+        if mistake == "keeps only the newest":
+            for old in directory.glob("step-*"):
+                if old.stem != path.stem:
+                    old.unlink()
+    return save
+
+
+@pytest.mark.parametrize("save,load,hint", [
+    (save_checkpoint, make_resume_2("catches only ValueError"),
+     r"case 7/8 \(step 12's checkpoint whole, but every other file its save wrote \(its checksum\) "
+     r"deleted\)\n  your resume raised FileNotFoundError: .*\n  the directory held .*\nHint: step "
+     r"12's checkpoint is whole, but what its save wrote beside it \(the checksum\) is gone"),
+    (save_checkpoint, make_resume_2("no checksum, no check"),
+     r"case 7/8 .*\n  resume returned step 12, expected 8.*\nHint: step 12's file is whole, but "
+     r"nothing is left to check it against"),
+    (save_checkpoint, make_resume_2("silent"),
+     r"case 2/8 .*\n  resume returned step 8 \(right\), but it skipped step-00000012.pt without a "
+     r"word: nothing it printed, logged or warned names it\n  it printed nothing\nHint: a damaged "
+     r"checkpoint is news"),
+    (save_checkpoint, make_resume_2("the next step"),
+     r"case 1/8 .*\n  resume returned step 13, expected 12; the model holds step 12's parameters"
+     r"\nHint: there is no checkpoint of step 13: the check saved steps 4, 8 and 12"),
+    (save_checkpoint, make_resume_2("a string"),
+     r"resume returned '12', expected the step 12\nHint: return the step of the checkpoint you "
+     r"loaded \(an int"),
+    (make_save_2("keeps only the newest"), resume,
+     r"case 1/8 .*\n  after the saves of steps 4, 8 and 12, there is no step-00000008.pt \(the "
+     r"directory holds \['step-00000012.pt', 'step-00000012.sha256'\]\)\nHint: your "
+     r"save_checkpoint removed the older checkpoints"),
+    (make_save_2("the model object"), resume,
+     r"case 1/8 \(nothing damaged\)\n  resume returned step 0, expected 12; .*\n  it printed: "
+     r"skipping step-00000012.pt: UnpicklingError: Weights only load failed[\s\S]*\nHint: nothing "
+     r"is damaged in this "
+     r"case, yet your resume found no checkpoint it could use"),
+    (make_save_2("no optimizer"), resume,
+     r"case 1/8 .*\n  your resume raised KeyError: 'optimizer'[\s\S]*\nHint: a key your resume "
+     r"reads is not in what your save_checkpoint wrote"),
+], ids=["catches only ValueError", "no checksum no check", "silent", "the next step", "a string",
+        "keeps only the newest", "the model object", "no optimizer"])
+def test_resume_check_names_more_mistakes(save, load, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.check_resume(save, load)
 

@@ -30,6 +30,7 @@ did.
 from __future__ import annotations
 
 import copy
+import errno
 import io
 import json
 import numbers
@@ -92,7 +93,8 @@ class _Watched:
 class _Watch:
     """Wraps the ways Python writes, renames and syncs files, journals what the student's code
     does with them (one JSON line each, written at once: the journal survives a SIGKILL), and
-    SIGKILLs the process when ``kill_at`` bytes have been handed to one file."""
+    SIGKILLs the process when ``kill_at`` bytes have been handed to one file, or fails every
+    write with ENOSPC (a full disk) from the ``full_at``-th byte handed to one file on."""
 
     def __init__(self, journal):
         import builtins
@@ -102,7 +104,8 @@ class _Watch:
                      "replace": os.replace, "rename": os.rename, "unlink": os.unlink,
                      "save": torch.serialization.save}
         self.journal = os.open(journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        self.kill_at, self.handed, self.opened = None, {}, []
+        self.kill_at, self.full_at, self.full = None, None, False
+        self.handed, self.opened = {}, []
 
     def log(self, **event):
         self.real["write"](self.journal, (json.dumps(event) + "\n").encode())
@@ -123,6 +126,15 @@ class _Watch:
     def write(self, write, flush, key, path, data):
         n = len(data) if isinstance(data, str) else memoryview(data).nbytes
         done = self.handed.get(tuple(key), 0)
+        if self.full_at is not None and (self.full or done + n >= self.full_at):  # disk full
+            keep = 0 if self.full else max(self.full_at - done, 0)
+            if keep:
+                write(data[:keep] if isinstance(data, str) else memoryview(data).cast("B")[:keep])
+                self.handed[tuple(key)] = done + keep
+            if not self.full:
+                self.log(ev="full", path=path, written=done + keep)
+            self.full = True
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if self.kill_at is not None and done + n >= self.kill_at:
             keep = max(self.kill_at - done, 0)
             write(data[:keep] if isinstance(data, str) else memoryview(data).cast("B")[:keep])
@@ -174,9 +186,11 @@ class _Watch:
         def sync(name):
             def fsync(fd):
                 fd = fd if isinstance(fd, int) else fd.fileno()
+                import stat
                 st = os.fstat(fd)
                 watch.log(ev="fsync", key=[st.st_dev, st.st_ino], path=watch.where(fd, fd),
-                          size=st.st_size, handed=watch.handed.get((st.st_dev, st.st_ino)))
+                          size=st.st_size, handed=watch.handed.get((st.st_dev, st.st_ino)),
+                          dir=stat.S_ISDIR(st.st_mode))
                 return real[name](fd)
             return fsync
 
@@ -254,51 +268,75 @@ def _filled(cell):
 
 def run_watched(payload_path):
     """The watched process (``python -c``): load the calls of ``payload_path`` (cloudpickled:
-    journal path, then ``(label, packed function, args, kill_at, target)`` each), install the
-    watch, and run them in order, journaling every open for writing, fsync, rename and unlink,
-    and what each call left behind beside its ``target``. A call with ``kill_at`` is SIGKILLed
-    once that many bytes have been handed to one file; a call that raises ends the process with
-    exit code 1. Introduced in labs/11_fault_tolerance.ipynb."""
+    journal path, then ``(label, packed function, args, at, target)`` each), install the watch,
+    and run them in order, journaling every open for writing, fsync, rename and unlink, and
+    after each call what it left behind beside its ``target`` and what ``target`` holds. ``at``
+    is None, a number of bytes (the call is SIGKILLed once that many have been handed to one
+    file) or ``("full", n)``: from the n-th byte handed to one file on, every write raises
+    ``OSError(ENOSPC)``, as on a full disk, and the call may raise (it is journaled; the next
+    call runs). Any other call that raises ends the process with exit code 1.
+    Introduced in labs/11_fault_tolerance.ipynb."""
     import cloudpickle
     with open(payload_path, "rb") as f:
         payload = cloudpickle.load(f)
-    calls = [(label, cloudpickle.loads(fn), args, kill_at, target)
-             for label, fn, args, kill_at, target in payload["calls"]]
+    calls = [(label, cloudpickle.loads(fn), args, at, target)
+             for label, fn, args, at, target in payload["calls"]]
     watch = _Watch(payload["journal"])
     watch.install()
     watch.rebind([fn for _, fn, _, _, _ in calls])
-    for label, fn, args, kill_at, target in calls:
+    for label, fn, args, at, target in calls:
         watch.log(ev="call", label=label)
-        watch.kill_at, watch.handed, watch.opened = kill_at, {}, []
+        full = isinstance(at, (tuple, list))
+        watch.kill_at, watch.full_at = (None, at[1]) if full else (at, None)
+        watch.full, watch.handed, watch.opened = False, {}, []
         try:
             fn(*args)
         except BaseException as err:  # noqa: BLE001 - every failure is the student's to see
             frames = traceback.extract_tb(err.__traceback__)
             inner = frames[-1] if frames else None
+            watch.full_at = None
             watch.log(ev="raised", label=label, type=type(err).__name__, message=str(err),
                       where=(f"File {inner.filename}, line {inner.lineno}, in {inner.name}: "
-                             f"{(inner.line or '').strip()}") if inner else "")
-            os._exit(1)
-        left = []
-        if target is not None:
-            target = os.path.realpath(target)
-            left = sorted({p for p in watch.opened if os.path.realpath(p) != target
-                           and os.path.isfile(p)})
-        watch.log(ev="returned", label=label, left=left)
+                             f"{(inner.line or '').strip()}") if inner else "",
+                      **_after(watch, target))
+            if not full:
+                os._exit(1)
+            continue
+        watch.full_at = None
+        watch.log(ev="returned", label=label, **_after(watch, target))
     watch.log(ev="finished")
     sys.stdout.flush()
     os._exit(0)
 
 
+def _after(watch, target):
+    """What a call left: the files it opened for writing, other than ``target``, that are still
+    there, and the step ``target`` holds (or why none)."""
+    if target is None:
+        return {"left": []}
+    target = os.path.realpath(target)
+    left = sorted({p for p in watch.opened if os.path.realpath(p) != target
+                   and os.path.isfile(p)})
+    try:
+        obj = torch.load(target, weights_only=True)
+        holds = obj["step"] if isinstance(obj, dict) and "step" in obj else "another object"
+    except FileNotFoundError:
+        holds = "no file"
+    except Exception:  # noqa: BLE001 - any other failure: what cannot be read
+        holds = "a file torch.load cannot read"
+    return {"left": left, "holds": holds}
+
+
 def run_calls_watched(calls, workdir):
-    """Run ``calls`` (label, function, args, kill_at, target) in a watched process; returns its
-    exit code, the journal's events and the tail of its stderr."""
+    """Run ``calls`` (label, function, args, at, target) in a watched process (see
+    :func:`run_watched`); returns its exit code, the journal's events and the tail of its
+    stderr."""
     import cloudpickle
     workdir = Path(workdir)
     journal, payload = workdir / "journal.jsonl", workdir / "payload.pkl"
     journal.unlink(missing_ok=True)
-    packed = [(label, pack_function(fn), args, kill_at, None if target is None else str(target))
-              for label, fn, args, kill_at, target in calls]
+    packed = [(label, pack_function(fn), args, at, None if target is None else str(target))
+              for label, fn, args, at, target in calls]
     payload.write_bytes(cloudpickle.dumps({"journal": str(journal), "calls": packed}))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_ROOT,
                                                                   os.environ.get("PYTHONPATH")])))
@@ -433,7 +471,8 @@ def _left_behind(where, left):
 
 
 def _killed_half_way(name, atomic_save, states, tmp):
-    """The watched process: a save over an existing checkpoint, then one killed half-way."""
+    """The watched process: a save over an existing checkpoint, one on a disk that fills up
+    half-way, then one killed half-way."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     folder = tmp / "watched"
     folder.mkdir()
@@ -443,18 +482,24 @@ def _killed_half_way(name, atomic_save, states, tmp):
     torch.save(states[3], buffer)
     size = len(buffer.getvalue())
     calls = [("complete", atomic_save, (states[2], path), None, path),
+             ("full", atomic_save, (states[3], path), ("full", size // 2), path),
              ("killed", atomic_save, (states[3], path), size // 2, path)]
-    where = f"{name}: a save over a checkpoint, then the next one SIGKILLed half-way"
+    where = (f"{name}: a save over a checkpoint, one on a disk that fills up half-way, then one "
+             f"SIGKILLed half-way")
     try:
         code, events, stderr = run_calls_watched(calls, tmp)
     except subprocess.TimeoutExpired:
         raise CheckFailed(f"{where}\n  the process did not end in {CHILD_TIMEOUT} s\nHint: does "
                           f"your atomic_save wait for something?") from None
-    error = _raised(where, "atomic_save", events, code, stderr)
+    error = _raised(where, "atomic_save", [e for e in events if e.get("label") != "full"], code,
+                    stderr)
     if error:
         raise error
     target = os.path.realpath(path)
-    complete, killed = _of_call(events, "complete"), _of_call(events, "killed")
+    complete, full, killed = (_of_call(events, label) for label in ("complete", "full", "killed"))
+    for e in full:  # what the failed save left outside the check's directory (/tmp): removed
+        for left in e.get("left", []) if e["ev"] in ("raised", "returned") else []:
+            _remove_orphan(left, tmp, target)
     death = [e for e in killed if e["ev"] == "killed"]
     if not death:
         tail = stderr.strip().splitlines()[-1:] or [f"exit code {code}"]
@@ -464,18 +509,70 @@ def _killed_half_way(name, atomic_save, states, tmp):
                           f"a path): the check counts the bytes that pass through them. {RECIPE}")
     death = death[0]
     _remove_orphan(death["path"], tmp, target)
+    in_place = any(e["ev"] == "open" and e["path"] == target and e["writes"]
+                   for e in complete + full + killed)
+    if not in_place:
+        _full_lost_it(f"{name}: a save on a disk that fills up half-way", full, target)
     kind, what = _identify(path, states)
     if not (kind == "step" and what == 2):
         _kill_lost_it(where, kind, what, death, target, complete + killed, size)
-    _journal_problems(where, complete, target, folder)
-    dir_key = [folder.stat().st_dev, folder.stat().st_ino]
+    _journal_problems(f"{name}: a save over a checkpoint, then the next one SIGKILLed half-way",
+                      complete, target, folder)
+    _full_problems(f"{name}: a save on a disk that fills up half-way", full, target)
     moved = [i for i, e in enumerate(complete) if e["ev"] == "replace" and e["dst"] == target]
-    synced = any(e["ev"] == "fsync" and e["key"] == dir_key for e in complete[moved[-1]:])
-    note = ("fsynced the directory after it" if synced else
-            "the directory not fsynced after it (see the question below)")
     return (f"✓ {name}: SIGKILLed after {death['written']:,} of {size:,} bytes "
             f"({Path(death['path']).name}), path still held the previous checkpoint; a complete "
-            f"save wrote beside path, fsynced, then {complete[moved[-1]]['fn']}(), {note}")
+            f"save wrote beside path, fsynced, then {complete[moved[-1]]['fn']}(), then fsynced "
+            f"the directory; a save on a full disk raised and left path and the directory as "
+            f"they were")
+
+
+FULL = ("(the check made every write fail with OSError: [Errno 28] No space left on device once "
+        "half of the new checkpoint's bytes had gone to one file, as on a full disk)")
+
+
+def _full_lost_it(where, events, target):
+    """The save on a full disk did not leave the previous checkpoint at path."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    end = next((e for e in events if e["ev"] in ("raised", "returned")), None)
+    if end is None or end.get("holds") == 2:
+        return
+    holds = end["holds"]
+    said = (f"path holds the state of step {holds}" if isinstance(holds, int) else
+            "path does not exist" if holds == "no file" else f"path holds {holds}")
+    if any(e["ev"] == "unlink" and e["path"] == target for e in events) or holds == "no file":
+        hint = ("when the write failed, your atomic_save removed path, which still held the "
+                "previous checkpoint (the only good one). A failed save must leave path as it "
+                "was: clean up only what this save created.")
+    else:
+        hint = ("a failed save must leave path as it was: the previous checkpoint. Nothing may "
+                "touch path before the new file is whole.")
+    raise CheckFailed(f"{where}\n  after the failed save, {said}; expected the previous "
+                      f"checkpoint (step 2) {FULL}\nHint: {hint}")
+
+
+def _full_problems(where, events, target):
+    """The save on a full disk must raise and leave nothing behind."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    end = next((e for e in events if e["ev"] in ("raised", "returned")), None)
+    if end is None:
+        return
+    if end["ev"] == "returned":
+        raise CheckFailed(
+            f"{where}\n  your atomic_save returned as if the checkpoint were saved, although its "
+            f"write raised {FULL}\nHint: the caller (the training loop) now believes the new "
+            f"checkpoint is on disk, and may delete the older ones: an error that is caught "
+            f"must be raised again once the clean-up is done.")
+    if end["left"]:
+        names = [os.path.relpath(p, os.path.dirname(target)) if
+                 os.path.dirname(os.path.realpath(p)) == os.path.dirname(target) else p
+                 for p in end["left"]]
+        raise CheckFailed(
+            f"{where}\n  your atomic_save raised {end['type']} (good), but left behind {names} "
+            f"{FULL}\nHint: every failed save then leaves one more half-written file, on a disk "
+            f"that is already full; nothing else ever removes it. When anything raises between "
+            f"the open and the rename (BaseException: Ctrl-C too), remove the temporary file, "
+            f"then let the error go on.")
 
 
 def _remove_orphan(path, tmp, target):
@@ -568,6 +665,32 @@ def _journal_problems(where, events, target, folder):
     left = [e for e in events if e["ev"] == "returned"]
     if left and left[0]["left"]:
         raise CheckFailed(_left_behind(where.split("\n")[0], left[0]["left"]))
+    _directory_synced(where, events, i, folder)
+
+
+def _directory_synced(where, events, moved, folder):
+    """The directory must be fsynced after the rename (event ``moved``)."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    key = [folder.stat().st_dev, folder.stat().st_ino]
+    syncs = [j for j, e in enumerate(events) if e["ev"] == "fsync" and e["key"] == key]
+    if any(j > moved for j in syncs):
+        return
+    why = ("\nHint: the rename is a change to the directory (the entry path now names the new "
+           "file), and a change to a directory reaches the disk only when the directory itself "
+           "is fsynced. Until then a power cut can undo the rename: after the reboot path names "
+           "the previous checkpoint although atomic_save returned, and the training loop, "
+           "which went on (and may have deleted older checkpoints), counts on a save that is "
+           "not there.")
+    if syncs:
+        raise CheckFailed(f"{where} path's directory was fsynced before {events[moved]['fn']}() "
+                          f"put the new file over path, not after{why} An fsync before the "
+                          f"rename makes durable the directory as it was before it.")
+    others = sorted({e["path"] for e in events[moved:] if e["ev"] == "fsync" and e.get("dir")})
+    if others:
+        raise CheckFailed(f"{where} the directory fsynced after {events[moved]['fn']}() was "
+                          f"{others[0]}, not path's directory ({folder}){why}")
+    raise CheckFailed(f"{where} path's directory was not fsynced after {events[moved]['fn']}() "
+                      f"put the new file over path{why} (Step 5 of the exercise.)")
 
 
 # ---------------------------------------------------------------- exercise 2: resume
@@ -703,9 +826,11 @@ RESUME_CASES = [  # (label, damage, the step resume must return)
     ("step 12's checkpoint cut to half its bytes", "cut", 8),
     ("one bit flipped in a parameter inside step 12's checkpoint", "flip", 8),
     ("step 12's checkpoint deleted", "delete", 8),
-    ("the save of step 12 SIGKILLed half-way (in a new process)", "kill", 8),
     ("every checkpoint damaged: 12 flipped, 8 cut short, 4 deleted", "all", 0),
     ("a directory that does not exist (a first start)", "missing", 0),
+    ("step 12's checkpoint whole, but every other file its save wrote (its checksum) deleted",
+     "beside", None),  # 8, or 12 when the save wrote nothing but the .pt (a checksum inside)
+    ("the save of step 12 SIGKILLed half-way (in a new process)", "kill", 8),  # last: slowest
 ]
 
 
@@ -735,6 +860,7 @@ def _save_all(name, where, save_checkpoint, directory, kind, workdir):
         if kind == "kill" and step == LAST:
             _kill_save(where, save_checkpoint, directory, step, model, optimizer, workdir)
             continue
+        before = set(_listing(directory)) if directory.is_dir() else set()
         try:
             save_checkpoint(directory, step, model, optimizer)
         except NotImplementedError as err:
@@ -754,7 +880,15 @@ def _save_all(name, where, save_checkpoint, directory, kind, workdir):
                               f"holds {there})\nHint: save the checkpoint of step {step} as "
                               f"directory / f'step-{{step:08d}}.pt' = {file.name}, with your "
                               f"atomic_save.")
-    return model, optimizer
+        beside = sorted(set(_listing(directory)) - before - {file.name})
+    older = directory / checkpoint_name(LAST - SAVE_EVERY)
+    if not older.is_file():
+        raise CheckFailed(f"{where}\n  after the saves of steps 4, 8 and 12, there is no "
+                          f"{older.name} (the directory holds {_listing(directory)})\nHint: "
+                          f"your save_checkpoint removed the older checkpoints. When the newest "
+                          f"one turns out damaged, resume needs an older one to fall back on: "
+                          f"remove old checkpoints only beyond the last few, never down to one.")
+    return model, optimizer, beside
 
 
 def _kill_save(where, save_checkpoint, directory, step, model, optimizer, workdir):
@@ -777,11 +911,14 @@ def _kill_save(where, save_checkpoint, directory, step, model, optimizer, workdi
                           f"the checkpoint with your atomic_save, through open() or torch.save.")
 
 
-def _damage(kind, directory, model):
-    """Damage the checkpoints as ``kind`` says; returns the flipped parameter's damaged state
-    dict (or None) and a phrase for step 12's file."""
+def _damage(kind, directory, model, beside):
+    """Damage the checkpoints as ``kind`` says (``beside``: what the save of step 12 wrote
+    beside its file); returns the flipped parameter's damaged state dict (or None)."""
     newest = directory / checkpoint_name(LAST)
     flipped = None
+    if kind == "beside":
+        for other in beside:
+            (directory / other).unlink()
     if kind in ("flip", "all"):
         name = next(k for k, v in model.state_dict().items() if v.dim() == 2)  # '0.weight'
         done = _flip(newest, model.state_dict()[name])
@@ -803,8 +940,21 @@ def _damage(kind, directory, model):
 
 def _wrong_step(kind, step, expected, held):
     """The hint when resume returned ``step`` instead of ``expected``."""
+    if step not in (0, *range(SAVE_EVERY, LAST + 1, SAVE_EVERY)):
+        also = f" (the model holds {held})" if held else ""
+        return (f"there is no checkpoint of step {step}: the check saved steps 4, 8 and 12. "
+                f"Return the step that the checkpoint you loaded holds{also}, not a number "
+                f"worked out from it.")
     if kind in ("flip", "all") and (step == LAST or (held or "").endswith("flipped byte")):
         return FLIP_HINT
+    if kind == "beside" and step == LAST:
+        return ("step 12's file is whole, but nothing is left to check it against (what its "
+                "save wrote beside it is gone): a checkpoint that cannot be checked is not a "
+                "good one. Skip it as you skip a damaged file.")
+    if kind is None and step == 0:
+        return ("nothing is damaged in this case, yet your resume found no checkpoint it "
+                "could use: what did it print about each file it skipped (above)? Does "
+                "resume read back what save_checkpoint wrote?")
     damaged = {"cut": "cut to half its bytes", "delete": "deleted",
                "kill": "never written (its save was killed half-way)"}
     if step > expected:
@@ -832,7 +982,7 @@ FLIP_HINT = ("the check flipped one bit of a parameter inside step 12's file, an
              "before loading anything.")
 
 
-def _raise_hint(kind):
+def _raise_hint(kind, err):
     if kind == "missing":
         return ("a directory that does not exist is a first start: return 0. "
                 "(Path(directory).glob('step-*.pt') finds nothing there; os.listdir raises.)")
@@ -840,7 +990,15 @@ def _raise_hint(kind):
         return ("step 12's file is gone (deleted, or its save never finished): look only at "
                 "the files that are there, Path(directory).glob('step-*.pt'), newest first.")
     if kind is None:
+        if isinstance(err, KeyError):
+            return ("a key your resume reads is not in what your save_checkpoint wrote: save "
+                    "everything resume loads, under the names it reads them by.")
         return "see where it raised (in a notebook: under 'Your code', below)."
+    if kind == "beside":
+        return ("step 12's checkpoint is whole, but what its save wrote beside it (the "
+                "checksum) is gone, and your resume stopped on the error that raised. A "
+                "checkpoint that cannot be checked is skipped like a damaged one: does your "
+                "except catch every way the check of a file can fail?")
     hint = ("a damaged or half-written file must not stop the resume: catch the error of each "
             "checkpoint you try (except Exception as e), print its name and why, and try the "
             "one before.")
@@ -872,28 +1030,110 @@ def check_resume(save_checkpoint, resume) -> bool:
                 saved = _save_all(name, where, save_checkpoint, directory, kind, tmp)
                 if saved is False:
                     return False
-                flipped = _damage(kind, directory, saved[0])
+                if kind == "beside":
+                    expected = LAST - SAVE_EVERY if saved[2] else LAST
+                flipped = _damage(kind, directory, saved[0], saved[2])
                 left = _listing(directory)
             model = make_model(1)  # not the run's initialisation: resume must load it
             optimizer = make_optimizer(model)
             initial = snapshot(model, optimizer)
+            heard = _Heard()
             try:
-                got = resume(directory, model, optimizer)
+                with heard:
+                    got = resume(directory, model, optimizer)
             except NotImplementedError as err:
                 return _unfinished(name, err, [resume])
             except Exception as err:
                 there = f"\n  the directory held {left}" if left is not None else ""
                 raise CheckFailed(f"{where}\n  your resume raised {type(err).__name__}: {err}"
-                                  f"{there}\nHint: {_raise_hint(kind)}") from err
-        _check_resumed(where, kind, expected, got, model, optimizer, snaps, initial, flipped)
+                                  f"{there}{heard.said()}\nHint: {_raise_hint(kind, err)}"
+                                  ) from err
+        _check_resumed(where, kind, expected, got, model, optimizer, snaps, initial, flipped,
+                       heard)
+        _check_heard(where, kind, expected, left or [], heard)
     print(f"✓ {name}: {len(RESUME_CASES)}/{len(RESUME_CASES)} cases: the newest whole checkpoint "
-          f"every time (cut short, a flipped bit, deleted, a killed save, nothing whole, no "
-          f"directory), and every resumed run ends at step {FINAL} bit for bit where the "
-          f"uninterrupted one does")
+          f"every time (cut short, a flipped bit, deleted, nothing whole, no directory, no "
+          f"checksum, a killed save), each damaged one reported, and every resumed run ends at "
+          f"step {FINAL} bit for bit where the uninterrupted one does")
     return True
 
 
-def _check_resumed(where, kind, expected, got, model, optimizer, snaps, initial, flipped):
+class _Heard:
+    """What a call printed (stdout, stderr: shown as it comes, and kept), warned or logged."""
+
+    def __init__(self):
+        self.text = io.StringIO()
+
+    def __enter__(self):
+        import contextlib
+        import logging
+        import warnings
+        heard = self
+
+        class Tee(io.TextIOBase):
+            def __init__(self, stream):
+                self.stream = stream
+
+            def write(self, text):
+                heard.text.write(text)
+                return self.stream.write(text)
+
+            def flush(self):
+                self.stream.flush()
+
+        class Handler(logging.Handler):
+            def emit(self, record):
+                heard.text.write(self.format(record) + "\n")
+
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(contextlib.redirect_stdout(Tee(sys.stdout)))
+        self.stack.enter_context(contextlib.redirect_stderr(Tee(sys.stderr)))
+        self.warned = self.stack.enter_context(warnings.catch_warnings(record=True))
+        warnings.simplefilter("always")
+        handler, root = Handler(), logging.getLogger()
+        root.addHandler(handler)
+        self.stack.callback(root.removeHandler, handler)
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.close()
+        for w in self.warned:
+            self.text.write(f"{w.category.__name__}: {w.message}\n")
+        return False
+
+    def names(self, step):
+        """Whether what was heard names the checkpoint of ``step`` (its file, or its step)."""
+        import re
+        return re.search(rf"(?<![\d.]){step}(?!\d)|(?<!\d)0+{step}(?!\d)",
+                         self.text.getvalue()) is not None
+
+    def said(self, lines=3, silence=""):
+        """The first ``lines`` lines heard, for a message (``silence`` when nothing)."""
+        heard = [line for line in self.text.getvalue().splitlines() if line.strip()]
+        if not heard:
+            return silence
+        more = f" (and {len(heard) - lines} more lines)" if len(heard) > lines else ""
+        return "\n  it printed: " + "\n              ".join(h[:100] for h in heard[:lines]) + more
+
+
+def _check_heard(where, kind, expected, left, heard):
+    """Every damaged checkpoint newer than the one resumed must have been reported."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    skipped = [s for s in range(LAST, expected, -SAVE_EVERY) if checkpoint_name(s) in left]
+    silent = [s for s in skipped if not heard.names(s)]
+    if kind in (None, "kill", "delete", "missing") or not silent:
+        return
+    said = heard.said(silence="\n  it printed nothing")
+    raise CheckFailed(
+        f"{where}\n  resume returned step {expected} (right), but it skipped "
+        f"{checkpoint_name(silent[0])} without a word: nothing it printed, logged or warned "
+        f"names it{said}\nHint: a damaged checkpoint is news. The disk that cut it short "
+        f"or flipped its bit will do it again, and whoever restarts the job must know it went "
+        f"back further than the newest file. Print each checkpoint you skip: its name and why.")
+
+
+def _check_resumed(where, kind, expected, got, model, optimizer, snaps, initial, flipped,
+                   heard):
     """The returned step, then the model's and the optimizer's state, then the run resumed."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     step = got.item() if torch.is_tensor(got) and got.numel() == 1 else got
@@ -907,7 +1147,7 @@ def _check_resumed(where, kind, expected, got, model, optimizer, snaps, initial,
     holds = f"; the model holds {held}" if held else ""
     if step != expected:
         raise CheckFailed(f"{where}\n  resume returned step {step}, expected {expected}{holds}"
-                          f"\nHint: {_wrong_step(kind, step, expected, held)}")
+                          f"{heard.said()}\nHint: {_wrong_step(kind, step, expected, held)}")
     if expected == 0:
         problem = (_difference(initial["model"], model.state_dict(), "model")
                    or _difference(initial["optimizer"], optimizer.state_dict(), "optimizer"))
