@@ -42,10 +42,15 @@ def _partials(seed: int, scale: float, empty: str) -> tuple:
     return (*a, *b)
 
 
-_MERGE_CASES = [("random blocks", 0, 1.0, "none"), ("scores around 300", 1, 60.0, "none"),
+_MERGE_CASES = [("random blocks", 0, 1.0, "none"),
+                ("scores up to 1000: e^1000 overflows float64", 1, 300.0, "none"),
                 ("queries that see none of the first block", 2, 1.0, "a"),
                 ("queries that see none of either block", 3, 1.0, "both"),
-                ("large scores and empty rows", 4, 60.0, "a")]
+                ("large scores and empty rows", 4, 300.0, "a")]
+
+
+MERGE_HINT = ("the merged (out, lse) is what attention over both blocks' keys together gives: "
+              "compare yours with the formula of the exercise, term by term.")
 
 
 def _diagnose_merge(expected: tuple, got: Any, args: tuple) -> str | None:
@@ -54,16 +59,60 @@ def _diagnose_merge(expected: tuple, got: Any, args: tuple) -> str | None:
         out, lse = (torch.as_tensor(x) for x in got)
     except (TypeError, ValueError):
         return None
-    if not torch.isfinite(out).all():
-        return ("your output has inf or nan. exp(lse) overflows for large scores, and a query "
-                "that sees no key has lse = -inf: take the larger lse out first "
-                "(torch.logaddexp does), and give an empty part the weight 0.")
-    if torch.allclose(out, out_a + out_b):
-        return ("each part's output is normalised over its own keys: weight it by its share "
-                "of the total denominator, exp(lse_a - lse) and exp(lse_b - lse).")
-    if torch.allclose(lse, torch.maximum(lse_a, lse_b)):
-        return "the merged lse is log(exp(lse_a) + exp(lse_b)), not the larger of the two."
+    want_out, want_lse = expected
+    empty = torch.isinf(lse_a) & torch.isinf(lse_b)  # queries that see no key at all
+    if out.shape == want_out.shape and not torch.isfinite(out).all():
+        bad = ~torch.isfinite(out).all(dim=-1)
+        if (bad <= empty).all():
+            return ("your output is nan exactly for the queries that see no key of either "
+                    "block (lse_a = lse_b = -inf, so lse = -inf too): -inf - (-inf) is nan. Such "
+                    "a query's output must be 0.")
+        return ("your output has inf or nan for queries that see keys: exp of a large lse "
+                "overflows (e^710 is inf in float64). Compute each weight from a difference of "
+                "logs, never from exp(lse) itself.")
+    if lse.shape == want_lse.shape and torch.isposinf(lse).any():
+        return ("your lse is +inf for large scores: exp(lse_a) overflows before the log brings "
+                "it back. The log of a sum of exponentials has a stable form (torch.logaddexp).")
+    if lse.shape == want_lse.shape and torch.allclose(lse, want_lse, rtol=1e-9, atol=1e-12):
+        if out.shape != want_out.shape:
+            return None
+        if torch.allclose(out, out_a + out_b):
+            return ("lse is right, but out is out_a + out_b: each part's output is normalised "
+                    "over its own keys, so each must be weighted by its share of the total "
+                    "denominator.")
+        if torch.allclose(out, (out_a + out_b) / 2):
+            return ("lse is right, but out gives both parts the same weight 1/2: a part's "
+                    "weight is its share of the total denominator, not one half.")
+        w_a = torch.exp(lse_a - want_lse.clamp_min(-1e300)).unsqueeze(-1)
+        w_b = torch.exp(lse_b - want_lse.clamp_min(-1e300)).unsqueeze(-1)
+        if torch.allclose(out, w_b * out_a + w_a * out_b):
+            return ("lse is right, but the weights are swapped: out_a is weighted by block b's "
+                    "share and out_b by block a's.")
+        return "lse is right, but out is not: look at the weight of each part."
+    if lse.shape == want_lse.shape:
+        if torch.allclose(lse, torch.maximum(lse_a, lse_b)):
+            return ("the merged lse is the log of the sum of both denominators, not the larger "
+                    "of the two logs.")
+        if torch.allclose(lse, lse_a + lse_b):
+            return ("your lse is lse_a + lse_b: the log of the product of the two denominators. "
+                    "The merged denominator is their sum.")
     return None
+
+
+def _shapes_told(student_fn: Callable) -> Callable:
+    """The student's merge, with a broadcasting error turned into what it means."""
+    def merge(out_a, lse_a, out_b, lse_b):
+        try:
+            return student_fn(out_a, lse_a, out_b, lse_b)
+        except RuntimeError as err:
+            if "must match the size" not in str(err):
+                raise
+            raise CheckFailed(f"your merge raised RuntimeError: {err}\n  out_a and out_b have "
+                              f"shape {tuple(out_a.shape)} (..., T, d), lse_a and lse_b "
+                              f"{tuple(lse_a.shape)} (..., T): a weight per query does not "
+                              f"broadcast against an output per query until it has a last "
+                              f"dimension of its own (size 1)") from None
+    return merge
 
 
 def check_merge(student_fn: Callable) -> bool:
@@ -72,10 +121,10 @@ def check_merge(student_fn: Callable) -> bool:
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     cases = [Case(label, lambda c=(seed, scale, empty): _partials(*c))
              for label, seed, scale, empty in _MERGE_CASES]
-    ok = run_check("check_merge", student_fn, cp.merge, cases, output_names=("out", "lse"),
-                   rtol=1e-9, atol=1e-12, diagnose=_diagnose_merge,
-                   hint="lse = logaddexp(lse_a, lse_b); out = exp(lse_a - lse) * out_a + "
-                        "exp(lse_b - lse) * out_b (the weights broadcast over the last dim).")
+    ok = run_check("check_merge", _shapes_told(student_fn), cp.merge, cases,
+                   output_names=("out", "lse"), rtol=1e-9, atol=1e-12, diagnose=_diagnose_merge,
+                   hint=MERGE_HINT, inputs_unchanged=True,
+                   arg_names=("out_a", "lse_a", "out_b", "lse_b"))
     if not ok:
         return False
     return _check_in_ring(student_fn)
@@ -107,10 +156,24 @@ def _check_in_ring(student_fn: Callable) -> bool:
 
 
 _ZIGZAG_CASES = [(16, 2), (16, 4), (24, 3), (64, 8), (8, 4)]
+_UNEVEN_CASES = [(18, 4), (20, 3), (7, 1)]  # lengths that 2N equal chunks cannot cut
 
 
 def _as_lists(assignment: Any) -> list[list[int]]:
-    return [sorted(int(p) for p in np.asarray(positions).ravel()) for positions in assignment]
+    return [[int(p) for p in np.asarray(positions).ravel()] for positions in assignment]
+
+
+def _chunks(ranks: list[list[int]], length: int, n: int) -> str:
+    """Which of the 2N chunks each rank holds, when its positions are whole chunks."""
+    c = length // (2 * n)
+    said = []
+    for r, positions in enumerate(ranks):
+        held = sorted({p // c for p in positions})
+        if sorted(positions) != [p for k in held for p in range(k * c, (k + 1) * c)]:
+            return ""
+        said.append(f"rank {r}: chunk{'s' if len(held) > 1 else ''} "
+                    f"{', '.join(map(str, held))}")
+    return f" (of the {2 * n} chunks of {c} positions, yours gives {'; '.join(said)})"
 
 
 def _diagnose_zigzag(expected: Any, got: Any, args: tuple) -> str | None:
@@ -119,27 +182,71 @@ def _diagnose_zigzag(expected: Any, got: Any, args: tuple) -> str | None:
         got = _as_lists(got)
     except (TypeError, ValueError):
         return "return one list (or tensor) of positions per rank."
+    if len(got) != n:
+        return (f"return one tensor of positions per rank, in rank order: {len(got)} items for "
+                f"world_size = {n}.")
     flat = sorted(p for ranks in got for p in ranks)
+    outside = sorted({p for p in flat if not 0 <= p < length})
+    if outside:
+        return (f"positions {outside[:5]} are outside the sequence (0 to {length - 1}): each "
+                f"chunk is length / (2N) = {length // (2 * n)} positions long.")
     if flat != list(range(length)):
         twice = sorted({p for p in flat if flat.count(p) > 1})
         missing = sorted(set(range(length)) - set(flat))
         return (f"every position must be on exactly one rank: {twice[:5]} assigned twice, "
-                f"{missing[:5]} missing. Rank r holds chunks r and 2N-1-r of 2N chunks.")
+                f"{missing[:5]} missing{_chunks(got, length, n)}.")
+    unsorted = [r for r, p in enumerate(got) if p != sorted(p)]
+    if unsorted:
+        return (f"rank {unsorted[0]}'s positions are not in increasing order "
+                f"({got[unsorted[0]][:8]}{' ...' if len(got[unsorted[0]]) > 8 else ''}): a "
+                f"rank's own positions must be in sequence order, as its tokens are.")
+    want = _as_lists(expected)
+    if sorted(map(tuple, got)) == sorted(map(tuple, want)):
+        return ("every rank's set of positions is one the zig-zag gives, but not on the right "
+                f"rank{_chunks(got, length, n)}: the list is in rank order.")
     work = [sum(cp.causal_pairs(torch.tensor(p), torch.tensor(q)) for q in got) for p in got]
     if len(set(work)) > 1:
-        return (f"the causal work per rank is {work}, not balanced: the late chunk of rank r is "
-                f"chunk 2N-1-r (the mirror of chunk r), for N = {n}.")
+        return (f"the causal work per rank is {work}, not balanced{_chunks(got, length, n)}: "
+                f"the rank that holds the earliest positions must also hold the latest.")
     return None
 
 
 def check_zigzag(student_fn: Callable) -> bool:
     """Lab 14, exercise 2: ``zigzag_positions(length, world_size)`` gives rank r chunks r and
-    2N-1-r of 2N, on 5 cases, every rank's causal work equal (measured in query-key pairs)."""
+    2N-1-r of 2N, each rank's positions in increasing order, on 5 cases (every rank's causal
+    work equal, measured in query-key pairs); lengths that 2N chunks cannot cut raise
+    ValueError."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    name = "check_zigzag"
     cases = [Case(f"length={length}, world_size={n}", lambda c=(length, n): c)
              for length, n in _ZIGZAG_CASES]
-    return run_check("check_zigzag", lambda *a: _as_lists(student_fn(*a)),
-                     lambda *a: _as_lists(cp.zigzag_positions(*a)), cases,
-                     result_name="positions per rank", diagnose=_diagnose_zigzag,
-                     hint="cut the sequence in 2N chunks of length / 2N; rank r gets chunk r "
-                          "and chunk 2N-1-r.")
+    ok = run_check(name, lambda *a: _as_lists(student_fn(*a)),
+                   lambda *a: _as_lists(cp.zigzag_positions(*a)), cases,
+                   result_name="positions per rank", diagnose=_diagnose_zigzag,
+                   hint="compare your ranks' positions with the expected ones above, rank by "
+                        "rank.")
+    if not ok:
+        return False
+    for length, n in _UNEVEN_CASES:
+        where = f"{name}: length={length}, world_size={n} ({2 * n} chunks do not cut {length})"
+        try:
+            got = student_fn(length, n)
+        except ValueError:
+            continue
+        except Exception as err:
+            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}\n"
+                              f"Hint: a length that does not divide is a wrong argument: "
+                              f"raise ValueError, the exception Python uses for one (an "
+                              f"assert disappears under python -O).") from err
+        try:
+            sizes = [len(_as_lists([p])[0]) for p in got]
+        except (TypeError, ValueError):
+            sizes = "?"
+        raise CheckFailed(f"{where}\n  your function returned positions for {n} ranks "
+                          f"(sizes {sizes}) instead of raising ValueError\nHint: {length} "
+                          f"positions do not cut into {2 * n} equal chunks: some positions would "
+                          f"be lost, or the chunks unequal and the balance gone. The exercise "
+                          f"asks to refuse such a length.")
+    print(f"✓ {name}: lengths that {', '.join(str(2 * n) for _, n in _UNEVEN_CASES)} chunks "
+          f"cannot cut raise ValueError")
+    return True
