@@ -4,10 +4,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 GPU_PYTHON ?= 3.12   # the GPU machine's Python, for make gpu-wheels
-# A cell past 240 s is interrupted by nbval (its traceback shows where it was, and the kernel is
-# free for the next cell); pytest-timeout's 300 s (pyproject.toml) is only the guard above it: when
-# it fired first, the kernel went on running the late cell and every later cell queued behind it.
-NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=240 --sanitize-with tests/nbval_sanitize.cfg
+# Hang guards, far above what a busy machine needs (notebook cells take seconds to a minute and
+# every distributed wait has its own deadline): a cell past 600 s is interrupted by nbval (its
+# traceback shows where it was, and the kernel is free for the next cell); pytest-timeout's 900 s
+# (pyproject.toml) is the guard above it: when it fired first, the kernel went on running the late
+# cell and every later cell queued behind it.
+NBVAL  := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --sanitize-with tests/nbval_sanitize.cfg
 
 # PyTorch's CPU build by default (PyPI's torch on Linux is the CUDA build: several GB more). The
 # index is used only when it answers within 3 s, so an offline mirror keeps working. With GPUs:

@@ -7,7 +7,7 @@ import sys
 from course_lib import sequence_parallel as sp
 
 
-def _bench(*args, timeout=240):
+def _bench(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "course_lib", "bench", "attention", *args],
                           capture_output=True, text=True, timeout=timeout)
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 
-def _bench(*args, timeout=300):
+def _bench(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "course_lib", "bench", "moe", *args],
                           capture_output=True, text=True, timeout=timeout)
 

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 
-def _cli(*args, timeout=240):
+def _cli(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "course_lib", *args], capture_output=True,
                           text=True, timeout=timeout)
 

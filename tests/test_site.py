@@ -56,7 +56,7 @@ def _run(args, timeout, **kwargs):
 def vendor():
     """reveal.js, require.js and MathJax in slides/vendor (fetched once, then offline)."""
     out = subprocess.run([sys.executable, "slides/vendor.py", "slides/vendor"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         pytest.skip("could not fetch reveal.js, require.js and MathJax from the npm registry "
                     f"(python slides/vendor.py): {out.stderr.strip()[-300:]}")
@@ -72,10 +72,10 @@ def built(vendor, tmp_path_factory):
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     site_build = _run([sys.executable, "-m", "sphinx", "-q", "-c", "site", "-b", "html",
                        "-D", f"nb_execution_cache_path={cache}", ".", str(site)],
-                      timeout=240, env=env)
+                      timeout=600, env=env)  # a hang guard: minutes on a busy machine
     deck = _run([sys.executable, "-m", "jupyter", "nbconvert", "--config", "slides/config.py",
                  "--to", "slides", f"--CachedExecute.cache_path={cache}", "--output-dir",
-                 str(slides), NOTEBOOK], timeout=120, env=env)
+                 str(slides), NOTEBOOK], timeout=300, env=env)
     (slides / "vendor").symlink_to(vendor, target_is_directory=True)
     return {"site": site, "slides": slides, "site_log": site_build.stderr,
             "deck_log": deck.stderr}
