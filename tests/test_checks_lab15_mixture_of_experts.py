@@ -156,6 +156,71 @@ def not_written(send, recv, comm, send_counts, recv_counts):
     raise NotImplementedError("exercise 1: fill in my_all_to_all")
 
 
+def sends_everything(send, recv, comm, send_counts, recv_counts):
+    """The whole send buffer to every peer, not its block."""
+    n, r = comm.world_size, comm.rank
+    ra, sa = offsets(recv_counts), offsets(send_counts)
+    recv[ra[r]:ra[r + 1]] = send[sa[r]:sa[r + 1]]
+    for s in range(1, n):
+        to, frm = (r + s) % n, (r - s) % n
+        comm.sendrecv(send, to, recv[ra[frm]:ra[frm + 1]], frm)
+    return recv
+
+
+def inclusive_offsets(send, recv, comm, send_counts, recv_counts):
+    """Offsets from the running sums including each block itself: one block late."""
+    n, r = comm.world_size, comm.rank
+    sa = [sum(send_counts[:q + 1]) for q in range(n)]
+    ra = [sum(recv_counts[:q + 1]) for q in range(n)]
+    recv[ra[r]:ra[r] + recv_counts[r]] = send[sa[r]:sa[r] + send_counts[r]]
+    for s in range(1, n):
+        to, frm = (r + s) % n, (r - s) % n
+        comm.sendrecv(send[sa[to]:sa[to] + send_counts[to]], to,
+                      recv[ra[frm]:ra[frm] + recv_counts[frm]], frm)
+    return recv
+
+
+def receives_into_a_copy(send, recv, comm, send_counts, recv_counts):
+    """Receives into a new tensor and never copies it into recv."""
+    n, r = comm.world_size, comm.rank
+    sa, ra = offsets(send_counts), offsets(recv_counts)
+    recv[ra[r]:ra[r + 1]] = send[sa[r]:sa[r + 1]]
+    for s in range(1, n):
+        to, frm = (r + s) % n, (r - s) % n
+        block = recv[ra[frm]:ra[frm + 1]].clone()
+        comm.sendrecv(send[sa[to]:sa[to + 1]], to, block, frm)
+    return recv
+
+
+def skips_empty_sends(send, recv, comm, send_counts, recv_counts):
+    """Skips the whole step when its own block for the peer is empty."""
+    n, r = comm.world_size, comm.rank
+    sa, ra = offsets(send_counts), offsets(recv_counts)
+    recv[ra[r]:ra[r + 1]] = send[sa[r]:sa[r + 1]]
+    for s in range(1, n):
+        to, frm = (r + s) % n, (r - s) % n
+        if send_counts[to] == 0:
+            continue
+        comm.sendrecv(send[sa[to]:sa[to + 1]], to, recv[ra[frm]:ra[frm + 1]], frm)
+    return recv
+
+
+def own_block_by_recv_offsets(send, recv, comm, send_counts, recv_counts):
+    """The own block cut out of send at recv's offsets."""
+    r, ra = comm.rank, offsets(recv_counts)
+    recv[ra[r]:ra[r + 1]] = send[ra[r]:ra[r + 1]]
+    return pairwise(send, recv, comm, send_counts, recv_counts, own=False)
+
+
+def own_block_first(send, recv, comm, send_counts, recv_counts):
+    """The own block copied to the start of recv, not to its place among the senders."""
+    sa = offsets(send_counts)
+    r = comm.rank
+    pairwise(send, recv, comm, send_counts, recv_counts, own=False)
+    recv[:send_counts[r]] = send[sa[r]:sa[r + 1]]
+    return recv
+
+
 @pytest.mark.parametrize("fn", [good, good_nonblocking, library])
 def test_right_all_to_alls_pass(cluster, fn, capsys):
     assert checks.check_all_to_all(fn, cluster, timeout=TIMEOUT) is True
@@ -202,6 +267,18 @@ def test_a_deadlock_ends_within_the_deadline_with_its_cause(cluster, fn, hint):
                    r"rows. The blocks are uneven"),
     (returns_a_new_tensor, r"recv was never written .* returned another tensor"),
     (native_collective, r"no rank sent a message over comm"),
+    (sends_everything, r"rank 0 sent send\[0:6\] to rank 1; its block for rank 1 is send\[2:4\]"),
+    (inclusive_offsets, r"rank 0 sent send\[4:6\] to rank 1; its block for rank 1 is "
+                        r"send\[2:4\]"),
+    (receives_into_a_copy, r"rank 0 did receive rank 1's block, but into a buffer that is not "
+                           r"part of recv"),
+    (skips_empty_sends, r"(?s)case 2/5 .*CommTimeout.*Hint: rank 1 never called a receive from "
+                        r"rank 0, whose block for it has 3 row\(s\)\. At that step rank 1's own "
+                        r"block for rank 0 is empty"),
+    (own_block_by_recv_offsets, r"(?s)case 2/5 .*RuntimeError.*Hint: a slice of recv and a slice "
+                                r"of send differ in rows"),
+    (own_block_first, r"on rank 1, recv\[0:2\] must hold rank 0's block for it \(2 rows\); it "
+                      r"holds rank 1's rows 0-1 for rank 1: the block from rank 1 landed where"),
 ])
 def test_usual_mistakes_get_their_hint(cluster, fn, hint):
     with pytest.raises(CheckFailed, match=hint) as info:
@@ -265,10 +342,23 @@ def vectorised(logits, top_k, capacity_factor):
     return expert, gate, kept, int((~kept).sum())
 
 
-@pytest.mark.parametrize("fn", [routed, vectorised, dispatch])
+def softmax_of_the_top(logits, top_k, capacity_factor):
+    """Right too: top-2 gates as a softmax over the chosen logits; the capacity in integers."""
+    from fractions import Fraction
+    T, E = logits.shape
+    top, expert = logits.topk(top_k, dim=-1)
+    gate = torch.softmax(logits, dim=-1).gather(1, expert) if top_k == 1 else \
+        torch.softmax(top, dim=-1)
+    limit = T * top_k if capacity_factor is None else \
+        math.ceil(Fraction(str(capacity_factor)) * top_k * T / E)
+    kept = checks.keep_in_order(expert, E, limit, "choices first")
+    return expert, gate, kept, (~kept).sum()
+
+
+@pytest.mark.parametrize("fn", [routed, vectorised, dispatch, softmax_of_the_top])
 def test_right_dispatches_pass(fn, capsys):
     assert checks.check_dispatch(fn) is True
-    assert "✓ check_dispatch: 6/6 cases" in capsys.readouterr().out
+    assert "✓ check_dispatch: 8/8 cases" in capsys.readouterr().out
 
 
 def test_the_loops_agree_with_the_library():
@@ -287,15 +377,15 @@ def test_every_case_that_can_drop_drops():
 
 @pytest.mark.parametrize("knobs, hint", [
     (dict(softmax=False), r"the gates are the raw logits: take the softmax"),
-    (dict(renormalise=False), r"(?s)case 2/6 .*renormalised to add up to 1"),
-    (dict(top1_renormalised=True), r"(?s)case 1/6 .*every gate is 1: with top-1 the gate is the "
+    (dict(renormalise=False), r"(?s)case 2/8 .*renormalised to add up to 1"),
+    (dict(top1_renormalised=True), r"(?s)case 1/8 .*every gate is 1: with top-1 the gate is the "
                                    r"expert's probability"),
-    (dict(rounding=math.floor), r"(?s)case 3/6 .*rounded down: floor\(3\.75\) = 3; it is "
-                                r"ceil\(.*\) = 4"),
-    (dict(with_k=False), r"(?s)case 4/6 .*the capacity left out top_k"),
+    (dict(rounding=math.floor), r"(?s)case 3/8 .*your experts took at most 3 choices: 3\.75 "
+                                r"rounded down"),
+    (dict(with_k=False), r"(?s)case 4/8 .*your capacity is 3, which leaves out top_k"),
     (dict(order="tokens first"), r"second choices took slots before first choices"),
     (dict(order="later choices first"), r"second choices were served before first choices"),
-    (dict(order="tokens reversed"), r"(?s)case 3/6 .*token order was not respected"),
+    (dict(order="tokens reversed"), r"(?s)case 3/8 .*token order was not respected"),
     (dict(order="by gate"), r"most confident choices first"),
     (dict(count="tokens"), r"you counted the tokens that lost a choice"),
     (dict(count="estimate"), r"max\(T \* k - E \* capacity, 0\) = 0 assumes every slot is used"),
@@ -322,11 +412,66 @@ def test_other_dispatch_mistakes_are_described():
         return dispatch(logits, k, 1.0 if f is None else f)
 
     for fn, hint in [(softmax_over_tokens, r"softmax went over the tokens \(dim=0\)"),
-                     (sorted_by_index, r"(?s)case 2/6 .*the right experts, in the wrong order"),
+                     (sorted_by_index, r"(?s)case 2/8 .*the right experts, in the wrong order"),
                      (squeezed, r"\(12, 1\) here: one row per token"),
                      (no_limit_ignored, r"capacity_factor None means no capacity")]:
         with pytest.raises(CheckFailed, match=hint):
             checks.check_dispatch(fn)
+
+
+def capacity_dispatch(capacity):
+    """The right dispatch with another capacity: ``capacity(f, k, T, E)``."""
+    def fn(logits, top_k, capacity_factor):
+        T, E = logits.shape
+        expert, gate, _, _ = dispatch(logits, top_k, None)
+        limit = T * top_k if capacity_factor is None else capacity(capacity_factor, top_k, T, E)
+        kept = checks.keep_in_order(expert, E, limit, "choices first")
+        return expert, gate, kept, int((~kept).sum())
+    return fn
+
+
+def first_choices_only(logits, top_k, capacity_factor):
+    expert, gate, kept, _ = dispatch(logits, top_k, capacity_factor)
+    if capacity_factor is not None:
+        kept[:, 1:] = False
+    return expert, gate, kept, int((~kept).sum())
+
+
+def pooled_slots(logits, top_k, capacity_factor):
+    """One pool of E x capacity slots for all experts, in the right order."""
+    T, E = logits.shape
+    expert, gate, _, _ = dispatch(logits, top_k, None)
+    limit = T * top_k if capacity_factor is None else \
+        math.ceil(capacity_factor * top_k * T / E)
+    kept = checks.keep_in_order(expert, E, E * limit, "choices first")
+    order = [(t, j) for j in range(top_k) for t in range(T)]
+    for t, j in order[E * limit:]:
+        kept[t, j] = False
+    return expert, gate, kept, int((~kept).sum())
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (capacity_dispatch(lambda f, k, T, E: math.ceil(f * T / E) * k),
+     r"(?s)case 4/8 \(top-2, capacity factor 1\.0: 4\.5 slots\).*Hint: your capacity is 6 = "
+     r"ceil\(2\.25\) x 2: rounded before it was multiplied by top_k"),
+    (capacity_dispatch(lambda f, k, T, E: int(f * k * T / E) + 1),
+     r"(?s)case 5/8 \(top-2, capacity factor 1\.0: exactly 5 slots\).*Hint: your experts took "
+     r"up to 6 choices, one more than 5 slots: int\(x\) \+ 1"),
+    (capacity_dispatch(lambda f, k, T, E: round(f * k * T / E)),
+     r"(?s)case 4/8 .*Hint: your experts took at most 4 choices: 4\.5 rounded down"),
+    (capacity_dispatch(lambda f, k, T, E: int(f * k * T // E)),
+     r"(?s)case 3/8 .*Hint: your experts took at most 3 choices: 3\.75 rounded down"),
+    (capacity_dispatch(lambda f, k, T, E: math.ceil(f * k * E / T)),
+     r"(?s)case 3/8 .*Hint: your capacity is 1: E / T upside down"),
+    (first_choices_only, r"(?s)case 4/8 .*Hint: no second choice was ever kept"),
+    (pooled_slots, r"(?s)case 3/8 .*Hint: expert 0 kept \d+ choices, over its capacity of 4 "
+                   r"\(each expert has its own capacity"),
+], ids=["k after the ceiling", "int + 1", "round", "floor division", "E / T",
+        "first choices only", "pooled slots"])
+def test_capacity_mistakes_get_their_hint(fn, hint):
+    with pytest.raises(CheckFailed, match=hint) as failed:
+        checks.check_dispatch(fn)
+    assert "ceil(capacity_factor * top_k * T / E)" not in str(failed.value)  # not the answer
 
 
 def test_dispatch_not_implemented_is_reported_not_raised(capsys):

@@ -16,8 +16,9 @@ student's comm records each call, so a deadlock (every rank waiting at its deadl
 hang) is told apart by where each rank stood, and a right result reached by another schedule
 than the pairwise exchange is told so. The second compares ``my_dispatch(logits, top_k,
 capacity_factor) -> (expert, gate, kept, dropped)`` with ``moe.route`` on seeded logits, and
-matches a wrong answer against the usual mistakes (no softmax, gates not renormalised, floor
-instead of ceil, second choices first, slots not in token order, a miscounted drop).
+matches a wrong answer against the usual mistakes (no softmax, gates not renormalised, a
+capacity rounded the wrong way or before top_k multiplies it, second choices first, slots not in
+token order, a miscounted drop).
 """
 
 from __future__ import annotations
@@ -37,11 +38,9 @@ from course_lib.checks.framework import Case, CheckFailed, not_implemented, pack
 STUDENT_TIMEOUT = 5.0
 FILL = -1.0  # what recv holds before the call: a row still holding it was never written
 
-SCHEDULE = ("N - 1 steps, s = 1 .. N-1: rank r sends its block for rank to = (r + s) mod N, "
-            "send[send_at[to]:send_at[to + 1]], and receives the block of rank frm = (r - s) mod "
-            "N into recv[recv_at[frm]:recv_at[frm + 1]], both in one comm.sendrecv; send_at and "
-            "recv_at are the running sums of send_counts and recv_counts (block q starts at "
-            "sum(counts[:q])). Its own block is a copy, before the loop.")
+SCHEDULE = ("Compare with the pairwise exchange as the exercise describes it: the own block "
+            "copied, then N - 1 steps of one comm.sendrecv each, every offset from its own "
+            "counts.")
 
 
 # ---------------------------------------------------------------- the rows every rank sends
@@ -237,8 +236,32 @@ def row_labels(buf: np.ndarray) -> list:
     return out
 
 
+def _skipped_receive(results: list[dict], counts: list[list[int]]) -> str | None:
+    """A rank that returned without asking for a block it had to receive, at the step where
+    its own block to send was empty (the step skipped for it), in words."""
+    n = len(counts)
+    for r, res in enumerate(results):
+        if not res or "calls" not in res or "error" in res:
+            continue
+        asked = {c["frm"] for c in res["calls"]}
+        for p in range(n):
+            to = (2 * r - p) % n  # rank r's partner to send to at the step it receives from p
+            if p != r and counts[p][r] and p not in asked and counts[r][to] == 0 and to != r:
+                return (f"rank {r} never called a receive from rank {p}, whose block for it "
+                        f"has {counts[p][r]} row(s). At that step rank {r}'s own block for "
+                        f"rank {to} is empty: the step was skipped because of it, but the "
+                        f"receive in it is not empty. An empty block still makes its step (a "
+                        f"slice of 0 rows).")
+    return None
+
+
+def _received_elsewhere(rank: int, p: int, calls: list[dict]) -> bool:
+    """Whether ``rank`` completed a receive from ``p`` into a buffer outside recv."""
+    return any(c["frm"] == p and c["done"] and c["in_at"] is None and c["in"] for c in calls)
+
+
 def _diagnose_rows(rank: int, counts: list[list[int]], got: np.ndarray,
-                   returned: Any) -> str:
+                   returned: Any, calls: list[dict] = ()) -> str:
     """What landed where on ``rank``, and what that says about the offsets."""
     n = len(counts)
     recv_counts = [counts[p][rank] for p in range(n)]
@@ -267,6 +290,11 @@ def _diagnose_rows(rank: int, counts: list[list[int]], got: np.ndarray,
                         f"travel: recv[recv_at[r]:recv_at[r + 1]] = send[send_at[r]:"
                         f"send_at[r + 1]], both offsets from their own counts (recv_counts = "
                         f"{recv_counts}: the offsets {at}).")
+            if _received_elsewhere(rank, p, calls):
+                return (f"{where}: rank {rank} did receive rank {p}'s block, but into a buffer "
+                        f"that is not part of recv (a new tensor, a .clone() of a slice, or "
+                        f"rows picked by a list: copies, not views), and the rows never "
+                        f"reached recv.")
             return (f"{where}: rank {p}'s block never arrived. Every rank exchanges with every "
                     f"other once: N - 1 = {n - 1} steps, s in range(1, N). {SCHEDULE}")
         mine = [i for i, lab in enumerate(labels) if lab in want]
@@ -434,7 +462,7 @@ def _remote_failure(where: str, results: list[dict], counts: list[list[int]],
         hint = (f"read the error of the rank that raised it first (the others, if they timed "
                 f"out, were waiting for it). {SCHEDULE}")
     elif any(t.startswith("CommTimeout") for t in errors.values()):
-        hint = _diagnose_deadlock(results)
+        hint = _skipped_receive(results, counts) or _diagnose_deadlock(results)
     else:
         hint = SCHEDULE
     raise CheckFailed(f"{told}\nHint: {hint}")
@@ -480,7 +508,7 @@ def _check_schedule(where: str, results: list[dict], counts: list[list[int]]) ->
                 f"{s + 1} ranks {who} all send to rank {busy}, which takes one at a time while "
                 f"others idle (message order per rank: {sends}).\nHint: every rank sends to "
                 f"the same peer first when all go through the peers in the same order. Give "
-                f"each a different partner at every step: {SCHEDULE}")
+                f"each a different partner at every step. {SCHEDULE}")
 
 
 def check_all_to_all(student_fn: Callable, cluster: Any,
@@ -530,8 +558,8 @@ def check_all_to_all(student_fn: Callable, cluster: Any,
             problem = (f"rank {rank}'s recv differs from dist.all_to_all_single's: expected "
                        f"{describe_rows(row_labels(res['native']))}; got "
                        f"{describe_rows(row_labels(res['recv']))}")
-            hint = _diagnose_slices(results, counts) or \
-                _diagnose_rows(rank, counts, res["recv"], res["returned"])
+            hint = _diagnose_slices(results, counts) or _skipped_receive(results, counts) or \
+                _diagnose_rows(rank, counts, res["recv"], res["returned"], res["calls"])
             raise CheckFailed(f"{where}\n  {problem}\nHint: {hint}")
         for rank, res in enumerate(results):  # the reference itself, row for row
             if not np.array_equal(res["native"], case_recv(counts, rank, dtype, width)):
@@ -547,11 +575,14 @@ def check_all_to_all(student_fn: Callable, cluster: Any,
 DISPATCH_CASES = [  # (label, tokens, experts, top_k, capacity_factor, seed)
     ("top-1, no capacity", 12, 4, 1, None, 0),
     ("top-2, no capacity", 12, 4, 2, None, 1),
-    ("top-1, capacity factor 1.0 (3.75 slots)", 30, 8, 1, 1.0, 2),
-    ("top-2, capacity factor 1.0 (7.5 slots)", 30, 8, 2, 1.0, 3),
-    ("top-2, capacity factor 0.75 (7.5 slots)", 20, 4, 2, 0.75, 4),
-    ("top-1, capacity factor 0.5 (2.25 slots)", 18, 4, 1, 0.5, 5),
-]
+    ("top-1, capacity factor 1.0: 3.75 slots", 30, 8, 1, 1.0, 2),
+    # ceil(f k T / E) = 5; ceil(f T / E) k = 6 and floor = 4: where the rounding goes matters
+    ("top-2, capacity factor 1.0: 4.5 slots", 18, 8, 2, 1.0, 3),
+    ("top-2, capacity factor 1.0: exactly 5 slots", 20, 8, 2, 1.0, 6),  # int(x) + 1 = 6
+    ("top-2, capacity factor 0.75: 7.5 slots", 20, 4, 2, 0.75, 4),
+    ("top-1, capacity factor 0.5: 2.25 slots", 18, 4, 1, 0.5, 5),
+    ("top-1, capacity factor 1.25: exactly 5 slots", 16, 4, 1, 1.25, 7),
+]  # factors exact in binary: a float product and moe.capacity's decimal one agree
 
 
 def dispatch_logits(tokens: int, experts: int, seed: int) -> torch.Tensor:
@@ -648,9 +679,9 @@ def _diagnose_dispatch(expected: tuple, got: Any, args: tuple) -> str | None:
             return ("the softmax went over the tokens (dim=0): each token's probabilities are "
                     "a softmax over the experts, dim=-1.")
         if k > 1 and close(probs.gather(1, e_exp)):
-            return ("the gates are the probabilities themselves; with top-2 they are "
-                    "renormalised to add up to 1 for each token: top / top.sum(-1, "
-                    "keepdim=True).")
+            return (f"the gates are the probabilities themselves (token 0's add up to "
+                    f"{float(g[0].sum()):.4f}); with top-2 each token's gates are renormalised "
+                    f"to add up to 1.")
         if k == 1 and close(torch.ones_like(g)):
             return ("every gate is 1: with top-1 the gate is the expert's probability itself "
                     "(Switch), not renormalised (one value over itself is 1).")
@@ -681,15 +712,29 @@ def _kept_mistake(kept, k_exp, expert, gate, k, factor, T, E) -> str:
         return ("capacity_factor None means no capacity: every choice is kept (kept all True, "
                 "dropped 0).")
     x = factor * k * T / E
-    wrong_limits = {"floor": (math.floor(x), f"the capacity was rounded down: floor({x:g}) = "
-                                             f"{math.floor(x)}; it is ceil(capacity_factor * "
-                                             f"top_k * T / E) = ceil({x:g}) = {limit}."),
-                    "no k": (math.ceil(factor * T / E),
-                             f"the capacity left out top_k: every token makes {k} choices, so "
-                             f"an expert's fair share is top_k * T / E; capacity = "
-                             f"ceil({factor:g} * {k} * {T} / {E}) = {limit}.")}
-    for other, text in wrong_limits.values():
-        if other != limit and torch.equal(kept, moe.keep_within_capacity(expert, E, other)):
+    # the capacities under which the right order gives the student's kept
+    took = [c for c in range(T * k + 1)
+            if torch.equal(kept, moe.keep_within_capacity(expert, E, c))]
+    share = factor * T / E
+    wrong = [  # (their capacity, what it says), first match wins
+        (math.floor(x) + 1, f"your experts took up to {math.floor(x) + 1} choices, one more "
+                            f"than {x:g} slots: int(x) + 1 is the ceiling only when x is not "
+                            f"whole; the ceiling of a whole number is the number itself."),
+        (math.ceil(share) * k, f"your capacity is {math.ceil(share) * k} = ceil({share:g}) x "
+                               f"{k}: rounded before it was multiplied by top_k. The ceiling "
+                               f"is of the whole product, capacity_factor x top_k x T / E = "
+                               f"{x:g}, which rounds up to {limit}."),
+        (math.ceil(share), f"your capacity is {math.ceil(share)}, which leaves out top_k: every "
+                           f"token makes {k} choices, so an expert's fair share of them is "
+                           f"top_k x T / E."),
+        (math.floor(x), f"your experts took at most {math.floor(x)} choices: {x:g} rounded "
+                        f"down (int(), floor(), //, round()). A fractional slot rounds up."),
+        (math.ceil(factor * k * E / T), f"your capacity is {math.ceil(factor * k * E / T)}: "
+                                        f"E / T upside down. An expert's fair share is the "
+                                        f"k x T choices over the E experts."),
+    ]
+    for value, text in wrong:
+        if value != limit and value in took:
             return text
     for order, text in ORDER_HINTS.items():
         if torch.equal(kept, keep_in_order(expert, E, limit, order, gate)):
@@ -697,8 +742,11 @@ def _kept_mistake(kept, k_exp, expert, gate, k, factor, T, E) -> str:
     counts = torch.bincount(expert[kept], minlength=E).tolist()
     over = [e for e in range(E) if counts[e] > limit]
     if over:
-        return (f"expert {over[0]} kept {counts[over[0]]} choices, over its capacity "
-                f"ceil({x:g}) = {limit}.")
+        return (f"expert {over[0]} kept {counts[over[0]]} choices, over its capacity of "
+                f"{limit} (each expert has its own capacity: the slots are not pooled).")
+    if k > 1 and not kept[:, 1:].any() and k_exp[:, 1:].any():
+        return ("no second choice was ever kept, but experts with free slots are there for "
+                "them: after the first choices, the second choices take the slots left.")
     for e in range(E):
         mine = [(int(t), int(j) + 1) for t, j in ((expert == e) & kept).nonzero().tolist()]
         right = [(int(t), int(j) + 1) for t, j in ((expert == e) & k_exp).nonzero().tolist()]
@@ -714,23 +762,24 @@ def _diagnose_dropped(d, kept, k, factor, T, E) -> str:
     limit = moe.capacity(T, E, k, factor)
     if d == int((~kept).any(1).sum()) and k > 1:
         return (f"you counted the tokens that lost a choice ({d}); dropped counts the choices "
-                f"that found their expert full ({right}): (~kept).sum().")
+                f"that found their expert full ({right}).")
     if d == int((~kept).all(1).sum()) and k > 1:
         return (f"you counted the tokens that lost every choice ({d}); dropped counts the "
-                f"choices that found their expert full ({right}): (~kept).sum().")
+                f"choices that found their expert full ({right}).")
     if d == int(kept.sum()):
         return f"that is the number of kept choices; dropped is the rest, {right}."
     if d == max(T * k - E * limit, 0):
         return (f"max(T * k - E * capacity, 0) = {d} assumes every slot is used; an expert "
                 f"that few tokens chose leaves slots empty. Count the choices that were not "
-                f"kept: (~kept).sum() = {right}.")
-    return f"dropped counts the choices that were not kept: (~kept).sum() = {right}."
+                f"kept ({right} here).")
+    return f"dropped counts the choices that were not kept ({right} here), yours {d}."
 
 
 def check_dispatch(student_fn: Callable) -> bool:
     """Lab 15, exercise 2: ``my_dispatch(logits, top_k, capacity_factor) -> (expert, gate,
-    kept, dropped)`` equals ``moe.route``'s on 6 cases, top-1 and top-2, with and without
-    capacity; a wrong answer is matched against the usual mistakes."""
+    kept, dropped)`` equals ``moe.route``'s on 8 cases, top-1 and top-2, with and without
+    capacity (fractional and whole numbers of slots); a wrong answer is matched against the
+    usual mistakes."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     cases = [Case(label, lambda c=(T, E, k, f, seed): (dispatch_logits(c[0], c[1], c[4]),
                                                        c[2], c[3]))
@@ -738,8 +787,5 @@ def check_dispatch(student_fn: Callable) -> bool:
     return run_check("check_dispatch", student_fn, reference_dispatch, cases,
                      output_names=("expert", "gate", "kept", "dropped"), rtol=1e-6, atol=1e-9,
                      inputs_unchanged=True, arg_names=("logits",), diagnose=_diagnose_dispatch,
-                     hint="probs = softmax over the experts; expert, top = the top_k most "
-                          "probable (topk); gate = top (top-1) or top renormalised (top-2); "
-                          "capacity = ceil(capacity_factor * top_k * T / E) (None: no limit); "
-                          "slots to first choices in token order, then second choices; "
-                          "dropped = (~kept).sum().")
+                     hint="the first difference is above: which of the exercise's six steps "
+                          "made it?")
