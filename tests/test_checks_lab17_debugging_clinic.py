@@ -105,6 +105,162 @@ def test_a_wrong_diagnosis_names_the_tool_not_the_fix(cluster):
         checks.check_job(4, "off by one", right_step, cluster)
 
 
+def fix(model, X, y, ids, comm, number, lr, *, shard="own", reduction="mean", divide="world",
+        biases=True, returns="own", count=None, barrier=None, zero_grad_late=False,
+        params_summed=False):
+    """A fixed step, with knobs that put one of the usual mistakes back into it."""
+    r, n = comm.rank, comm.world_size
+    lo, hi = shard_bounds(len(ids), r, n)
+    mine = {"own": ids[lo:hi], "all": ids, "rank % 2": ids[slice(*shard_bounds(len(ids), r % 2,
+                                                                            n))],
+            "one short": ids[lo:hi - 1], "strided": ids[r::n]}[shard]
+    loss = F.cross_entropy(model(X[mine]), y[mine], reduction=reduction)
+    model.zero_grad()
+    loss.backward()
+    if zero_grad_late:
+        model.zero_grad()
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if not biases and p.dim() == 1:
+            continue
+        if not params_summed:
+            collectives.allreduce(p.grad, comm, "ring")
+        if divide == "twice" or (divide == "weights only" and p.dim() > 1) or \
+                divide in ("world", "len(mine) too"):
+            p.grad /= n
+        if divide == "twice" or divide == "len(mine) too":
+            p.grad /= n if divide == "twice" else len(mine)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+        if params_summed:
+            for p in model.parameters():
+                collectives.allreduce(p.data, comm, "ring")
+        if barrier and number % 3 == 2:
+            if r == 0:
+                accuracy = (model(X[ids]).argmax(1) == y[ids]).double().mean().item()
+            if barrier == "every rank" or (barrier == "rank 0 only" and r == 0):
+                comm.barrier()
+    own = loss.item()
+    if count is not None:  # job 1: the loss (and count) through one more allreduce
+        if count == "float32 on the last rank":
+            total = torch.tensor([own, len(mine)],
+                                 dtype=torch.float32 if r == n - 1 else torch.float64)
+            collectives.allreduce(total, comm, "ring")
+        elif count == "max on the last rank":
+            total = torch.tensor([own], dtype=torch.float64)
+            collectives.allreduce(total, comm, "ring", op="max" if r == n - 1 else "sum")
+        elif count == "only on the last rank":
+            total = torch.tensor([own], dtype=torch.float64)
+            if r == n - 1:
+                collectives.allreduce(total, comm, "ring")
+        elif count == "weighted":
+            total = torch.tensor([own * len(mine), len(mine)], dtype=torch.float64)
+            collectives.allreduce(total, comm, "ring")
+            return mine.tolist(), float(total[0] / total[1])
+        else:
+            total = torch.tensor([own], dtype=torch.float64)
+            collectives.allreduce(total, comm, "ring")
+        own = float(total[0]) / (1 if count == "not divided" else n)
+    said = {"own": own, "sum": own * len(mine), "per rank": own / n,
+            "accuracy": accuracy if barrier and number % 3 == 2 and r == 0 else own}[returns]
+    return mine.tolist(), said
+
+
+def fix_with(**knobs):
+    def step(model, X, y, ids, comm, number, lr):
+        return fix(model, X, y, ids, comm, number, lr, **knobs)
+    return step
+
+
+@pytest.mark.parametrize("number, kind, knobs", [
+    (1, "mismatch", dict(count="weighted")),
+    (2, "hang", dict(barrier="every rank")),
+    (4, "sharding", dict(shard="strided")),
+], ids=["weighted loss", "barrier on every rank", "strided shards"])
+def test_other_right_fixes_pass(cluster, number, kind, knobs):
+    assert checks.check_job(number, kind, fix_with(**knobs), cluster)
+
+
+OTHER = r"Hint: your fix has a bug of another kind"
+SCALING = r"every rank agrees, but differs from one process .*\nHint: your fix has a bug of " \
+          r"another kind \(scaling\): "
+LOSS = r"the model trains as one process does, but rank 0 returned the loss .*\n" + OTHER + \
+       r" \(loss\): the loss your step returns is "
+MISTAKES = [  # (job, its kind, knobs, what the check must say)
+    (1, "mismatch", dict(count="float32 on the last rank"),
+     r"shapes/dtypes differ across ranks: .* rank 3: \(2,\) float32.*\nHint: still a bug of job "
+     r"1's kind \(mismatch\): the ranks still call a collective whose shape, dtype or operation "
+     r"differs"),
+    (1, "mismatch", dict(count="max on the last rank"), r"ops differ across ranks.*\nHint: still "
+                                                        r"a bug of job 1's kind \(mismatch\)"),
+    (1, "mismatch", dict(count="not divided"),
+     LOSS + r"4 x the mean loss of the batch \(4: the number of ranks\)"),
+    (1, "mismatch", dict(count="plain", divide=None),
+     SCALING + r"every tensor's first update is 4 x one process's \(4: the number of ranks\)"),
+    (1, "mismatch", dict(count="plain", returns="sum"),
+     LOSS + r"16 x the mean loss of the batch \(16: the samples each rank reads\)"),
+    (1, "mismatch", dict(count="only on the last rank"),
+     r"rank 3: \(1,\) float6.*\nHint: still a bug of job 1's kind \(mismatch\)"),
+    (2, "hang", dict(barrier="rank 0 only"),
+     r"did not finish within 8s[\s\S]*waiting: rank 0: barrier[\s\S]*Hint: every collective"),
+    (2, "hang", dict(barrier="every rank", returns="accuracy"),
+     r"rank 0 returned the loss 0\.84375 at step 2: .*\n" + OTHER + r" \(loss\): the loss your "
+     r"step returns is 0\.567 x the mean loss of the rank's samples\. It must be a mean loss"),
+    (2, "hang", dict(barrier="every rank", divide=None), SCALING + r"every tensor's first update "
+                                                                  r"is 4 x one process's"),
+    (2, "hang", dict(barrier="every rank", divide="twice"),
+     SCALING + r"every tensor's first update is 1/4 x one process's \(1/4: one over the number "
+     r"of ranks\)"),
+    (2, "hang", dict(barrier="every rank", biases=False),
+     r"differ from step 1 on, first in tensor 0\.bias.*\n" + OTHER + r" \(divergence\): the "
+     r"ranks' copies of 0\.bias part at step 1"),
+    (2, "hang", dict(barrier="every rank", shard="all"),
+     r"samples read twice .*\n" + OTHER + r" \(sharding\): each rank must read its own part"),
+    (3, "divergence", dict(divide="weights only"),
+     SCALING + r"the first update of 0\.bias is 4 x one process's \(4: the number of ranks\), "
+     r"and those of \['0\.weight', '2\.weight'\] are right"),
+    (3, "divergence", dict(divide="twice"), SCALING + r"every tensor's first update is 1/4 x"),
+    (3, "divergence", dict(zero_grad_late=True), SCALING + r"the parameters did not move in the "
+                                                          r"first step"),
+    (3, "divergence", dict(params_summed=True, divide=None),
+     SCALING + r"the first updates are [\d.]+ to [\d.]+ x one process's, a different multiple "
+     r"for every tensor"),
+    (3, "divergence", dict(returns="sum"), LOSS + r"16 x the mean loss of the rank's samples "
+                                                  r"\(16: the samples each rank reads\)"),
+    (3, "divergence", dict(returns="per rank"), LOSS + r"1/4 x the mean loss of the rank's "
+                                                       r"samples"),
+    (4, "sharding", dict(shard="all"), r"ranks 2 and 3: 384\) and 0 samples .*\nHint: still a bug "
+                                       r"of job 4's kind \(sharding\).*clinic\.coverage"),
+    (4, "sharding", dict(shard="rank % 2"), r"\(ranks 0 and 2: 96, ranks 1 and 3: 96\) and 192 "
+                                            r"samples of the batches read by no rank"),
+    (4, "sharding", dict(shard="one short"), r"samples read twice \(none\) and 24 samples"),
+    (4, "sharding", dict(divide=None), SCALING + r"every tensor's first update is 4 x"),
+    (4, "sharding", dict(returns="sum"), LOSS + r"16 x"),
+    (4, "sharding", dict(shard="strided", biases=False), OTHER + r" \(divergence\)"),
+    (5, "scaling", dict(returns="sum"), LOSS + r"16 x"),
+    (5, "scaling", dict(divide=None),
+     r"first update is 4 x one process's\nHint: still a bug of job 5's kind \(scaling\): every "
+     r"tensor's first update is 4 x one process's \(4: the number of ranks\)"),
+    (5, "scaling", dict(divide="len(mine) too"),
+     r"still a bug of job 5's kind \(scaling\): every tensor's first update is 1/16 x one "
+     r"process's \(1/16: one over the samples each rank reads\)"),
+    (5, "scaling", dict(reduction="sum", divide="len(mine) too", returns="sum"),
+     LOSS + r"256 x the mean loss of the rank's samples"),
+    (5, "scaling", dict(returns="per rank"), LOSS + r"1/4 x"),
+    (5, "scaling", dict(biases=False), OTHER + r" \(divergence\)"),
+]
+
+
+@pytest.mark.parametrize("number, kind, knobs, said", MISTAKES)
+def test_a_fix_with_a_new_bug_is_told_that_bug(cluster, number, kind, knobs, said):
+    with pytest.raises(CheckFailed, match=said) as failed:
+        checks.check_job(number, kind, fix_with(**knobs), cluster)
+    if "another kind" in str(failed.value):  # the fix's bug, not the job's tool again
+        assert checks.TOOLS[number] not in str(failed.value)
+
+
 def test_templates_are_a_notice(cluster, capsys):
     def diagnosis():
         raise NotImplementedError("exercise 3: fill in diagnosis_3")

@@ -12,15 +12,22 @@ engines (cloudpickle, by value) and runs it with ``clinic.run`` for a few steps,
 deadline: a job that still hangs comes back with where every rank waited (the stacks), never a
 frozen notebook. The run passes when every rank read its own shard of each batch (nothing read
 twice, nothing left out) and every rank's parameters equal one process on the whole batch after
-every step. A wrong diagnosis, or a run that does not pass, gets a hint that names the tool that
-finds such a bug and what it shows here, never the fix.
+every step, and every rank returned a mean loss (of the samples it read, or of the whole batch).
+A wrong diagnosis, or a fix that still shows the job's bug, gets a hint that names the tool that
+finds such a bug and what it shows here; a fix with a bug of another kind gets what that bug
+does (which tensor, by what factor, which loss), never the fix.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
-from course_lib import clinic
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from course_lib import clinic, data
 from course_lib.checks.framework import CheckFailed, not_implemented, pack_function
 
 STEPS = 6
@@ -68,26 +75,129 @@ def run_student_job(payload: bytes, steps: int = STEPS,
 
 def diagnose(runs: list[dict], reference: dict) -> str | None:
     """What is still wrong with a finished run, as the tools see it; None when right."""
+    found = _problem(runs, reference)
+    return None if found is None else found[1]
+
+
+def _problem(runs: list[dict], reference: dict) -> tuple[str, str, str] | None:
+    """(kind, what the tools show, a hint for a fix that shows it), or None when right. The
+    kinds are those of :data:`KINDS`, "error" (another exception) and "loss" (the model is
+    right, the loss the step returned is not)."""
     errors = [r for r in runs if "error" in r]
     if errors:
         listed = "; ".join(f"rank {r['rank']}: {r['error'][:160]}" for r in errors[:4])
-        return f"your step raised on rank(s) {[r['rank'] for r in errors]}: {listed}"
+        told = f"your step raised on rank(s) {[r['rank'] for r in errors]}: {listed}"
+        if any(re.search(MISMATCH, r["error"]) for r in errors):
+            return ("mismatch", told, "the ranks still call a collective whose shape, dtype or "
+                    "operation differs between them: the error names each rank's.")
+        return ("error", told, "read the error: it comes from your fixed step, on the ranks "
+                "named.")
     split = clinic.first_divergence(runs)
     if split is not None:
-        return (f"the ranks' parameters differ from step {split['step']} on, first in tensor "
-                f"{split['tensor']} (ranks grouped by checksum: {split['groups']})")
+        return ("divergence",
+                f"the ranks' parameters differ from step {split['step']} on, first in tensor "
+                f"{split['tensor']} (ranks grouped by checksum: {split['groups']})",
+                f"the ranks' copies of {split['tensor']} part at step {split['step']}: what "
+                f"updates it is not the same on every rank.")
     cover = clinic.coverage(runs)
     if cover["overlap"] or cover["unread"]:
         pairs = ", ".join(f"ranks {a} and {b}: {n}" for (a, b), n in cover["overlap"].items())
-        return (f"over {len(runs[0]['losses'])} steps, samples read twice ({pairs or 'none'}) "
-                f"and {cover['unread']} samples of the batches read by no rank")
+        return ("sharding",
+                f"over {len(runs[0]['losses'])} steps, samples read twice ({pairs or 'none'}) "
+                f"and {cover['unread']} samples of the batches read by no rank",
+                "each rank must read its own part of each batch: every sample once, by one "
+                "rank.")
     compare = clinic.against_one_process(runs[0], reference)
     worst = max(compare["max_difference"])
     if worst > 1e-9:
         step = next(i for i, d in enumerate(compare["max_difference"]) if d > 1e-9)
-        return (f"every rank agrees, but differs from one process on the whole batch by up to "
+        return ("scaling",
+                f"every rank agrees, but differs from one process on the whole batch by up to "
                 f"{worst:.2e} (from step {step}); the first update is "
-                f"{compare['first_update_ratio']:.3g} x one process's")
+                f"{compare['first_update_ratio']:.3g} x one process's",
+                _scaling_hint(runs[0], reference, len(runs)))
+    return _loss_problem(runs, reference)
+
+
+# the course's agreement check, and Gloo's own words for collectives that do not pair up
+MISMATCH = r"differ across ranks|do not agree|mismatch|size mismatch"
+
+
+def _times(k: float, world_size: int, per_rank: int, what: str) -> str:
+    """``k x what``, with what a known ratio is: "4 x one process's (4: the number of ranks)"."""
+    known = {world_size: f"{world_size}: the number of ranks",
+             1 / world_size: f"1/{world_size}: one over the number of ranks",
+             per_rank: f"{per_rank}: the samples each rank reads",
+             1 / per_rank: f"1/{per_rank}: one over the samples each rank reads",
+             world_size * per_rank: f"{world_size * per_rank}: the samples of the batch"}
+    for value, said in known.items():
+        if abs(k - value) < 1e-6 * max(value, 1):
+            return f"{said.split(':')[0]} x {what} ({said})"
+    return f"{k:.3g} x {what}"
+
+
+def _scaling_hint(run: dict, reference: dict, world_size: int) -> str:
+    """Which tensors' first update is off, and by what factor."""
+    sizes = [(name, p.numel()) for name, p in clinic.make_model(0).named_parameters()]
+    mine = run["params"][1] - run["params"][0]
+    ref = reference["params"][1] - reference["params"][0]
+    per_rank = len(run["samples"][0])
+    ratios, at = {}, 0
+    for name, n in sizes:
+        ratios[name] = float(np.linalg.norm(mine[at:at + n]) / np.linalg.norm(ref[at:at + n]))
+        at += n
+    off = {name: k for name, k in ratios.items() if abs(k - 1) > 1e-6}
+    if not off:
+        return ("the first update is right, the later ones are not: something in your step "
+                "changes from one step to the next.")
+    if all(k < 1e-12 for k in ratios.values()):
+        return ("the parameters did not move in the first step: no gradient reached the "
+                "update.")
+    if len(off) < len(ratios):
+        name, k = next(iter(off.items()))
+        said = _times(k, world_size, per_rank, "one process's")
+        return (f"the first update of {name} is {said}, and those of "
+                f"{sorted(set(ratios) - set(off))} are right: {sorted(off)} went another way "
+                f"through your step.")
+    low, high = min(off.values()), max(off.values())
+    if high - low > 1e-6 * high:
+        return (f"the first updates are {low:.3g} to {high:.3g} x one process's, a different "
+                f"multiple for every tensor: not a factor on the gradient, something else "
+                f"changed the parameters too.")
+    said = _times(high, world_size, per_rank, "one process's")
+    return (f"every tensor's first update is {said}: the gradient each rank applies is that "
+            f"many times the batch's mean gradient.")
+
+
+def _loss_problem(runs: list[dict], reference: dict) -> tuple[str, str, str] | None:
+    """The loss each rank returned: the mean over the samples it read, or over the batch."""
+    X, y, _, _ = data.load_digits()
+    X, y = torch.from_numpy(X), torch.from_numpy(y)
+    model = clinic.make_model(0)
+    for run in runs:
+        for step, (loss, samples) in enumerate(zip(run["losses"], run["samples"], strict=True)):
+            try:
+                got = float(loss)
+            except (TypeError, ValueError):
+                return ("loss", f"rank {run['rank']} returned {loss!r:.60} as the loss of step "
+                        f"{step}", "return the loss as a number (loss.item()).")
+            with torch.no_grad():
+                torch.nn.utils.vector_to_parameters(torch.from_numpy(run["params"][step]),
+                                                    model.parameters())
+                own = F.cross_entropy(model(X[samples]), y[samples]).item()
+            whole = reference["losses"][step]
+            if any(abs(got - want) <= 1e-7 * abs(want) for want in (own, whole)):
+                continue
+            said = _times(got / whole, len(runs), len(samples), "the mean loss of the batch")
+            if " (" not in said:
+                said = _times(got / own, len(runs), len(samples), "the mean loss of the rank's "
+                              "samples")
+            return ("loss",
+                    f"the model trains as one process does, but rank {run['rank']} returned "
+                    f"the loss {got:.6g} at step {step}: the mean loss of the samples it read "
+                    f"is {own:.6g}, of the whole batch {whole:.6g}",
+                    f"the loss your step returns is {said}. It must be a mean loss: of the "
+                    f"rank's samples, or of the whole batch.")
     return None
 
 
@@ -148,9 +258,15 @@ def check_job(number: int, kind: str | Callable[[], str], fixed_step: Callable,
                           ) from None
     if any(r.get("not_implemented") for r in runs):
         return not_implemented(name)
-    problem = diagnose(runs, clinic.one_process(steps=STEPS))
-    if problem:
-        raise CheckFailed(f"{name}: {problem}\nHint: {TOOLS[number]}.")
+    found = _problem(runs, clinic.one_process(steps=STEPS))
+    if found:
+        found_kind, problem, hint = found
+        if found_kind == ANSWERS[number]:  # the job's kind of bug, still (or again) there
+            hint = (f"still a bug of job {number}'s kind ({found_kind}): {hint} (To see it: "
+                    f"{TOOLS[number]}.)")
+        else:
+            hint = f"your fix has a bug of another kind ({found_kind}): {hint}"
+        raise CheckFailed(f"{name}: {problem}\nHint: {hint}")
     print(f"✓ {name}: diagnosed as {kind!r}; fixed: {len(runs)} ranks train as one process "
           f"for {STEPS} steps")
     return True
