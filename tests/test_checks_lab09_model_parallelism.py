@@ -66,6 +66,49 @@ def test_order_check_names_the_mistake(wrong, hint):
         checks.check_1f1b_order(wrong)
 
 
+def one_f_one_b(stage, N, M, warmup=lambda s, N, M: min(N - s - 1, M), first=0, as_str=False):
+    """1F1B written out, with knobs for the usual mistakes."""
+    w = warmup(stage, N, M)
+    order = [("F", m) for m in range(w)]
+    for m in range(w, M):
+        order += [("F", m), ("B", m - w)]
+    order += [("B", m) for m in range(max(M - w, 0), M)]
+    order = [(op, m + first) for op, m in order]
+    return [f"{op}{m}" for op, m in order] if as_str else order
+
+
+def order_with(**knobs):
+    return lambda stage, N, M: one_f_one_b(stage, N, M, **knobs)
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (order_with(warmup=lambda s, N, M: min(max(N - s - 2, 0), M)),
+     r"case 1/8 [\s\S]*Hint: stage 0 of 4 warms up with .* = 3 forwards, then the steady state "
+     r"starts with one more forward: 4 forwards before its first backward; yours ran 3"),
+    (order_with(warmup=lambda s, N, M: N - s - 1),
+     r"case 5/8 \(stage 0 of 4, M = 2\)[\s\S]*Hint: there are 2 micro-batches \(0 to 1\), and "
+     r"yours runs \('F', 2\): the warm-up cannot have more forwards"),
+    (order_with(warmup=lambda s, N, M: min(N - 1, M)), r"case 2/8 \(stage 1 of 4, M = 8\)[\s\S]*"
+                                                      r"= 2 forwards.*yours ran 4"),
+    (order_with(first=1), r"micro-batches are numbered 0 to num_microbatches - 1 = 7; yours 1 "
+                          r"to 8"),
+    (order_with(as_str=True), r"each step is a pair of 'F' or 'B' and a micro-batch number \(an "
+                              r"int\); yours has \('F', '0'\)"),
+    (lambda s, N, M: [("F", m) for m in range(M)] + [("B", m) for m in reversed(range(M))],
+     r"every forward runs before any backward, as in GPipe: all 8 micro-batches stay live"),
+], ids=["warm-up one short", "warm-up not capped by M", "every stage warms up as stage 0",
+        "micro-batches from 1", "steps as strings", "GPipe, newest backward first"])
+def test_more_order_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_1f1b_order(wrong)
+
+
+def test_an_order_may_be_any_iterable_of_pairs(capsys):
+    def generated(stage, N, M):
+        yield from (list(step) for step in one_f_one_b(stage, N, M))
+    assert checks.check_1f1b_order(generated) is True
+
+
 def test_order_check_passes_the_reference_and_runs_it_on_the_ranks(cluster, capsys):
     assert checks.check_1f1b_order(reference_order, cluster) is True
     out = capsys.readouterr().out
@@ -80,7 +123,9 @@ def test_order_check_passes_the_reference_and_runs_it_on_the_ranks(cluster, caps
 # ---------------------------------------------------------------- exercise 2: one stage's step
 def stage_step(stage_module, comm, order, shape, inputs=None, targets=None, *,
                blocking_send=False, send_gradient=True, requires_grad=True, keep_graph=True,
-               queue="dict", scale=True, backward_on_first=True, sends_at_end=False):
+               queue="dict", scale=True, backward_on_first=True, sends_at_end=False,
+               wait=True, dtype=torch.float64, recv_shape=None, loss="sum",
+               first_sends_back=False, irecv_waited=True):
     """The reference step, with knobs that turn it into the usual mistakes."""
     stage, N = comm.rank, comm.world_size
     first, last = stage == 0, stage == N - 1
@@ -99,14 +144,17 @@ def stage_step(stage_module, comm, order, shape, inputs=None, targets=None, *,
             if first:
                 x = inputs[m]
             else:
-                x = torch.empty(shape, dtype=torch.float64)
-                comm.recv(x, stage - 1)
+                x = torch.empty(recv_shape or shape, dtype=dtype)
+                if irecv_waited:
+                    comm.recv(x, stage - 1)
+                else:
+                    comm.irecv(x, stage - 1)
                 if requires_grad:
                     x.requires_grad_()
             out = stage_module(x)
             if last:
                 out = F.mse_loss(out, targets[m]) / (M if scale else 1)
-                total += out.item()
+                total = total + out.item() if loss == "sum" else out.item()
             else:
                 send(out.detach(), stage + 1)
             kept = out if keep_graph else out.detach()
@@ -121,15 +169,16 @@ def stage_step(stage_module, comm, order, shape, inputs=None, targets=None, *,
             elif first and not backward_on_first:
                 continue
             else:
-                grad = torch.empty(shape, dtype=torch.float64)
+                grad = torch.empty(shape, dtype=dtype)
                 comm.recv(grad, stage + 1)
                 out.backward(grad)
-            if not first and send_gradient:
+            if (not first or first_sends_back) and send_gradient:
                 send(x.grad, stage - 1)
     for t, dst in later:
         send_now = comm.isend(t, dst)
         sends.append(send_now)
-    wait_all(sends)
+    if wait:
+        wait_all(sends)
     return total if last else None
 
 
@@ -158,9 +207,32 @@ def test_stage_step_check_names_the_mistake(cluster, knobs, hint):
         checks.check_stage_step(mistake(**knobs), reference_order, cluster)
 
 
+@pytest.mark.parametrize("knobs,hint", [
+    # the peer may finish or wait in vain (a checked send's data leaves at its wait): both told
+    ({"wait": False}, r"case 1/3 [\s\S]*stage \d returned with 1 message\(s\) (it )?posted "
+                      r"(but )?(and )?never waited for[\s\S]*comm.isend's send of the"),
+    ({"irecv_waited": False}, r"stage 1 returned with 1 message\(s\) (it )?posted (but )?(and )?"
+                              r"never waited for[\s\S]*comm.irecv's receive of the activation"),
+    ({"dtype": torch.float32}, r"your step raised:\n  rank 1: CommError: .*\nHint: a message did "
+                               r"not fit its receive buffer: the buffer holds 64 float32 numbers "
+                               r"\(256 bytes\), the message is 512 bytes of float64"),
+    ({"recv_shape": (8, 8)}, r"case 2/3 [\s\S]*Hint: a message did not fit its receive buffer: "
+                             r"the buffer holds 64 numbers, the message 32\. Every activation"),
+    ({"loss": "last"}, r"case 2/3 .*\n  the last stage returned the loss 0\.627152, one "
+                       r"process's is 1\.33002\nHint: return the sum"),
+    ({"first_sends_back": True}, r"to rank -1 is None\nHint: stage 0 sent a gradient back to "
+                                 r"rank -1: the first stage has no stage before it"),
+], ids=["isends never waited", "irecv never waited", "float32 buffers", "whole-batch buffers",
+        "the last loss only", "stage 0 sends back"])
+def test_more_stage_step_mistakes(cluster, knobs, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_stage_step(mistake(**knobs), reference_order, cluster)
+
+
 def test_stage_step_check_passes_the_reference(cluster, capsys):
     assert checks.check_stage_step(stage_step, reference_order, cluster) is True
-    assert "the loss and every stage's gradients equal one process's" in capsys.readouterr().out
+    assert "every stage's gradients equal one process's, every message waited for" in \
+        capsys.readouterr().out
 
     def unfinished(stage_module, comm, order, shape, inputs=None, targets=None):
         raise NotImplementedError
@@ -170,7 +242,7 @@ def test_stage_step_check_passes_the_reference(cluster, capsys):
 
 # ---------------------------------------------------------------- exercise 3: f and g
 def make_f(reduce_forward=False, reduce_backward=True, op="sum", in_place=False,
-           one_gradient=False):
+           one_gradient=False, divide_backward=False, no_gradient=False):
     """Megatron's f (identity forward, allreduce backward), or one of its usual mistakes."""
     def reduce(t, comm):
         t = t if in_place else t.clone()
@@ -185,6 +257,10 @@ def make_f(reduce_forward=False, reduce_backward=True, op="sum", in_place=False,
         @staticmethod
         def backward(ctx, grad):
             grad = reduce(grad, ctx.comm) if reduce_backward else grad
+            if divide_backward:
+                grad = grad / ctx.comm.world_size
+            if no_gradient:
+                return None, None
             return grad if one_gradient else (grad, None)
     return f
 
@@ -195,12 +271,16 @@ def make_g(**knobs):
     return make_f(**knobs)
 
 
-def mlp(x, w1, b1, w2, b2, comm, f=None, g=None, bias_before_g=False, use_f=True):
+def mlp(x, w1, b1, w2, b2, comm, f=None, g=None, bias_before_g=False, use_f=True,
+        left_out=None):
     f, g = f or make_f(), g or make_g()
-    h = F.gelu(F.linear(f.apply(x, comm) if use_f else x, w1, b1))
+    x = f.apply(x, comm) if use_f else x
+    h = x @ w1 + b1 if left_out == "transpose" else \
+        F.linear(x, w1, None if left_out == "b1" else b1)
+    h = h if left_out == "gelu" else F.gelu(h)
     if bias_before_g:
         return g.apply(F.linear(h, w2, b2), comm)
-    return g.apply(F.linear(h, w2), comm) + b2
+    return g.apply(F.linear(h, w2), comm) + (0 if left_out == "b2" else b2)
 
 
 def mlp_with(**knobs):
@@ -223,6 +303,27 @@ def mlp_with(**knobs):
     (make_f(), make_g(), mlp_with(use_f=False), r"x.grad is this rank's partial sum"),
 ])
 def test_f_and_g_check_names_the_mistake(cluster, f, g, fn, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_f_and_g(f, g, fn, cluster)
+
+
+@pytest.mark.parametrize("f,g,fn,hint", [
+    (make_f(), make_g(divide_backward=True), mlp,
+     r"the gradient of g's input is the gradient g received divided by 2\nHint: g allreduces"),
+    (make_f(no_gradient=True), make_g(), mlp,
+     r"after f's backward, x.grad is None: f's backward returned no gradient for x\nHint: f is "
+     r"the identity"),
+    (make_f(), make_g(op="max"), mlp, r"g's forward did not return the sum of the ranks' inputs"),
+    (make_f(), make_g(), mlp_with(left_out="transpose"),
+     r"in parallel_mlp: RuntimeError: mat1 and mat2 shapes cannot be multiplied.*\nHint: the "
+     r"shards are stored as torch.nn.Linear stores its weight"),
+    (make_f(), make_g(), mlp_with(left_out="b1"), r"y is the whole MLP's output without b1"),
+    (make_f(), make_g(), mlp_with(left_out="gelu"), r"y is the whole MLP's output without the "
+                                                    r"GELU"),
+    (make_f(), make_g(), mlp_with(left_out="b2"), r"y is the whole MLP's output without b2"),
+], ids=["g backward divided", "f backward returns None", "g with max", "w1 not transposed",
+        "no b1", "no GELU", "no b2"])
+def test_more_f_and_g_mistakes(cluster, f, g, fn, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.check_f_and_g(f, g, fn, cluster)
 

@@ -40,6 +40,25 @@ ORDER_CASES = [(0, 4, 8), (1, 4, 8), (3, 4, 8), (0, 2, 1), (0, 4, 2), (2, 4, 2),
 def _diagnose_order(stage, N, M, got):
     """What the student's order did, in words."""
     try:
+        steps = [tuple(step) for step in got]
+    except TypeError:
+        steps = None
+    if not steps or any(len(s) != 2 for s in steps):
+        return "return a list of pairs: ('F', m) and ('B', m)."
+    if any(op not in ("F", "B") or not isinstance(m, int) or isinstance(m, bool)
+           for op, m in steps):
+        op, m = next((op, m) for op, m in steps
+                     if op not in ("F", "B") or not isinstance(m, int) or isinstance(m, bool))
+        return (f"each step is a pair of 'F' or 'B' and a micro-batch number (an int); yours "
+                f"has ({op!r}, {m!r}).")
+    numbers = sorted({m for _, m in steps})
+    if numbers and numbers[0] >= 1 and numbers[-1] == M:
+        return f"micro-batches are numbered 0 to num_microbatches - 1 = {M - 1}; yours 1 to {M}."
+    if numbers and numbers[-1] >= M:
+        return (f"there are {M} micro-batches (0 to {M - 1}), and yours runs ('F', "
+                f"{numbers[-1]}): the warm-up cannot have more forwards than there are "
+                f"micro-batches.")
+    try:
         pipeline.check_order(got, stage, M)
     except ValueError as e:
         return f"{e}. Each micro-batch m needs one ('F', m) and, later, one ('B', m)."
@@ -50,6 +69,9 @@ def _diagnose_order(stage, N, M, got):
         return next((i for i, (op, _) in enumerate(order) if op == "B"), len(order))
     got_lead = leading_forwards(got)
     want_lead = leading_forwards(pipeline.schedule_order("1f1b", stage, N, M))
+    if got_lead == M and want_lead < M:
+        return (f"every forward runs before any backward, as in GPipe: all {M} micro-batches "
+                f"stay live. 1F1B starts the backwards after its warm-up.")
     if got_lead != want_lead:
         warmup = min(N - stage - 1, M)
         return (f"stage {stage} of {N} warms up with min(num_stages - stage - 1, "
@@ -65,7 +87,11 @@ def _diagnose_order(stage, N, M, got):
 
 def _order(fn, stage, N, M):
     got = fn(stage, N, M)
-    return [tuple(step) for step in got] if isinstance(got, (list, tuple)) else got
+    if not isinstance(got, (str, bytes)) and hasattr(got, "__iter__"):
+        got = list(got)  # a list, a tuple or a generator of steps
+        return [tuple(step) if hasattr(step, "__iter__") and not isinstance(step, str)
+                else step for step in got]
+    return got
 
 
 def run_order_on_rank(payload, num_microbatches, num_layers=4):
@@ -211,6 +237,7 @@ def stage_step_on_rank(payload, order_payload, num_microbatches, batch=8, width=
     reference = torch.nn.functional.mse_loss(model(x), y)  # one process, the whole batch
     reference.backward()
     ref = pipeline.split_model(model, counts)[stage]
+    report["unwaited"] = [what for request, what in comm.posted if not request.done]
     report["names"] = [name for name, _ in mine.named_parameters()]
     report["grads"] = [_numpy(p.grad) for p in mine.parameters()]
     report["wants"] = [_numpy(p.grad) for p in ref.parameters()]
@@ -231,7 +258,15 @@ def _hint_stuck(reports):
                       f"{r['stuck'] or 'no message of its comm'}"
                       if r["error"] else f"  rank {r['stage']}: finished" for r in reports)
     stuck = [r["stuck"] or "" for r in reports if r["error"]]
-    if len(stuck) == len(reports) and all("blocking comm.send" in s for s in stuck):
+    left = [r for r in reports if not r["error"] and r.get("unwaited")]
+    if left:
+        r = left[0]
+        more = ", ..." if len(r["unwaited"]) > 1 else ""
+        hint = (f"stage {r['stage']} returned with {len(r['unwaited'])} message(s) it posted "
+                f"and never waited for ({r['unwaited'][0]}{more}): a posted message is done "
+                f"only when its wait returns, and its peer waited in vain. Keep the requests "
+                f"and wait for them before the step returns.")
+    elif len(stuck) == len(reports) and all("blocking comm.send" in s for s in stuck):
         hint = ("every stage was sending and none receiving: Gloo's send waits until the peer "
                 "has posted its receive. In 1F1B stage 0 sends the activation of micro-batch 1 "
                 "while stage 1 sends the gradient of micro-batch 0 back: each waits for the "
@@ -257,9 +292,36 @@ def _hint_stuck(reports):
     return f"{waits}\nHint: {hint}"
 
 
+MISFIT = "but the receive buffer holds"  # the comm's words for a message that did not fit
+
+
+def _hint_misfit(text):
+    """What a message that did not fit its receive buffer says about the buffer."""
+    import re
+    m = re.search(r"of (\d+) x (\w+) \((\d+) bytes\).*?sent (\d+) bytes", text)
+    if not m:
+        return None
+    n, dtype, held, sent = int(m[1]), m[2], int(m[3]), int(m[4])
+    if dtype != "float64":  # everything the stages send is the model's float64
+        return (f"a message did not fit its receive buffer: the buffer holds {n} {dtype} "
+                f"numbers ({held} bytes), the message is {sent} bytes of float64. A receive "
+                f"buffer must have the dtype of what is sent, not only its shape.")
+    return (f"a message did not fit its receive buffer: the buffer holds {n} numbers, the "
+            f"message {sent // 8}. Every activation and gradient between stages has the shape "
+            f"`shape`: one micro-batch's rows, not the whole batch's.")
+
+
 def _hint_error(reports):
     """A hint for an exception (not a deadline) on some rank."""
     text = " ".join(r["error"] for r in reports if r["error"])
+    if MISFIT in text:
+        misfit = next(r["error"] for r in reports if MISFIT in (r["error"] or ""))
+        return _hint_misfit(misfit) or ("a message did not fit its receive buffer: every "
+                                      "activation and gradient between stages has the shape "
+                                      "`shape` (micro-batch rows x width).")
+    if "to rank -1" in text:
+        return ("stage 0 sent a gradient back to rank -1: the first stage has no stage before "
+                "it, and its input needs no gradient.")
     if "is None" in text and "gradient" in text:
         return ("the gradient you sent back was None: x.grad stays None unless the received "
                 "activation requires grad. Receive into a fresh tensor, then "
@@ -270,9 +332,6 @@ def _hint_error(reports):
     if "backward through the graph a second time" in text:
         return ("a graph was used by two backwards: each micro-batch's output gets exactly one "
                 "backward; pop it from what you saved when you run it.")
-    if "sent" in text and "holds" in text:
-        return ("a message did not fit its receive buffer: every activation and gradient "
-                "between stages has the shape `shape` (micro-batch rows x width).")
     return "read each rank's error above."
 
 
@@ -321,7 +380,8 @@ def check_stage_step(stage_step: Callable, schedule: Callable, cluster,
             return not_implemented(name)
         # a wait past its deadline (CommTimeout) closes Gloo's connection, so the peer's own
         # wait may fail first with a CommError: both are the deadlock's, not a bug of theirs
-        timed_out = [r for r in reports if (r["error"] or "").startswith("Comm")]
+        timed_out = [r for r in reports if (r["error"] or "").startswith("Comm")
+                     and MISFIT not in r["error"]]  # a message that did not fit is a mistake
         if any("CommTimeout" in (r["error"] or "") for r in reports) and len(timed_out) == sum(
                 bool(r["error"]) for r in reports):
             raise CheckFailed(f"{where}\n  a rank waited past its {timeout:g} s deadline:"
@@ -331,10 +391,30 @@ def check_stage_step(stage_step: Callable, schedule: Callable, cluster,
                                if r["error"] and r not in timed_out)
             raise CheckFailed(f"{where}\n  your step raised:\n{errors}\nHint: "
                               f"{_hint_error(reports)}")
+        _check_waited(where, reports)
         _check_step_results(where, M, reports)
     print(f"✓ {name}: M = {', '.join(map(str, STEP_CASES))} on {cluster.n} stages: the loss "
-          "and every stage's gradients equal one process's")
+          "and every stage's gradients equal one process's, every message waited for")
     return True
+
+
+def _check_waited(where, reports):
+    """Every message a stage posted (isend, irecv) must have been waited for when it returns."""
+    __tracebackhide__ = True
+    for r in reports:
+        if r["unwaited"]:
+            kinds = " or ".join(sorted({w.split("comm.")[1].split("'")[0]
+                                        for w in r["unwaited"]}))
+            listed = "\n    ".join(r["unwaited"][:4]) + (
+                f"\n    ... ({len(r['unwaited']) - 4} more)" if len(r["unwaited"]) > 4 else "")
+            raise CheckFailed(
+                f"{where}\n  stage {r['stage']} returned with {len(r['unwaited'])} message(s) "
+                f"posted but never waited for:\n    {listed}\nHint: a message posted with "
+                f"{kinds} is in flight until its wait returns: until then nothing says it has "
+                f"left (or arrived), and its tensor must stay alive and unchanged. Two ranks on "
+                f"one machine hide this (small messages are copied at once); over a network a "
+                f"buffer freed or reused too early sends garbage, and the step's end does not "
+                f"mean its messages are done. Keep the requests and wait for them.")
 
 
 def _check_step_results(where, M, reports):
@@ -464,6 +544,13 @@ def tp_on_rank(payload, batch, d_model, hidden, seed=0, timeout=STUDENT_TIMEOUT)
         local = torch.nn.functional.gelu(xl @ shards[0].detach().T + shards[1].detach()) \
             @ shards[2].detach().T
         (local * dy).sum().backward()
+        with torch.no_grad():  # the whole MLP with one term left out: the usual slips
+            lin1, lin2 = torch.nn.functional.linear, torch.nn.functional.linear
+            gelu = torch.nn.functional.gelu
+            out["left_out"] = {
+                "b1": _numpy(lin2(gelu(lin1(xm, w1)), w2, b2)),
+                "the GELU": _numpy(lin2(lin1(xm, w1, b1), w2, b2)),
+                "b2": _numpy(lin2(gelu(lin1(xm, w1, b1)), w2))}
         out.update(y=_numpy(got), want_y=_numpy(want), partial_y=_numpy(local + b2),
                    bias_n_y=_numpy(want + (N - 1) * b2), x_grad=_numpy(xs.grad),
                    want_x_grad=_numpy(xm.grad), partial_x_grad=_numpy(xl.grad),
@@ -482,6 +569,10 @@ def _same(got, want):
 
 
 def _tp_error_hint(part, text):
+    if "cannot be multiplied" in text and part == "parallel_mlp":
+        return ("the shards are stored as torch.nn.Linear stores its weight, (out_features, "
+                "in_features): w1 is (hidden / N, d_model) and w2 (d_model, hidden / N). x @ w1 "
+                "needs the transpose (F.linear does it).")
     if "incorrect number of gradients" in text:
         return ("backward returns one gradient per input of forward: forward(ctx, x, comm) "
                 "takes two, so return (grad, None), None for comm (it needs no gradient).")
@@ -569,6 +660,9 @@ def _check_mlp(where, N, r):
         elif _same(y, r["bias_n_y"]):
             told = (f"y has b2 {N} times: the bias was added on every rank before g summed "
                     f"them")
+        elif any(_same(y, v) for v in r["left_out"].values()):
+            term = next(k for k, v in r["left_out"].items() if _same(y, v))
+            told = f"y is the whole MLP's output without {term}: {term} is left out"
         else:
             told = "y differs from the whole MLP's output"
         raise CheckFailed(f"{where}\n  rank {r['rank']}: {told}\nHint: {MLP_IS}")
