@@ -28,7 +28,9 @@ def first_host(nodelist):
 
 def launch_info(env=None, *, torchrun_first=True, local=("LOCAL_RANK", "SLURM_LOCALID"),
                 slurm_world="SLURM_NTASKS", mpis=MPI, host=first_host,
-                port=lambda job: 10000 + int(job) % 10000, as_text=False):
+                port=lambda job: 10000 + int(job) % 10000, as_text=False,
+                exported=("MASTER_ADDR", "MASTER_PORT"), mpi_port=int, slurm_rank="SLURM_PROCID",
+                world="WORLD_SIZE"):
     """The lab's answer, with knobs for the usual mistakes."""
     env = os.environ if env is None else env
     number = str if as_text else int
@@ -41,16 +43,21 @@ def launch_info(env=None, *, torchrun_first=True, local=("LOCAL_RANK", "SLURM_LO
     torchrun = "RANK" in env and "MASTER_PORT" in env
     slurm = "SLURM_PROCID" in env and "SLURM_NTASKS" in env
     if torchrun and (torchrun_first or not slurm):
-        return result("torchrun", env["RANK"], env["WORLD_SIZE"], env[local[0]],
+        return result("torchrun", env["RANK"], env[world], env[local[0]],
                       env["MASTER_ADDR"], int(env["MASTER_PORT"]))
     if slurm:
-        return result("slurm", env["SLURM_PROCID"], env[slurm_world], env[local[1]],
-                      host(env["SLURM_JOB_NODELIST"]), port(env["SLURM_JOB_ID"]))
+        addr = env["MASTER_ADDR"] if "MASTER_ADDR" in exported and "MASTER_ADDR" in env \
+            else host(env["SLURM_JOB_NODELIST"])
+        master_port = int(env["MASTER_PORT"]) if "MASTER_PORT" in exported and \
+            "MASTER_PORT" in env else port(env["SLURM_JOB_ID"])
+        return result("slurm", env[slurm_rank], env[slurm_world], env[local[1]], addr,
+                      master_port)
     for rank, size, local_rank in mpis:
         if rank in env:
             return result("mpiexec", env[rank], env[size], env[local_rank],
                           env.get("MASTER_ADDR", "127.0.0.1"),
-                          int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None)
+                          mpi_port(env["MASTER_PORT"]) if "MASTER_PORT" in env and mpi_port
+                          else None)
     return result("single", 0, 1, 0, "127.0.0.1", None)
 
 
@@ -105,6 +112,17 @@ def test_the_reference_is_the_answer():
     (lambda env: tuple(launch_info(env).values()), "return a dict with the keys"),
     (lambda env: {**launch_info(env), "launcher": "mpi"} if "PMI_RANK" in env
      else launch_info(env), "name the launcher as train.detect_launcher does"),
+    (mistake(exported=("MASTER_PORT",)),
+     "master_addr: expected 'node02', got 'node01'\nHint: the job script exported "
+     "MASTER_ADDR=node02: an exported value overrides what SLURM's variables give"),
+    (mistake(exported=("MASTER_ADDR",)), "Hint: the job script exported MASTER_PORT=29512"),
+    (mistake(mpi_port=None), "master_port: expected 29510, got None"),
+    (mistake(mpi_port=str), "you returned master_port '29510', a str"),
+    (mistake(port=lambda job: 10000 + int(job)), "you added the whole job id, not its last four "
+                                                 "digits"),
+    (mistake(world="LOCAL_WORLD_SIZE"), "you read world_size from LOCAL_WORLD_SIZE (4); "
+                                        "torchrun's world size is WORLD_SIZE (12 here)"),
+    (mistake(slurm_rank="SLURM_NODEID"), "SLURM's rank is SLURM_PROCID (5 here)"),
 ])
 def test_every_usual_mistake_is_named(function, said):
     with pytest.raises(CheckFailed) as failed:
@@ -176,6 +194,81 @@ def job_mistake(**knobs):
 def test_the_manifest_passes(capsys):
     assert checks.check_pytorch_job(pytorch_job)
     assert "passes the four layers" in capsys.readouterr().out
+
+
+def tweaked(change):
+    """The lab's manifest, then ``change(manifest, spec)`` made to it."""
+    def fn(spec):
+        manifest = pytorch_job(spec)
+        change(manifest, spec)
+        return manifest
+    return fn
+
+
+def each_replica(manifest):
+    return manifest["spec"]["pytorchReplicaSpecs"].values()
+
+
+def each_container(manifest):
+    return [r["template"]["spec"]["containers"][0] for r in each_replica(manifest)]
+
+
+def restart_on_failure(manifest, spec):
+    for replica in each_replica(manifest):
+        replica["restartPolicy"] = "OnFailure"
+
+
+def latest_image(manifest, spec):
+    for container in each_container(manifest):
+        container["image"] = "pytorch/pytorch:latest"
+
+
+def zero_gpus(manifest, spec):
+    for container in each_container(manifest):
+        container["resources"]["limits"]["nvidia.com/gpu"] = spec.resources.gpu
+
+
+def torchrun_alone(manifest, spec):
+    for container in each_container(manifest):
+        container["command"] = ["torchrun"]
+
+
+def nproc_is_the_world(manifest, spec):
+    manifest["spec"]["nprocPerNode"] = str(spec.world_size)
+
+
+def cpu_as_a_number(manifest, spec):
+    for container in each_container(manifest):
+        for part in container["resources"].values():
+            part["cpu"] = int(part["cpu"])
+
+
+def replicas_as_text(manifest, spec):
+    for replica in each_replica(manifest):
+        replica["replicas"] = str(replica["replicas"])
+
+
+def kind_misspelled(manifest, spec):
+    manifest["kind"] = "PytorchJob"
+
+
+@pytest.mark.parametrize("change, said", [
+    (restart_on_failure, "Master: restartPolicy expected 'Never', got 'OnFailure'"),
+    (latest_image, "got 'pytorch/pytorch:latest'\nHint: the image is spec.image"),
+    (zero_gpus, "case 3/3 (4 nodes x 1 process, CPUs only: digits-cpu)"),
+    (zero_gpus, "the description asks for no GPUs: leave the GPU resource out"),
+    (torchrun_alone, "got ['torchrun']\nHint: the program and its arguments are spec.command"),
+    (nproc_is_the_world, "nprocPerNode counts the processes of one pod"),
+    (cpu_as_a_number, "Hint: a cpu or memory quantity is a number in yours"),
+    (replicas_as_text, "Master.replicas: '1' is not of type 'integer' [crd]"),
+    (replicas_as_text, "a number of replicas is an int in the manifest, not text"),
+    (kind_misspelled, "Hint: the kind is the CRD's name, letter for letter: PyTorchJob."),
+])
+def test_more_manifest_mistakes_are_named(change, said):
+    with pytest.raises(CheckFailed) as failed:
+        checks.check_pytorch_job(tweaked(change))
+    assert said in str(failed.value), str(failed.value)
+    assert "it starts None processes" not in str(failed.value)
 
 
 @pytest.mark.parametrize("function, said", [

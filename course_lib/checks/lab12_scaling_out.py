@@ -14,7 +14,8 @@ names them), ``rank``, ``world_size``, ``local_rank`` (ints), ``master_addr`` an
 compared with :func:`reference_init_from_launcher` (``train.detect_launcher``,
 ``train.slurm_rendezvous``) on environments written as each launcher writes them (torchrun on
 three nodes, torchrun started by srun, MPICH and Open MPI on two hosts, SLURM tasks on several
-node lists, no launcher), then on every rank of a real ``torchrun --nproc-per-node 2`` and a real
+node lists and under a job script that exports MASTER_ADDR and MASTER_PORT, no launcher), then
+on every rank of a real ``torchrun --nproc-per-node 2`` and a real
 ``mpiexec -n 2`` (a notice, not a failure, without mpiexec). The function reaches the ranks with
 cloudpickle; each rank runs it and the reference on its own environment and writes both to a
 file; both launchers run under a deadline. A wrong field is traced to the variable it was read
@@ -128,17 +129,20 @@ FAKED = (
      {"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4",
       "PMI_FD": "11", "PMI_HOSTNAME": "hostB", "MASTER_ADDR": "hostA", "HOSTNAME": "hostB",
       "HOME": "/home/student", "PATH": "/usr/bin:/bin"}),
-    ("Open MPI's mpiexec on 2 hosts x 4 (-x MASTER_ADDR=hostA), rank 6",
+    ("Open MPI's mpiexec on 2 hosts x 4 (-x MASTER_ADDR=hostA -x MASTER_PORT=29510), rank 6",
      {"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_SIZE": "8",
       "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
       "OMPI_COMM_WORLD_NODE_RANK": "1", "OMPI_UNIVERSE_SIZE": "8", "PMIX_RANK": "6",
-      "MASTER_ADDR": "hostA", "HOSTNAME": "hostB", "HOME": "/home/student",
+      "MASTER_ADDR": "hostA", "MASTER_PORT": "29510", "HOSTNAME": "hostB", "HOME": "/home/student",
       "PATH": "/usr/bin:/bin"}),
     # tasks whose own node is neither the first, the last nor the end of the first range
     ("SLURM, node[01-03,07], 3 tasks per node, task 5", _slurm("node[01-03,07]", 12, 3, 5, 4242)),
     ("SLURM, gpu-a[9-11],gpu-b1, 5 tasks per node, task 7",
      _slurm("gpu-a[9-11],gpu-b1", 20, 5, 7, 987654321)),
     ("SLURM, one host (cn7), 2 tasks, task 1", _slurm("cn7", 2, 2, 1, 77)),
+    ("SLURM, node[01-02] x 2 tasks, a job script that exports MASTER_ADDR=node02 and "
+     "MASTER_PORT=29512, task 3",
+     {**_slurm("node[01-02]", 4, 2, 3, 5151), "MASTER_ADDR": "node02", "MASTER_PORT": "29512"}),
     ("no launcher: one process", {"HOSTNAME": "laptop", "HOME": "/home/student",
                                   "PATH": "/usr/bin:/bin"}),
 )
@@ -209,11 +213,18 @@ def _field_hint(env, launcher, field, expected, got):
     if isinstance(expected, int) and isinstance(got, str) and got == str(expected):
         return (f"you returned {field} {got!r}, a str: environment variables are text, "
                 f"convert with int(...)")
+    if field in ("master_addr", "master_port") and launcher == "slurm" and \
+            field.upper() in env:
+        return (f"the job script exported {field.upper()}={env[field.upper()]}: an exported "
+                f"value overrides what SLURM's variables give (as in train.slurm_rendezvous); "
+                f"you returned {got!r}.")
     if field == "master_addr" and launcher == "slurm" and "MASTER_ADDR" not in env:
         return _nodelist_hint(env, got)
     if field == "master_port" and launcher == "slurm" and "MASTER_PORT" not in env:
         job = env.get("SLURM_JOB_ID", "0")
         said = {int(job): "you returned the job id itself, which may be beyond 65535",
+                10000 + int(job): "you added the whole job id, not its last four digits (% "
+                                  "10000): beyond 65535 for a large job id",
                 29500: "that is torchrun's default port; SLURM writes no port"}.get(got, "")
         return (f"{said + '. ' if said else ''}SLURM gives no port: every task computes the "
                 f"same one from the job id, 10000 + SLURM_JOB_ID % 10000 = {expected} (below "
@@ -419,6 +430,8 @@ PROBLEM_HINTS = (
     ("is not of type 'array'", "a container's command is a list: ['torchrun', *spec.command]"),
     ("a PyTorchJob has exactly one Master", "one Master pod (its name is MASTER_ADDR), the other "
                                             "nodes - 1 pods are Workers"),
+    ("replicas: ", "a number of replicas is an int in the manifest, not text"),
+    ("unknown kind", "the kind is the CRD's name, letter for letter: PyTorchJob"),
 )
 
 
@@ -439,7 +452,7 @@ def _job_differences(spec, expected, got):
     found = []
     world, want = k8s.world_size(got), spec.world_size
     replicas, nproc = _replicas(got), k8s.as_int(k8s.lookup(got, "spec", "nprocPerNode"))
-    if world != want or replicas != _replicas(expected):
+    if (world is not None and world != want) or replicas != _replicas(expected):
         pods = " + ".join(f"{t} {n}" for t, n in replicas.items())
         if replicas.get("Worker") == spec.nodes:
             hint = ("the Master pod is one of the nodes: Worker replicas = nodes - 1 (no Worker "
@@ -479,6 +492,10 @@ def _job_differences(spec, expected, got):
                         f"job's {spec.world_size}")
             elif not spec.resources.gpu and (gpu in limits or gpu in requests):
                 hint = "the description asks for no GPUs: leave the GPU resource out"
+            elif any(not isinstance(v, str) for part in (limits, requests)
+                     for k, v in part.items() if k in ("cpu", "memory")):
+                hint = ("a cpu or memory quantity is a number in yours: Kubernetes quantities "
+                        "are written as text ('8', '32Gi'), as the description holds them")
             else:
                 hint = ("requests equal to limits for cpu and memory (spec.resources.cpu, "
                         ".memory), the GPUs (spec.resources.gpu_resource) in limits only, when "
