@@ -28,10 +28,11 @@ def memory(cfg, layout, batch, length, *, s=8, ints=8, counter=4, mask_bytes=1, 
            opt_dp=False, adam=2, counters=True, per_parameter=False, ln_act_tp=False,
            no_dp=False, total_dp=False, cp_dense=False, ring_extras=True, keep_core=False,
            ignore_full=False, full_tp=False, head=True, logprobs=True, logits=False,
-           stats=True, positions=True, blocks=None):
+           stats=True, positions=True, blocks=None, logprobs_tp=False, mask_per_head=False,
+           mask_tp=False, whole_keys=False, loss=True, hidden_4d=False):
     """A from-scratch count with knobs that turn it into the usual mistakes."""
     V, d, h, L = cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.n_layers
-    H = hidden or cfg.hidden or 4 * d
+    H = 4 * d if hidden_4d else (hidden or cfg.hidden or 4 * d)
     tp, dp, cp = layout.tp, layout.dp, layout.cp
     outside = (V * d + (length if pos_by_length else cfg.context) * d + 2 * d) / \
         (tp if emb_tp else 1)
@@ -55,11 +56,14 @@ def memory(cfg, layout, batch, length, *, s=8, ints=8, counter=4, mask_bytes=1, 
         if recompute != "attention" or keep_core:
             if ring:
                 block += (b * T * d + b * h * T) * s / tp if ring_extras else 0
-            else:
-                block += b * h * T * T * s / tp + T * T * mask_bytes
+            if not ring or whole_keys:
+                keys = length if whole_keys else T
+                mask = T * keys * mask_bytes * (b * h / tp if mask_per_head else 1)
+                block += b * h * T * keys * s / tp + mask / (tp if mask_tp else 1)
     top = 0
     if head:
-        top = (2 * b * T * d + 2 * b * T + (b * T * V if logprobs else 0) + 1) * s
+        top = (2 * b * T * d + 2 * b * T + (b * T * V / (tp if logprobs_tp else 1) if logprobs
+                                            else 0) + (1 if loss else 0)) * s
         top += 2 * b * T * ints + (T * ints if positions else 0)
         top += b * T * V * s if logits else 0
     activations = (blocks or L) * block + top
@@ -151,6 +155,16 @@ def test_memory_not_implemented_is_reported_not_raised(cluster, capsys):
     (dict(stats=False), r"you left out the LayerNorms' statistics, 4 b T', in each of 2 blocks: "
                         r"8,192 bytes here"),
     (dict(positions=False), r"you left out the positions, T' int64 \(the head\): 128 bytes"),
+    # bytes that happen to equal another part here: the probes tell the mistake apart
+    (dict(logprobs_tp=True), r"(?s)case 5/12 .*you divided the log-probabilities by tp: the "
+                             r"head is not split"),
+    (dict(ints=4), r"(?s)case 1/12 .*int64 \(torch's integers by default\): 8 bytes each"),
+    (dict(mask_per_head=True), r"one T' x T' boolean tensor a block, shared by every sequence"),
+    (dict(mask_tp=True), r"(?s)case 5/12 .*the causal mask is not split by tp"),
+    (dict(hidden_4d=True), r"(?s)case 2/12 .*H = cfg.hidden or 4 \* d"),
+    (dict(whole_keys=True, ring_extras=False), r"(?s)case 8/12 .*ring attention \(cp > 1\) keeps "
+                                               r"no probabilities and no mask"),
+    (dict(loss=False), r"you left out the loss, one number \(the head\): 8 bytes here"),
 ])
 def test_usual_memory_mistakes_get_their_hint(cluster, knobs, hint):
     with pytest.raises(CheckFailed) as info:
@@ -340,6 +354,70 @@ def test_usual_group_mistakes_get_their_hint(cluster, knobs, hint):
     with pytest.raises(CheckFailed, match=hint) as info:
         checks.check_groups(lambda r, s: groups(r, s, **knobs), cluster)
     assert "Hint:" in str(info.value)
+
+
+def reordered(d):
+    return dict(reversed(list(d.items())))
+
+
+def divided_by_the_size(rank, shape):
+    return {name: rank // size % size for name, size in shape.items()}
+
+
+def stride_with_its_own_size(rank, shape):
+    sizes = list(shape.values())
+    return {name: rank // math.prod(sizes[i:]) % sizes[i] for i, name in enumerate(shape)}
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda r, s: reordered(coordinates(r, s)),
+     r"(?s)case 1/8 .*my_coordinates\(0, \{'dp': 2, 'tp': 2\}\)\n  the right coordinates, but "
+     r"keyed \['tp', 'dp'\]: the mesh's dimensions are \['dp', 'tp'\], in that order"),
+    (lambda r, s: {name: r % size for name, size in s.items()},
+     r"(?s)my_coordinates\(1, .*every coordinate is rank % size: the rank is not divided"),
+    (divided_by_the_size, r"(?s)case 1/8 .*divided by the dimension's own size, not by its "
+                          r"stride"),
+    (stride_with_its_own_size, r"(?s)case 1/8 .*my_coordinates\(1, .*stride_i the product of "
+                               r"the sizes after i .*rank 1: \{'dp': 0, 'tp': 1\}"),
+    (lambda r, s: {name: (r / math.prod(list(s.values())[i + 1:])) % size
+                   for i, (name, size) in enumerate(s.items())},
+     r"coordinate 'dp' is 0\.5, not a whole number: / divides into a float"),
+    (lambda r, s: list(coordinates(r, s).items()), r"return a dict of the dimension names"),
+], ids=["keys in another order", "no division", "divided by the size", "stride with its own size",
+        "float division", "pairs"])
+def test_more_coordinate_mistakes(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_coordinates(fn, cluster)
+
+
+def every_group(rank, shape):
+    return {name: [g for g in gs] for name, gs in M.mesh_groups(shape).items()}
+
+
+def from_the_rank(rank, shape):
+    sizes = list(shape.values())
+    return {name: [rank + j * math.prod(sizes[i + 1:]) for j in range(sizes[i])]
+            for i, name in enumerate(shape)}
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (lambda r, s: reordered(groups(r, s)), r"the right groups, but keyed \['tp', 'dp'\]"),
+    (every_group, r"along 'dp': expected \[0, 2\], got \[\[0, 2\], \[1, 3\]\]\nHint: that is "
+                  r"every group along 'dp': return only the one that holds rank 0"),
+    (lambda r, s: groups(0, s), r"(?s)my_groups\(1, .*that is rank 0's group along 'dp', "
+                                r"whatever the rank"),
+    (from_the_rank, r"(?s)my_groups\(1, .*the group starts at rank 1 itself"),
+    (lambda r, s: {n: [x + M.coordinates(r, s)[n] * 0 + 100 for x in g]
+                   for n, g in groups(r, s).items()}, r"rank 100 is outside the mesh"),
+    (lambda r, s: {n: tuple(float(x) for x in g) for n, g in groups(r, s).items()}, None),
+], ids=["keys in another order", "every group", "rank 0's for all", "starts at the rank",
+        "outside the mesh", "floats in a tuple (right)"])
+def test_more_group_mistakes(cluster, fn, hint):
+    if hint is None:
+        assert checks.check_groups(fn, cluster) is True
+        return
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_groups(fn, cluster)
 
 
 def test_sharing_a_coordinate_is_named_where_it_is_no_other_group(cluster):

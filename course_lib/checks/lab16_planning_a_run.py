@@ -22,6 +22,7 @@ column-major order, a group along the wrong dimension and a rank missing from it
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -123,9 +124,14 @@ MISTAKES = {
                "positions (int64) and the loss.",
     "no log-probabilities": "you left out the log-probabilities over the vocabulary, b T' V "
                             "numbers: cross-entropy keeps them for backward.",
+    "log-probabilities split": "you divided the log-probabilities by tp: the head is not "
+                               "split, every tp rank computes the log-probabilities over the "
+                               "whole vocabulary (b T' V numbers), and the loss.",
     "logits too": "the logits themselves are not kept: the head's matmul keeps its input (the "
                   "final LayerNorm's output) and the weight, and cross-entropy keeps the "
                   "log-probabilities, b T' V numbers, once.",
+    "int32": "the tokens, the targets and the positions are int64 (torch's integers by "
+             "default): 8 bytes each, not 4.",
     "mask itemsize": "the causal mask is booleans: 1 byte each, T'^2 a block, not 8.",
     "mask per head": "the causal mask is one T' x T' boolean tensor a block, shared by every "
                      "sequence and head (and whole on every tp rank).",
@@ -148,7 +154,7 @@ def memory_parts(cfg: tf.GPTConfig, layout: Layout, batch: int, length: int,
     H = 4 * d if m == "hidden 4d" else (cfg.hidden or 4 * d)
     tp, dp, cp = layout.tp, layout.dp, layout.cp
     s = {"elements": 1, "float32": 4}.get(m, ITEMSIZE)  # bytes of a float
-    i64 = 1 if m == "elements" else 8                    # of an int64
+    i64 = {"elements": 1, "int32": 4}.get(m, 8)          # of an int64
     counter = 1 if m == "elements" else COUNTER_BYTES
 
     # ------------------------------------------------ parameters (numbers)
@@ -211,7 +217,8 @@ def memory_parts(cfg: tf.GPTConfig, layout: Layout, batch: int, length: int,
         ("the final LayerNorm's input and output, 2 b T' d", 2 * b * T * d * s),
         ("the final LayerNorm's statistics, 2 b T'", 2 * b * T * s),
         ("the log-probabilities over the vocabulary, b T' V",
-         0 if m == "no log-probabilities" else b * T * V * s),
+         0 if m == "no log-probabilities" else
+         b * T * V * s / (tp if m == "log-probabilities split" else 1)),
         ("the tokens and the targets, 2 b T' int64", 2 * b * T * i64),
         ("the positions, T' int64", T * i64),
         ("the loss, one number", s)]
@@ -317,11 +324,28 @@ def _describe(parts: list[tuple[str, float]]) -> str:
     return "\n".join(f"    {x:>12,.0f}  {label}" for label, x in parts if x)
 
 
+def _probes(cfg: tf.GPTConfig, layout: Layout, batch: int, length: int) -> list[tuple]:
+    """Other configurations near this one (another vocabulary, width, depth, batch, length):
+    where the usual mistakes that coincide here part."""
+    import dataclasses
+    h = cfg.n_heads
+    cfgs = [dataclasses.replace(cfg, vocab_size=cfg.vocab_size + 13),
+            dataclasses.replace(cfg, d_model=cfg.d_model + 2 * h,
+                                hidden=None if cfg.hidden is None else cfg.hidden + 8),
+            dataclasses.replace(cfg, n_layers=cfg.n_layers + 1)]
+    out = [(c, layout, batch, length) for c in cfgs]
+    out.append((cfg, layout, 2 * batch, length))
+    if length > 2 * layout.cp:
+        out.append((cfg, layout, batch, length - 2 * layout.cp))
+    return out
+
+
 def diagnose_memory(cfg: tf.GPTConfig, layout: Layout, batch: int, length: int, kind: str,
-                    got: dict[str, float]) -> str:
+                    got: dict[str, float], student_fn: Callable | None = None) -> str:
     """The hint for a wrong ``kind`` of ``got`` (bytes by kind): the usual mistake that gives
     every kind of ``got`` (else the one that gives this kind), else the one part left out, else
-    the parts the count is made of."""
+    the parts the count is made of. With ``student_fn``, a mistake or a part left out must also
+    give what the function returns on :func:`_probes`: a match by coincidence is no hint."""
     right = memory_parts(cfg, layout, batch, length)
     want = math.fsum(x for _, x in right[kind])
     mistakes = [*MISTAKES, *SAME_AS]
@@ -329,11 +353,30 @@ def diagnose_memory(cfg: tf.GPTConfig, layout: Layout, batch: int, length: int, 
     fits = [m for m in mistakes if not _same(wrong[m][kind], want)
             and _same(wrong[m][kind], got[kind])]
     whole = [m for m in fits if all(_same(wrong[m][k], got[k]) for k in KINDS)]
-    if whole or fits:
-        mistake = (whole + fits)[0]
-        return MISTAKES[SAME_AS.get(mistake, mistake)]
-    for label, x in right[kind]:
-        if x and _same(got[kind], want - x):
+    left = [label for label, x in right[kind] if x and _same(got[kind], want - x)]
+    probes = []
+    for probe in _probes(cfg, layout, batch, length) if student_fn is not None else []:
+        try:
+            probes.append((probe, _number(student_fn(*probe)[kind])))
+        except Exception:  # noqa: BLE001 - a configuration it cannot take tells nothing
+            continue
+
+    def holds(predict):
+        return all(value is None or _same(predict(probe), value) for probe, value in probes)
+
+    for mistake in dict.fromkeys(whole + fits):
+        if holds(lambda p, m=mistake: reference_memory(*p, m)[kind]):
+            return MISTAKES[SAME_AS.get(mistake, mistake)]
+    def same_part(a, b):  # a part of another configuration: the number of blocks aside
+        return re.sub(r", in each of \d+ blocks", "", a) == re.sub(r", in each of \d+ blocks",
+                                                                   "", b)
+    for label in left:
+        x = dict(right[kind])[label]
+
+        def without(p, label=label):
+            parts = memory_parts(*p)[kind]
+            return math.fsum(v for lab, v in parts if not same_part(lab, label))
+        if holds(without):
             return f"you left out {label}: {x:,.0f} bytes here."
     return (f"one rank holds {want:,.0f} bytes of {kind} here, made of:\n{_describe(right[kind])}"
             f"\n  Find the part your count differs in (yours is {got[kind] - want:+,.0f} bytes "
@@ -388,7 +431,8 @@ def check_memory(student_fn: Callable, cluster: Any) -> bool:
                 if not _same(values[kind], memory[kind]):
                     on = (f"rank {rank} of {len(held)} held" if len(held) > 1
                           else "one process held")
-                    hint = diagnose_memory(cfg, layout, batch, length, kind, values)
+                    hint = diagnose_memory(cfg, layout, batch, length, kind, values,
+                                           student_fn)
                     raise CheckFailed(f"{where}\n  {kind}: {on} {memory[kind]:,} bytes; yours "
                                       f"{values[kind]:,.0f}\nHint: {hint}")
         if "total" in got:
@@ -456,13 +500,27 @@ def mesh_cases(cluster: Any) -> list[tuple[str, dict[str, int], list[dict]]]:
 
 
 def _as_coords(got: Any, shape: dict[str, int]) -> dict | None:
-    """A dict {name: int}, or None when ``got`` is not one."""
+    """A dict {name: int}, or None when ``got`` is not one (a number that is not whole is not
+    an int: a coordinate computed with / instead of //)."""
     if not isinstance(got, dict) or set(got) != set(shape):
         return None
     try:
+        if any(float(got[name]) != int(got[name]) for name in shape):
+            return None
         return {name: int(got[name]) for name in shape}
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
+
+
+def _key_order(where: str, got: dict, shape: dict[str, int], what: str) -> None:
+    """The dict's keys must come in the mesh's order: a mesh's dimensions are ordered."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    if list(got) != list(shape):
+        raise CheckFailed(f"{where}\n  the right {what}, but keyed {list(got)}: the mesh's "
+                          f"dimensions are {list(shape)}, in that order\nHint: a mesh's "
+                          f"dimensions are ordered (the last varies fastest), and code that "
+                          f"reads the dict's values in order, as a mesh's coordinates, would mix "
+                          f"them up: build the dict in shape's order.")
 
 
 def column_major_coordinates(rank: int, shape: dict[str, int]) -> dict[str, int]:
@@ -499,6 +557,13 @@ def _coordinate_mistakes(rank: int, shape: dict[str, int], coords: dict, want: d
         out["reversed"] = f"the right numbers, under the wrong names: reversed. {rule}."
     if coords == {k: v + 1 for k, v in want.items()}:
         out["one-based"] = f"coordinates count from 0, as ranks do. {rule}."
+    if len(shape) > 1 and coords == {k: rank % size for k, size in shape.items()}:
+        out["no division"] = (f"every coordinate is rank % size: the rank is not divided by "
+                              f"the dimension's stride first, so the dimensions do not move "
+                              f"one after the other. {rule}.")
+    if len(shape) > 1 and coords == {k: rank // size % size for k, size in shape.items()}:
+        out["by its size"] = (f"each coordinate is (rank // size) % size: divided by the "
+                              f"dimension's own size, not by its stride. {rule}.")
     over = [k for k, v in coords.items() if not 0 <= v < shape[k]]
     if over:
         out["out of range"] = (f"coordinate {over[0]!r} = {coords[over[0]]} is outside 0 .. "
@@ -513,6 +578,8 @@ def _explain(failures: list[dict[str, str]], fallback: str) -> str:
     for mistake in failures[0]:
         if all(mistake in f for f in failures):
             return failures[0][mistake]
+    if len(failures) > 1 and any(not f for f in failures[1:]):  # no usual mistake explains all
+        return fallback
     return next(iter(failures[0].values()), fallback)
 
 
@@ -538,8 +605,15 @@ def check_coordinates(student_fn: Callable, cluster: Any) -> bool:
                                   f"last dimension varies fastest.") from err
             coords = _as_coords(got, shape)
             if coords == row["coords"]:
+                _key_order(where, got, shape, "coordinates")
                 continue
             told = f"{where}\n  expected {row['coords']}, got {got!r}\nHint: "
+            fractional = isinstance(got, dict) and set(got) == set(shape) and next(
+                (k for k in shape if isinstance(got[k], float) and not got[k].is_integer()), None)
+            if fractional:
+                raise CheckFailed(f"{told}coordinate {fractional!r} is {got[fractional]}, not a "
+                                  f"whole number: / divides into a float; a coordinate counts "
+                                  f"whole steps (//).")
             if coords is None:
                 names = ", ".join(repr(n) for n in shape)
                 if isinstance(got, (list, tuple)) and len(got) == len(shape):
@@ -613,6 +687,18 @@ def _group_mistakes(rank: int, shape: dict[str, int], name: str, got: list, want
     if others:
         out["other dimension"] = (f"that is rank {rank}'s group along {others[0]!r}, not along "
                                   f"{name!r}: {rule}.")
+    world = math.prod(shape.values())
+    outside = [r for r in got if not 0 <= r < world]
+    if outside:
+        out["outside"] = (f"rank {outside[0]} is outside the mesh (ranks 0 .. {world - 1}): "
+                          f"{rule}.")
+    stride = math.prod(list(shape.values())[list(shape).index(name) + 1:])
+    if rank and got == [rank + j * stride for j in range(shape[name])] and got != want:
+        out["from the rank"] = (f"the group starts at rank {rank} itself: it starts at the rank "
+                                f"whose coordinate along {name!r} is 0. {rule}.")
+    if rank and got == library_mesh(0, shape)["groups"][name] and got != want:
+        out["rank 0's"] = (f"that is rank 0's group along {name!r}, whatever the rank: the "
+                           f"group depends on rank {rank}'s own coordinates. {rule}.")
     if got == sharing_coordinate(rank, shape, name):
         out["sharing"] = (f"those are the ranks that share rank {rank}'s coordinate along "
                           f"{name!r} (they differ from it in the other dimensions); {rule}.")
@@ -648,9 +734,13 @@ def check_groups(student_fn: Callable, cluster: Any) -> bool:
                 try:
                     mine = [int(r) for r in got[name]]
                 except (TypeError, ValueError):
+                    every = isinstance(got[name], (list, tuple)) and any(
+                        isinstance(g, (list, tuple)) and list(g) == want for g in got[name])
+                    hint = (f"that is every group along {name!r}: return only the one that "
+                            f"holds rank {rank}." if every else
+                            "each group is a list of ints, the world ranks.")
                     raise CheckFailed(f"{where}\n  along {name!r}: expected {want}, got "
-                                      f"{got[name]!r}\nHint: each group is a list of ints, the "
-                                      f"world ranks.") from None
+                                      f"{got[name]!r:.200}\nHint: {hint}") from None
                 if mine != want:
                     failures.append(_group_mistakes(rank, shape, name, mine, want,
                                                     row["groups"]))
@@ -659,6 +749,9 @@ def check_groups(student_fn: Callable, cluster: Any) -> bool:
         if failures:
             told, name = first
             raise CheckFailed(told + _explain(failures, f"{_group_rule(shape, name)}."))
+        for rank in range(len(ranks)):
+            _key_order(f"check_groups: case {number}/{len(cases)} ({label})\n  my_groups("
+                       f"{rank}, {shape})", student_fn(rank, dict(shape)), shape, "groups")
     print(f"✓ check_groups: every rank's groups along every dimension of {len(cases)} meshes "
           f"match ({len(TORCH_SHAPES)} against init_device_mesh on the cluster, "
           f"{len(LIBRARY_SHAPES)} against mesh.mesh_groups)")
