@@ -75,7 +75,17 @@ def make_step(mistake):
         if mistake == "rank 0 skips the collectives" and rank == 0:  # rank 1 waits for it
             a, b = shard_bounds(n, rank, N)
             return torch.zeros(b - a, dtype=params.dtype)
+        if mistake == "all-gather first":
+            all_gather(params, comm)
+        if mistake == "reduce-scatter params":
+            g = params
         start, stop = reduce_scatter(g, comm)
+        if mistake == "reduce-scatter params":
+            g = grads.clone()  # (the chunk's gradient, unreduced: the values are wrong anyway)
+        if mistake == "torch.chunk":
+            sizes = [len(c) for c in torch.arange(n).chunk(N)]
+            start = sum(sizes[:rank])
+            stop = start + (sizes[rank] if rank < len(sizes) else 0)
         if mistake == "another rank's chunk":
             start, stop = shard_bounds(n, (rank + 1) % N, N)
         if mistake == "equal chunks":
@@ -89,6 +99,10 @@ def make_step(mistake):
             mine = mine / N
         if mistake == "dampened momentum":  # m = momentum * m + (1 - momentum) * g
             mine = (1 - momentum) * mine
+        if mistake in ("momentum reset every step", "plain SGD"):
+            momentum_shard = None
+        if mistake == "plain SGD":
+            momentum = 0.0
         if momentum_shard is None:
             size = {"momentum one too long": stop - start + 1, "momentum of DDP's size": n,
                     "momentum one too long, all of it": stop - start + 1}
@@ -105,7 +119,9 @@ def make_step(mistake):
         params[start:stop] -= lr * update
         if mistake == "all-gather the gradient instead":
             all_gather(g, comm)
-        elif not mistake.startswith("no all-gather"):
+        elif mistake == "all-gather the chunk":
+            all_gather(params[start:stop], comm)
+        elif not mistake.startswith("no all-gather") and mistake != "all-gather first":
             all_gather(params, comm)
         if mistake == "raises":
             raise ValueError("something went wrong on purpose")
@@ -139,11 +155,24 @@ def make_step(mistake):
                            r"times DDP's"),
     ("all-gather the gradient instead", r"own chunk params\[0:4\] is right \(your step "
                                         r"all-gathered a copy, not params\)"),
-    ("dampened momentum", r"Hint: A ZeRO-1 step: g = grads.clone\(\)"),
+    ("dampened momentum", r"Hint: your momentum is dampened \(the gradient weighted by 1 - "
+                          r"momentum\)"),
     ("momentum one too long, all of it", r"size of tensor a \(5\).*\nHint: two tensors of "
                                          r"different lengths met"),
     ("rank 0 skips the collectives", r"raised on rank 1: CommTimeout.*\nHint: the ranks "
                                      r"waited for each other past their deadline"),
+    ("all-gather first", r"rank 0: params differ from DDP's .*\nHint: your step all-gathered "
+                         r"params before updating them: the all-gather sent every rank the old "
+                         r"values"),
+    ("momentum reset every step", r"after step 2\n.*\nHint: step 1 was right, but step 2 is plain "
+                                  r"SGD"),
+    ("plain SGD", r"after step 2\n.*\nHint: step 1 was right, but step 2 is plain SGD"),
+    ("reduce-scatter params", r"Hint: your step reduce-scattered params: what the ranks must sum "
+                              r"is their gradients"),
+    ("torch.chunk", r"case 2/4 .*\n.*\nHint: before its all-gather rank 1 had changed "
+                    r"params\[4:8\], but its chunk is params\[4:7\] = shard_bounds\(10, 1, 3\)"),
+    ("all-gather the chunk", r"Hint: your step called all_gather on a slice of params: the ring "
+                             r"cuts the tensor it is given into N chunks"),
 ])
 def test_zero1_check_names_the_mistake(cluster, mistake, hint):
     with pytest.raises(CheckFailed, match=hint):
@@ -212,6 +241,36 @@ def optimizer_bytes_times_bytes(num_params, world_size, stage, optimizer_bytes=1
 def test_memory_check_names_the_mistake(wrong, hint):
     with pytest.raises(CheckFailed, match=hint):
         checks.check_zero_memory_per_rank(wrong)
+
+
+def memory_with(**change):
+    """The paper's accounting with one of the usual slips."""
+    def fn(num_params, world_size, stage, optimizer_bytes=12, bytes_per_number=2):
+        psi, N, K, b = num_params, world_size, optimizer_bytes, bytes_per_number
+        b = change.get("b", b)
+        K = K / bytes_per_number if change.get("k_in_numbers") else K
+        n = N - 1 if change.get("n_minus_one") and N > 1 else N
+        params = b * psi / (n if stage >= 3 else 1)
+        grads = 0 if change.get("no_gradients") else b * psi / (n if stage >= 2 else 1)
+        total = params + grads + K * psi / (n if stage >= 1 else 1)
+        return total / change.get("unit", 1)
+    return fn
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (memory_with(no_gradients=True), r"you left out the gradients: b bytes for each parameter"),
+    (memory_with(b=2), r"case 7/9 [\s\S]*Hint: bytes_per_number is 4 here: you counted 2 bytes a "
+                       r"number"),
+    (memory_with(k_in_numbers=True), r"optimizer_bytes = 12 is bytes per parameter already: you "
+                                     r"divided it by bytes_per_number"),
+    (memory_with(n_minus_one=True), r"case 2/9 [\s\S]*Hint: you divided by N - 1 = 63"),
+    (memory_with(unit=1e9), r"that is the total in GB \(1e9 bytes\): return it in bytes"),
+    (memory_with(unit=2 ** 30), r"that is the total in GiB"),
+], ids=["no gradients", "2 bytes a number", "K in numbers", "N - 1", "GB", "GiB"])
+def test_more_memory_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint) as failed:
+        checks.check_zero_memory_per_rank(wrong)
+    assert "stage 1 divides the optimizer state by N" not in str(failed.value)  # no recipe
 
 
 def returns_the_lectures_dict(num_params, world_size, stage, optimizer_bytes=12,

@@ -34,11 +34,9 @@ ZERO1_CASES = [(2, 7), (3, 10), (4, 66), (4, 3)]  # (world size, parameters): ra
 STEPS = 3
 LR, MOMENTUM = 0.1, 0.9
 TOLERANCE = 1e-12
-RECIPE = ("A ZeRO-1 step: g = grads.clone(); start, stop = reduce_scatter(g, comm) (= "
-          "shard_bounds(len(params), comm.rank, N)); g = g[start:stop] / N; at the first step "
-          "momentum_shard = torch.zeros(stop - start, dtype=params.dtype); momentum_shard = "
-          "momentum * momentum_shard + g; params[start:stop] -= lr * momentum_shard; "
-          "all_gather(params, comm); return momentum_shard.")
+COMPARE = ("compare your step with DDP's, piece by piece: which chunk each rank updates, with "
+           "which gradient (the mean over the ranks), which momentum, and what it all-gathers "
+           "after the update.")
 
 
 # ---------------------------------------------------------------- exercise 1: the ring, again
@@ -115,6 +113,9 @@ def zero1_on_rank(payload, n, world_size, steps=STEPS, lr=LR, momentum=MOMENTUM,
             for name, t in (("params", params), ("grads", grads)):
                 if buf.data_ptr() == t.data_ptr() and buf.numel() == t.numel():
                     return name
+            for name, t in (("params", params), ("grads", grads)):
+                if buf.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                    return f"a slice of {name}"
             return "a copy"
 
         def spy_reduce_scatter(buf, comm, calls=calls, which=which):
@@ -130,7 +131,8 @@ def zero1_on_rank(payload, n, world_size, steps=STEPS, lr=LR, momentum=MOMENTUM,
             out = step_fn(params, grads, momentum_shard, comm, lr, momentum,
                           spy_reduce_scatter, spy_all_gather)
         except Exception as err:  # reported after the steps before it are checked
-            reports.append({"error": _error_report(err)})
+            reports.append({"error": {**_error_report(err), "calls": [
+                {"op": c["op"], "buf": c["buf"]} for c in calls]}})
             break
         returned = {"kind": "None" if out is None else type(out).__name__,
                     "shape": tuple(out.shape) if hasattr(out, "shape") else None,
@@ -192,11 +194,16 @@ def _value_hint(rank, N, n, k, ref, got, chunks):
             return (f"rank {rank}'s chunk was updated with its own local gradient{words}, not "
                     f"with the sum over the ranks: take the chunk from the tensor you "
                     f"reduce-scattered (g[start:stop]), not from grads.")
+    if fits(lambda c, a, b: p0[a:b] - LR * (MOMENTUM * m_prev[a:b]
+                                            + (1 - MOMENTUM) * total[a:b] / N)):
+        return ("your momentum is dampened (the gradient weighted by 1 - momentum): torch's "
+                "SGD, and DDP's step here, add the whole mean gradient to momentum x the "
+                "previous momentum.")
     if k > 0 and fits(lambda c, a, b: p0[a:b] - LR * total[a:b] / N):
         return (f"step 1 was right, but step {k + 1} is plain SGD with the mean gradient, "
-                f"without the momentum of the steps before: update the momentum shard "
-                f"(momentum_shard = momentum * momentum_shard + g) and return that updated "
-                f"shard; the caller passes it back at the next step.")
+                f"without the momentum of the steps before: the momentum shard must carry "
+                f"over from one step to the next (the caller passes back what the step "
+                f"returns).")
     return None
 
 
@@ -207,13 +214,20 @@ def _params_hint(rank, N, n, k, ref, report):
     own_right = _close(got[a:b], want[a:b])
     gathers = [c for c in report["calls"] if c["op"] == "all_gather"]
     on_params = [c for c in gathers if c["buf"] == "params"]
-    unchanged = (f"rank {rank}'s params did not change: update them in place, "
-                 f"params[{a}:{b}] -= lr * momentum_shard, and all-gather params itself "
-                 f"(params = params - ..., or a copy of params, is a new tensor, which the "
-                 f"caller never sees).")
+    unchanged = (f"rank {rank}'s params did not change: update them in place (params[{a}:{b}] "
+                 f"-= ...), and all-gather params itself (params = params - ..., or a copy of "
+                 f"params, is a new tensor, which the caller never sees).")
+    scattered = [c["buf"] for c in report["calls"] if c["op"] == "reduce_scatter"]
+    if "params" in scattered:
+        return ("your step reduce-scattered params: what the ranks must sum is their "
+                "gradients (a copy of grads); the parameters are the same on every rank.")
     if not on_params:
         did = ("your step never called all_gather" if not gathers else
                f"your step all-gathered {gathers[0]['buf']}, not params")
+        if gathers and gathers[0]["buf"] == "a slice of params":
+            return (f"your step all-gathered a slice of params, not params: the all-gather "
+                    f"fills every chunk of the tensor it is given, so it takes the whole "
+                    f"vector, in which rank {rank}'s chunk is params[{a}:{b}].")
         if b > a and _close(got, ref[k]["before"]):
             return unchanged
         if own_right:
@@ -221,11 +235,16 @@ def _params_hint(rank, N, n, k, ref, report):
                     f"updates its own chunk only, so the other chunks must come from their "
                     f"owners: all_gather(params, comm) after the update, on params itself.")
         specific = _value_hint(rank, N, n, k, ref, got, [rank])
-        return f"{did}; and {specific or 'even the own chunk is wrong. ' + RECIPE}"
+        return f"{did}; and {specific or 'even the own chunk is wrong. ' + COMPARE}"
     before = on_params[0]["before"]
     changed = set(np.flatnonzero(before != ref[k]["before"]).tolist())
     own = set(range(a, b))
     if own - changed:
+        if not changed and own_right:
+            return (f"your step all-gathered params before updating them: the all-gather sent "
+                    f"every rank the old values, and the update that came after it stays on "
+                    f"rank {rank} alone (only its own chunk params[{a}:{b}] is right). The "
+                    f"all-gather is what carries each owner's update to the others.")
         if not changed:
             return unchanged
         whose = [q for q in range(N) if set(range(*shard_bounds(n, q, N))) == changed]
@@ -235,7 +254,26 @@ def _params_hint(rank, N, n, k, ref, report):
                 f"the chunk whose sum the reduce-scatter left on rank {rank} (its return value). "
                 f"The all-gather then hands every rank each owner's own chunk, so only what the "
                 f"owners changed inside their own chunks survives.")
-    return _value_hint(rank, N, n, k, ref, got, range(N)) or RECIPE
+    return _value_hint(rank, N, n, k, ref, got, range(N)) or COMPARE
+
+
+def _chunks_hint(N, n, k, ref, reports):
+    """The first rank that, before its all-gather of params, had changed something else than
+    its own chunk ``shard_bounds(n, rank, N)``, in words; None when every rank kept to its own."""
+    for rank, steps in enumerate(reports):
+        gathers = [c for c in steps[k].get("calls", [])
+                   if c["op"] == "all_gather" and c["buf"] == "params"]
+        if not gathers:
+            continue
+        a, b = shard_bounds(n, rank, N)
+        changed = set(np.flatnonzero(gathers[0]["before"] != ref[k]["before"]).tolist())
+        if changed and changed != set(range(a, b)):
+            return (f"before its all-gather rank {rank} had changed params{_ranges(changed)}, "
+                    f"but its chunk is params[{a}:{b}] = shard_bounds({n}, {rank}, {N}): the "
+                    f"chunk whose sum the reduce-scatter left on it, and the one the all-gather "
+                    f"takes from it. A vector that N does not divide is cut unevenly, and every "
+                    f"cut must be shard_bounds'.")
+    return None
 
 
 def _momentum_hint(rank, N, n, returned):
@@ -314,16 +352,21 @@ def _step_failure(name, where, errors, fns, n, N):
     last = own[first]["text"].splitlines()[0]
     waited = sorted(set(errors) - set(own))
     waited = f" (rank(s) {waited} then waited for it past their deadline)" if waited else ""
-    hint = "see where it raised (in a notebook: under 'Your code', below). " + RECIPE
-    if own[first]["type"] == "CommTimeout":
+    hint = "see where it raised (in a notebook: under 'Your code', below)."
+    sliced = next((c for e in errors.values() for c in e.get("calls", [])
+                   if c["buf"].startswith("a slice of")), None)
+    if sliced:
+        hint = (f"your step called {sliced['op']} on {sliced['buf']}: the ring cuts the tensor "
+                f"it is given into N chunks, so every rank must hand it the whole vector (a "
+                f"slice is cut into other chunks, and the messages no longer fit).")
+    elif own[first]["type"] == "CommTimeout":
         hint = ("the ranks waited for each other past their deadline: do all ranks call the "
-                "same collectives, on tensors of the same length, in the same order? " + RECIPE)
+                "same collectives, on tensors of the same length, in the same order?")
     elif "size of tensor" in last or "shape" in last:
         a, b = shard_bounds(n, first, N)
         sizes = {int(x) for x in re.findall(r"size of tensor \w \((\d+)\)", last)}
         hint = ("two tensors of different lengths met: params and grads have len(params) "
-                "numbers; the chunk, the gradient's chunk and the momentum shard stop - start. "
-                + RECIPE)
+                "numbers; the chunk, the gradient's chunk and the momentum shard stop - start.")
         if sizes == {n, b - a}:
             hint = (f"a tensor of len(params) = {n} numbers met one of rank {first}'s chunk, "
                     f"shard_bounds({n}, {first}, {N}) = ({a}, {b}): {b - a} numbers. A momentum "
@@ -371,10 +414,13 @@ def check_zero1_step(zero1_step, reduce_scatter, all_gather, cluster, seed=0,
                 got, want = steps[k]["params"], ref[k]["after"]
                 if not _close(got, want):
                     worst = int(np.argmax(np.abs(got - want)))
+                    hint = _params_hint(rank, N, n, k, ref, steps[k])
+                    if COMPARE in hint:  # no mistake of its own: look at every rank's chunk
+                        hint = _chunks_hint(N, n, k, ref, reports) or hint
                     raise CheckFailed(
                         f"{at}\n  rank {rank}: params differ from DDP's (largest difference "
                         f"at index {worst}: expected {want[worst]:.6g}, got {got[worst]:.6g})\n"
-                        f"Hint: {_params_hint(rank, N, n, k, ref, steps[k])}")
+                        f"Hint: {hint}")
             for rank, steps in enumerate(reports):
                 hint = _momentum_hint(rank, N, n, steps[k]["returned"])
                 if hint:
@@ -430,6 +476,36 @@ def _memory_hint(expected, got, args):
         got = float(got)
     except (TypeError, ValueError):
         return "return the total, one number of bytes."
+    right = float(expected)
+    for scale, unit in ((1e9, "GB (1e9 bytes)"), (2 ** 30, "GiB (2^30 bytes)"),
+                        (1e6, "MB"), (2 ** 20, "MiB")):
+        if np.isclose(got * scale, right, rtol=1e-6, atol=0):
+            return f"that is the total in {unit}: return it in bytes."
+    split = {0: (False, False, False), 1: (False, False, True), 2: (False, True, True),
+             3: (True, True, True)}[stage]
+
+    def total(p_b=b, g_b=b, k=K, n=N, terms=("p", "g", "k")):
+        parts = {"p": p_b * num_params / (n if split[0] else 1),
+                 "g": g_b * num_params / (n if split[1] else 1),
+                 "k": k * num_params / (n if split[2] else 1)}
+        return sum(parts[t] for t in terms)
+    variants = [
+        (total(terms=("p", "k")), "you left out the gradients: b bytes for each parameter, "
+                                  "sharded from stage 2 on."),
+        (total(terms=("g", "k")), "you left out the parameters themselves: b bytes each, "
+                                  "sharded at stage 3."),
+        (total(terms=("p", "g")), "you left out the optimizer state: optimizer_bytes (K) "
+                                  "bytes per parameter, sharded from stage 1 on."),
+        (total(p_b=2, g_b=2), f"bytes_per_number is {b} here: you counted 2 bytes a number."),
+        (total(k=K / b), f"optimizer_bytes = {K} is bytes per parameter already: you divided it "
+                         f"by bytes_per_number."),
+        (total(n=N - 1) if N > 1 else None, f"you divided by N - 1 = {N - 1}: a shard is 1/N of "
+                                            f"the whole, one for each of the N ranks."),
+    ]
+    for value, text in variants:
+        if value is not None and not np.isclose(value, right, rtol=1e-9, atol=0) and \
+                np.isclose(got, value, rtol=1e-9, atol=0):
+            return text
     correct = {0: (0, False), 1: (0, True), 2: (1, True), 3: (2, True)}[stage]
     for k_bytes in (K, K * b):
         for shared in (0, 1, 2):  # how many of parameters and gradients (b bytes each) /N
@@ -468,8 +544,7 @@ def check_zero_memory_per_rank(student_fn) -> bool:
                   lambda p=p, N=N, s=s, K=K, b=b: (p, N, s, K, b))
              for p, N, s, K, b in MEMORY_CASES]
     return run_check("check_zero_memory_per_rank", student_fn, zero_memory_reference, cases,
-                     hint="parameters and gradients take bytes_per_number bytes each, the "
-                          "optimizer state optimizer_bytes (K): DDP holds (2+2+K)Ψ; stage 1 "
-                          "divides the optimizer state by N, stage 2 the gradients too, stage 3 "
-                          "the parameters too.",
+                     hint="compare with the ZeRO paper's accounting, term by term: the "
+                          "parameters, the gradients and the optimizer state, and which of "
+                          "them this stage divides by N.",
                      result_name="bytes per rank", rtol=1e-9, atol=0, diagnose=_memory_hint)
