@@ -14,9 +14,11 @@ configuration to promote from rung ``k`` to ``k + 1``, or None (start a new conf
 The check runs ASHA with it on the simulated clock of ``hpsearch_loop.simulate`` (surrogate
 trials, several engines, seeded configurations) beside the course's ``hpsearch.ASHA``, and
 stops at the first decision that differs: it names the decision, shows each rung's standings
-and says which usual mistake gives the answer the student's gave (scanning from the lowest rung,
-the top ``eta`` instead of the top ``1/eta``, rounding up, promoting twice, the worst first, the
-top rung promoting). ``busy_fraction(jobs, num_engines, elapsed)`` is compared with
+and says which usual mistake answers as the student's rule does in every hand-made state
+(scanning from the lowest rung, the top ``eta`` instead of the top ``1/eta``, rounding up, the
+whole rung, promoting twice, a break or a return too early, the worst first, the top rung
+promoting, ...): a mistake that agrees in one state only, by chance, is not named.
+``busy_fraction(jobs, num_engines, elapsed)`` is compared with
 ``SearchResult.busy_fraction`` on simulated searches.
 """
 
@@ -55,6 +57,11 @@ STATES = (
      [_rung(.50, .60), {}, {}], [set(), set(), set()], 3),
     ("the top rung has results but no rung above it",
      [_rung(.5, .4, .3), {0: .6}, {0: .7, 5: .2, 6: .1}], [{0}, {0}, set()], 3),
+    ("the best of rung 1 went up already: the second of its top 1/eta goes",
+     [_rung(.9, .8, .7, .6, .5, .4), {0: .95, 1: .85, 2: .75, 3: .65, 4: .55, 5: .45}, {}],
+     [{0}, {0}, set()], 3),
+    ("rung 1's top 1/eta went up already: rung 0 promotes",
+     [_rung(.9, .8, .7, .6, .5, .4), {0: .95, 1: .85, 2: .75}, {}], [{0}, {0}, set()], 3),
 )
 
 
@@ -69,28 +76,70 @@ def reference_choose(results: list[dict], promoted: list[set], eta: int) -> tupl
     return None
 
 
-def _mistakes(results, promoted, eta):
-    """What the usual wrong rules answer in this state: {mistake: answer}."""
-    def rule(order, keep, skip_promoted=True, top=True, worst=False):
+def _rule(order="down", keep=lambda n, eta: n // eta, skip=True, top=False, worst=False,
+          stop_at_promoted=False, one_rung=False, ranked_by_accuracy=True, cut_of_unpromoted=False,
+          destination=False) -> Callable:
+    """ASHA's rule with one of the usual slips (the defaults: the rule itself)."""
+    def choose(results, promoted, eta):
         rungs = range(len(results) - (1 if top else 2), -1, -1)
         for rung in (rungs if order == "down" else reversed(rungs)):
-            ranked = sorted(results[rung], key=lambda c: results[rung][c] * (1 if worst else -1))
-            for config_id in ranked[:keep(len(ranked))]:
-                if not skip_promoted or config_id not in promoted[rung]:
-                    return rung, config_id
+            ranked = list(results[rung])
+            if ranked_by_accuracy:
+                ranked.sort(key=lambda c: results[rung][c] * (1 if worst else -1))
+            if cut_of_unpromoted:
+                ranked = [c for c in ranked if c not in promoted[rung]]
+            for config_id in ranked[:keep(len(ranked), eta)]:
+                if not skip or config_id not in promoted[rung]:
+                    return (rung + 1 if destination else rung), config_id
+                if stop_at_promoted:
+                    break
+            if one_rung:
+                return None
         return None
-    floor = lambda n: n // eta  # noqa: E731  (the rule: the top 1/eta, rounded down)
-    return {
-        "scans the rungs from the lowest up": rule("up", floor, top=False),
-        "keeps the top eta of a rung instead of its top 1/eta": rule("down", lambda n: eta,
-                                                                     top=False),
-        "rounds 1/eta of the rung up (so a rung of fewer than eta results promotes)":
-            rule("down", lambda n: math.ceil(n / eta), top=False),
-        "promotes a configuration that was promoted already": rule("down", floor, False,
-                                                                   top=False),
-        "ranks the worst first": rule("down", floor, top=False, worst=True),
-        "lets the top rung promote (it has no rung above)": rule("down", floor, top=True),
-    }
+    return choose
+
+
+MISTAKES = {  # what a rule does wrong: the rule that does it
+    "scans the rungs from the lowest up": _rule(order="up"),
+    "keeps the top eta of a rung instead of its top 1/eta": _rule(keep=lambda n, eta: eta),
+    "rounds 1/eta of the rung up (so a rung of fewer than eta results promotes)":
+        _rule(keep=lambda n, eta: math.ceil(n / eta)),
+    "lets a rung of fewer than eta results promote one (at least one, not len // eta)":
+        _rule(keep=lambda n, eta: max(1, n // eta)),
+    "looks at the whole rung, not at its top 1/eta": _rule(keep=lambda n, eta: n),
+    "takes the top 1/eta of the configurations not promoted yet, not of all the rung has "
+    "reported": _rule(cut_of_unpromoted=True),
+    "promotes a configuration that was promoted already": _rule(skip=False),
+    "stops looking at a rung at its first configuration promoted already (break, where the "
+    "next one should be tried)": _rule(stop_at_promoted=True),
+    "gives up after the highest rung (a return None inside the loop over the rungs)":
+        _rule(one_rung=True),
+    "ranks the worst first": _rule(worst=True),
+    "ranks a rung in the order its results came, not by accuracy": _rule(
+        ranked_by_accuracy=False),
+    "lets the top rung promote (it has no rung above)": _rule(top=True),
+    "returns the rung the configuration goes to, not the rung it leaves": _rule(
+        destination=True),
+}
+
+
+def _answers(choose, states=None):
+    """What ``choose`` answers in each of the hand-made states (an exception: its type)."""
+    out = []
+    for _, results, promoted, eta in STATES if states is None else states:
+        try:
+            got = choose(copy.deepcopy(results), copy.deepcopy(promoted), eta)
+            out.append(tuple(got) if isinstance(got, (list, tuple)) else got)
+        except Exception as e:  # noqa: BLE001 - an answer like another
+            out.append(type(e).__name__)
+    return out
+
+
+def _mistakes_of(choose):
+    """The usual mistakes that answer as ``choose`` does in every hand-made state: a mistake
+    that agrees in one state only, by chance, is not named."""
+    mine = _answers(choose)
+    return [m for m, rule in MISTAKES.items() if _answers(rule) == mine]
 
 
 class StudentASHA(hpsearch.ASHA):
@@ -124,14 +173,15 @@ class StudentASHA(hpsearch.ASHA):
                             self.epochs[rung + 1])
 
 
-def _hint(results, promoted, eta, got, expected):
-    """The usual mistakes that answer ``got`` in this state, or the rule in words."""
-    mistakes = [m for m, answer in _mistakes(results, promoted, eta).items()
-                if answer == got and answer != expected]
-    if mistakes:
-        return f"your rule {' or '.join(mistakes)}."
-    return ("scan the rungs from the second highest down; in each, rank what it has reported "
-            "so far, best first, and look at the top len // eta of them.")
+RULE = ("compare your rule with the exercise's, step by step: which rungs it looks at and in "
+        "what order, how it ranks a rung, how many of the top it takes, and what it skips.")
+
+
+def _hint(choose):
+    """The usual mistakes that ``choose`` makes (it answers as they do in every hand-made
+    state), or a pointer to the rule's steps."""
+    mistakes = _mistakes_of(choose)
+    return f"your rule {' or '.join(mistakes)}." if mistakes else RULE
 
 
 def _standings(results, promoted):
@@ -158,12 +208,16 @@ def check_choose(choose: Callable) -> bool:
         except Exception as e:
             raise CheckFailed(f"{name}: {what}: your choose raised {type(e).__name__}: "
                               f"{e}") from e
+        if got is not None and not (isinstance(got, (list, tuple)) and len(got) == 2):
+            raise CheckFailed(f"{name}: {what} (eta {eta}): expected {expected}, got {got!r}\n"
+                              f"Hint: return a pair (rung, config_id): the rung the "
+                              f"configuration leaves and its id, or None.")
         if got is not None:
             got = tuple(got)
         if got != expected:
             raise CheckFailed(f"{name}: {what} (eta {eta}): expected {expected}, got {got}\n"
                               f"  the rungs:\n{_standings(results, promoted)}\n"
-                              f"Hint: {_hint(results, promoted, eta, got, expected)}")
+                              f"Hint: {_hint(choose)}")
     for number, (n, r, R, eta, engines) in enumerate(CASES, start=1):
         configs = hpsearch.configurations(hpsearch.SPACE, n, seed=number)
         reference = StudentASHA(reference_choose, configs, r, R, eta)
@@ -184,7 +238,7 @@ def check_choose(choose: Callable) -> bool:
             if got == expected:
                 continue
             results, promoted = state
-            hint = _hint(results, promoted, eta, got, expected)
+            hint = _hint(choose)
             raise CheckFailed(
                 f"{name}: case {number} ({n} configurations, epochs {r} to {R}, eta {eta}, "
                 f"{engines} engines), decision {k + 1}: expected {expected}, got {got}\n"
@@ -211,17 +265,28 @@ def check_busy_fraction(busy_fraction: Callable) -> bool:
             got = busy_fraction(search.jobs, engines, search.elapsed)
         except NotImplementedError:
             return not_implemented(name)
-        if got is None or abs(got - expected) > 1e-9:
+        if not isinstance(got, (int, float)) or abs(got - expected) > 1e-9:
             trained = sum(j.end - j.start for j in search.jobs)
             hints = {trained / search.elapsed: "divide by every engine's time: num_engines x "
                                                "elapsed",
                      sum(j.epochs_trained for j in search.jobs) / (engines * search.elapsed):
                          "count the time the jobs took (end - start), not their epochs",
                      1 - expected: "that is the idle fraction: the busy time over the "
-                                   "engines' time"}
-            hint = next((h for v, h in hints.items() if got is not None
-                         and abs(got - v) < 1e-9), "sum every job's end - start, divide by "
-                                                   "num_engines x elapsed")
+                                   "engines' time",
+                     100 * expected: "that is a percentage: return the fraction, between 0 "
+                                     "and 1",
+                     -expected: "each job's time is end - start, not start - end",
+                     trained / engines: "that is busy time per engine, in seconds: divide by "
+                                        "the elapsed time too",
+                     trained / (len(search.jobs) * search.elapsed):
+                         f"you divided by the number of jobs ({len(search.jobs)}), not of "
+                         f"engines ({engines})",
+                     float(trained // (engines * search.elapsed)):
+                         "// is integer division: the fraction is below 1, and // rounds it "
+                         "down to 0; divide with /"}
+            hint = next((h for v, h in hints.items() if isinstance(got, (int, float))
+                         and abs(got - v) < 1e-9), "add up the time of every job, and divide "
+                                                   "by the time the engines were there for")
             raise CheckFailed(f"{name}: {policy} on {engines} engines: expected {expected:.4f}, "
                               f"got {got}\nHint: {hint}")
     print(f"✓ {name}: {len(cases)} simulated searches")
