@@ -1,5 +1,6 @@
 """The cluster: ranks by position, a working process group, bounded failures, no leftovers."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -153,6 +154,24 @@ def test_stop_leaves_no_process_behind(capfd):
     assert "Failed to remove" not in out + err and "%|" not in out + err  # no log noise, no bar
 
 
+@contextlib.contextmanager
+def _notebook_session():
+    """An nbval session's stand-in, a process of its own (not this pytest worker) whose kernels
+    share their clusters (SHARED_ENV): yields its pid and a function that runs a kernel's
+    script to its end."""
+    owner = subprocess.Popen(["sleep", "300"])
+    env = dict(os.environ, **{C.SHARED_ENV: str(owner.pid)})
+
+    def kernel(script):
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=120)
+    try:
+        yield owner.pid, kernel
+    finally:
+        owner.kill()
+        owner.wait()
+
+
 def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
     """With SHARED_ENV (set by an nbval session) a second kernel's start_cluster gets the same
     engines, with a fresh process group; the session's clean stops them, nothing is left (even
@@ -163,21 +182,14 @@ def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
               "print(json.dumps([c.shared, c.run(allreduce_ranks),"
               " [i['pid'] for i in c.run(engine_info)]]))\n"
               "c.stop()\n")
-    # the owner: a process of its own, not this pytest worker, whose notebooks share theirs
-    owner = subprocess.Popen(["sleep", "300"])
-    env = dict(os.environ, **{C.SHARED_ENV: str(owner.pid)})
-    try:
-        runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                               text=True, timeout=120) for _ in range(2)]
+    with _notebook_session() as (owner, kernel):
+        runs = [kernel(script) for _ in range(2)]
         from course_lib.launch import clean_clusters, cluster_processes
-        kept = f"{owner.pid}-shared-local-2-1"
+        kept = f"{owner}-shared-local-2-1"
         # a kept cluster whose file went away while it ran is still found, by its processes
         assert len(cluster_processes(lambda found: found == kept).get(kept, [])) >= 3
         os.remove(ipp.Cluster(profile=C.PROFILE, cluster_id=kept).cluster_file)
-        stopped = clean_clusters(shared_by=owner.pid)
-    finally:
-        owner.kill()
-        owner.wait()
+        stopped = clean_clusters(shared_by=owner)
     first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert first == second and first[:2] == [True, [1.0, 1.0]], (first, second)
     assert stopped == [kept]
@@ -216,16 +228,10 @@ def test_a_kept_cluster_busy_with_a_dead_kernels_work_is_not_reused():
            "print([c.run(C.allreduce_ranks, timeout=20), [i['pid'] for i in c.run(C.engine_info)],"
            " failed])\n"
            "c.stop()\n")
-    owner = subprocess.Popen(["sleep", "300"])
-    env = dict(os.environ, **{C.SHARED_ENV: str(owner.pid)})
-    try:
-        left, used = (subprocess.run([sys.executable, "-c", s], env=env, capture_output=True,
-                                     text=True, timeout=120) for s in (leave, use))
+    with _notebook_session() as (owner, kernel):
+        left, used = kernel(leave), kernel(use)
         from course_lib.launch import clean_clusters
-        clean_clusters(shared_by=owner.pid)
-    finally:
-        owner.kill()
-        owner.wait()
+        clean_clusters(shared_by=owner)
     assert used.returncode == 0, used.stderr[-2000:]
     old_pids = eval(left.stdout.strip().splitlines()[-1])
     sums, pids, failed = eval(used.stdout.strip().splitlines()[-1])
