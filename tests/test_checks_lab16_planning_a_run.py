@@ -400,8 +400,19 @@ def from_the_rank(rank, shape):
             for i, name in enumerate(shape)}
 
 
+def group_stride_with_its_own_size(rank, shape):
+    sizes, out = list(shape.values()), {}
+    for i, name in enumerate(shape):
+        stride = math.prod(sizes[i:])  # one size too many: the group's own
+        c = rank // stride % sizes[i]
+        out[name] = [rank - c * stride + j * stride for j in range(sizes[i])]
+    return out
+
+
 @pytest.mark.parametrize("fn, hint", [
     (lambda r, s: reordered(groups(r, s)), r"the right groups, but keyed \['tp', 'dp'\]"),
+    (group_stride_with_its_own_size, r"(?s)case 1/8 .*along 'dp': expected \[0, 2\], got "
+                                     r"\[0, 4\].*rank 4 is outside the mesh"),
     (every_group, r"along 'dp': expected \[0, 2\], got \[\[0, 2\], \[1, 3\]\]\nHint: that is "
                   r"every group along 'dp': return only the one that holds rank 0"),
     (lambda r, s: groups(0, s), r"(?s)my_groups\(1, .*that is rank 0's group along 'dp', "
@@ -410,8 +421,8 @@ def from_the_rank(rank, shape):
     (lambda r, s: {n: [x + M.coordinates(r, s)[n] * 0 + 100 for x in g]
                    for n, g in groups(r, s).items()}, r"rank 100 is outside the mesh"),
     (lambda r, s: {n: tuple(float(x) for x in g) for n, g in groups(r, s).items()}, None),
-], ids=["keys in another order", "every group", "rank 0's for all", "starts at the rank",
-        "outside the mesh", "floats in a tuple (right)"])
+], ids=["keys in another order", "stride with its own size", "every group", "rank 0's for all",
+        "starts at the rank", "outside the mesh", "floats in a tuple (right)"])
 def test_more_group_mistakes(cluster, fn, hint):
     if hint is None:
         assert checks.check_groups(fn, cluster) is True
