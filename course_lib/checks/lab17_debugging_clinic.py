@@ -20,6 +20,7 @@ does (which tensor, by what factor, which loss), never the fix.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 
@@ -169,10 +170,22 @@ def _scaling_hint(run: dict, reference: dict, world_size: int) -> str:
             f"many times the batch's mean gradient.")
 
 
+@functools.lru_cache(maxsize=1)
+def _digits():
+    """The training digits as tensors, as ``clinic.run`` reads them (loaded once)."""
+    X, y, _, _ = data.load_digits()
+    return torch.from_numpy(X), torch.from_numpy(y)
+
+
+@functools.lru_cache(maxsize=1)
+def _one_process():
+    """``clinic.one_process`` for the check's steps (deterministic: computed once)."""
+    return clinic.one_process(steps=STEPS)
+
+
 def _loss_problem(runs: list[dict], reference: dict) -> tuple[str, str, str] | None:
     """The loss each rank returned: the mean over the samples it read, or over the batch."""
-    X, y, _, _ = data.load_digits()
-    X, y = torch.from_numpy(X), torch.from_numpy(y)
+    X, y = _digits()
     model = clinic.make_model(0)
     for run in runs:
         for step, (loss, samples) in enumerate(zip(run["losses"], run["samples"], strict=True)):
@@ -258,7 +271,7 @@ def check_job(number: int, kind: str | Callable[[], str], fixed_step: Callable,
                           ) from None
     if any(r.get("not_implemented") for r in runs):
         return not_implemented(name)
-    found = _problem(runs, clinic.one_process(steps=STEPS))
+    found = _problem(runs, _one_process())
     if found:
         found_kind, problem, hint = found
         if found_kind == ANSWERS[number]:  # the job's kind of bug, still (or again) there
