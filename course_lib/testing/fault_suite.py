@@ -198,7 +198,7 @@ def run_one(sc, ctx):
         watch.join()
         os.environ.pop(MARK, None)
     row.exposed, row.known = watch.judged()
-    row.left = _left_behind(token, ctx)
+    row.left = _left_behind(token, ctx, GRACE + hang_bound(sc.settle) if sc.settle else GRACE)
     shutil.rmtree(ctx.tmp, ignore_errors=True)
     return row
 
@@ -230,7 +230,7 @@ def _still_running(p):
 
 def _left_behind(token, ctx, settle=GRACE):
     """Marked processes still alive ``settle`` s after the scenario (not the cluster's own):
-    described, then killed."""
+    described, then killed. Returns as soon as none is left."""
     import psutil
     deadline = time.monotonic() + settle
     while True:
