@@ -555,7 +555,12 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     try:
         ipp_cluster.start_cluster_sync(n=n)
         client = ipp_cluster.connect_client_sync()  # no progress bar: the start takes seconds
-        client.wait_for_engines(n, timeout=ipp_cluster.engine_timeout, interactive=False)
+        try:
+            client.wait_for_engines(n, timeout=ipp_cluster.engine_timeout, interactive=False)
+        except TimeoutError:
+            raise ClusterError(f"{n} engines were not ready within {ipp_cluster.engine_timeout:g}"
+                               f" s ({len(client.ids)} ready); {_start_logs(ipp_cluster)}"
+                               ) from None
         cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link,
                           shared=shared)
     except BaseException:
@@ -569,6 +574,24 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     if warm and not shared:  # the next start_cluster of this kernel finds its imports done
         warm_start.keep_spare(profile_dir)
     return cluster
+
+
+def _start_logs(ipp_cluster, lines=6):
+    """The end of what each launched process of a cluster that did not come up printed."""
+    said = []
+    launchers = [("controller", ipp_cluster.controller)] + [
+        (f"engine {i}", launcher) for engine_set in (ipp_cluster.engines or {}).values()
+        for i, launcher in enumerate(getattr(engine_set, "launchers", {}).values())]
+    for name, launcher in launchers:
+        try:
+            with open(launcher.output_file) as f:
+                tail = [x for x in f.read().splitlines() if x.strip()][-lines:]
+        except (AttributeError, OSError):
+            tail = []
+        state = "running" if launcher is not None and launcher.running else "stopped"
+        said.append(f"{name} (pid {getattr(launcher, 'pid', '?')}, {state}): " +
+                    ("\n    ".join(["", *tail]) if tail else "printed nothing"))
+    return "what each process printed:\n" + "\n".join(said)
 
 
 def _quiet(record):

@@ -229,15 +229,17 @@ def cluster_processes(select: Callable[[str], bool] = lambda cluster_id: True,
 
 def _kill_leftovers(select):
     """Kill what is still running of the clusters whose id ``select`` accepts (found by
-    :func:`cluster_processes`) and remove the connection files that their controllers, killed,
-    could not remove; returns the ids of the clusters found running."""
+    :func:`cluster_processes`) and remove the files that their processes, killed, could not
+    remove; returns the ids of the clusters found running."""
     found = cluster_processes(select)
     for pids in found.values():
         kill_tree(pids)
     security = _security_dir()
-    for file in security.glob("ipcontroller-*.json") if security else ():
-        # ipcontroller-{cluster id}-{client|engine}.json
-        if select(file.stem[len("ipcontroller-"):].rsplit("-", 1)[0]):
+    # ipcontroller-{cluster id}-{client|engine}.json, and warm-{cluster id}-{random}.sock where
+    # a killed template listened (course_lib.warm_start)
+    for file in [*security.glob("ipcontroller-*.json"), *security.glob("warm-*.sock")] \
+            if security else ():
+        if select(file.stem.split("-", 1)[1].rsplit("-", 1)[0]):
             file.unlink(missing_ok=True)
     return list(found)
 

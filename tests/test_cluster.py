@@ -311,3 +311,18 @@ def test_the_course_computes_with_one_thread_unless_told_otherwise():
                              cwd=Path(__file__).resolve().parents[1], env={**env, **extra},
                              capture_output=True, text=True, timeout=120)
         assert out.stdout.strip() == threads, (order, extra, out.stderr[-500:])
+
+
+def test_engines_that_do_not_come_up_are_named_with_what_they_printed(tmp_path):
+    from types import SimpleNamespace
+    log = tmp_path / "engine-0.log"
+    log.write_text("starting\nConnectionRefusedError: [Errno 111] the template's socket\n")
+
+    def launcher(pid, output_file, running):
+        return SimpleNamespace(pid=pid, output_file=str(output_file), running=running)
+    ipp_cluster = SimpleNamespace(
+        controller=launcher(10, tmp_path / "missing.log", True),
+        engines={"set": SimpleNamespace(launchers={"0": launcher(11, log, False)})})
+    said = C._start_logs(ipp_cluster)
+    assert "controller (pid 10, running): printed nothing" in said
+    assert "engine 0 (pid 11, stopped):" in said and "the template's socket" in said

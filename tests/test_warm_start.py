@@ -4,13 +4,15 @@ start stays one argument or one environment variable away."""
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
 
 from course_lib import cluster as C
 from course_lib import warm_start
-from course_lib.launch import cluster_processes
+from course_lib.launch import _ended, cluster_processes
 from course_lib.testing.warm_start import parent_and_draw
 
 
@@ -39,6 +41,7 @@ def test_a_warm_cluster_has_normal_engines_and_leaves_nothing_behind():
         c.stop()
     assert not [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert template.returncode is not None  # reaped, no zombie left in this process
+    assert not template.path.exists()  # the socket it listened on, removed with its cluster
 
 
 def test_the_next_cluster_takes_the_spare_template_and_forks_its_controller_too():
@@ -73,3 +76,30 @@ def test_the_course_workers_fork_from_a_preloaded_server(monkeypatch):
     worker.join(timeout=30)
     monkeypatch.setenv(warm_start.WARM_ENV, "0")
     assert worker_context().get_start_method() == "spawn"
+
+
+def test_an_older_template_of_a_kept_cluster_leaves_the_new_ones_socket(tmp_path):
+    """A kept cluster has the same id at every start: the template of the kernel that started
+    it may still be ending when the next kernel's template starts (engines there found no
+    socket to fork from: "0 engines ready in 60 s")."""
+    profile = tmp_path / "profile_kept"
+    code = ("import sys; from course_lib import warm_start as w; "
+            "t = w.start_template(sys.argv[1], 'kept'); w.wait_ready(t); print(t.pid, flush=True);"
+            " sys.stdin.readline()")  # then this process ends: its template is orphaned, and ends
+    kernel = subprocess.Popen([sys.executable, "-c", code, str(profile)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    old = psutil.Process(int(kernel.stdout.readline()))
+    new = warm_start.start_template(str(profile), "kept")
+    try:
+        warm_start.wait_ready(new)
+        kernel.communicate("\n", timeout=120)
+        deadline = time.monotonic() + 120  # a hang guard: it ends within a second when idle
+        while not _ended(old) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ended(old), "the orphaned template did not end"
+        assert new.path.exists(), "the older template removed the new template's socket"
+        pid = warm_start.fork_engine(new.path, "nothing.to.start", [], dict(os.environ),
+                                     str(tmp_path), str(tmp_path / "child.log"))
+        assert pid > 0  # (the child refuses the module and exits)
+    finally:
+        warm_start._reap(new)
