@@ -175,6 +175,18 @@ def _changed_inputs(before: tuple, after: tuple) -> list[int]:
     return changed
 
 
+def _same_rows(before: Any, after: Any) -> bool:
+    """Whether ``after`` holds the rows of ``before`` in another order (a shuffle in place)."""
+    try:
+        b, a = _as_array(before), _as_array(after)
+    except (TypeError, ValueError):
+        return False
+    if b.shape != a.shape or b.ndim == 0 or len(b) < 2:
+        return False
+    key = lambda x: x[np.lexsort(x.reshape(len(x), -1).T[::-1])]  # rows sorted
+    return bool(np.array_equal(key(b), key(a)))
+
+
 def not_implemented(name: str) -> bool:
     """Print the friendly 'not implemented yet' notice; return False."""
     print(f"… {name}: not implemented yet — fill in the cell above, then run this check again.")
@@ -211,8 +223,15 @@ def run_check(name: str, student_fn: Callable, reference_fn: Callable, cases: Se
             raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}"
                               f"\nHint: {hint}") from err
         if inputs_unchanged:
-            for i in _changed_inputs(case.args(), args):
+            before = case.args()
+            for i in _changed_inputs(before, args):
                 arg = arg_names[i] if i < len(arg_names) else f"argument {i}"
+                if _same_rows(before[i], args[i]):
+                    raise CheckFailed(f"{where}\n  your function reordered the rows of its input "
+                                      f"'{arg}' in place (the same rows, in another order)."
+                                      f"\nHint: the caller's {arg} must keep its order: reorder "
+                                      f"a copy (indexing with an array of positions makes one), "
+                                      f"not {arg} itself.")
                 raise CheckFailed(f"{where}\n  your function modified its input '{arg}' in place."
                                   f"\nHint: make a new array ({arg} = {arg} - ...) instead of "
                                   f"changing the caller's ({arg} -= ...).")
