@@ -136,13 +136,73 @@ def test_ring_pass_accepts_right_answers(cluster, fn, capsys):
 
 @pytest.mark.parametrize("fn,hint", [
     (ring_send_then_recv, "blocking-send cycle"),
-    (ring_one_buffer, "Allocate a new receive buffer"),
+    (ring_one_buffer, "you kept receiving into one buffer"),
     (ring_wrong_order, "at the wrong index"),
-    (ring_never_forwards, "sent its own value at every step. Forward what you received"),
+    (ring_never_forwards, "each rank sent its own value at every step"),
 ])
 def test_ring_pass_rejects_wrong_answers_with_a_hint(cluster, fn, hint):
     with pytest.raises(CheckFailed, match=hint):
         CP.check_ring_pass(fn, cluster, timeout=TIMEOUT)
+
+
+def ring_with(index=lambda r, s, p: (r - s - 1) % p, right=lambda r, p: (r + 1) % p,
+              left=lambda r, p: (r - 1) % p, steps=lambda p: p - 1, buffer="fresh",
+              forwards="what arrived", keeps="all"):
+    """The ring of exercise 1 with knobs for the usual mistakes."""
+    def ring(comm, value):
+        p, r = comm.world_size, comm.rank
+        values = [None] * p
+        values[r] = outgoing = value.copy()
+        for step in range(steps(p)):
+            incoming = {"fresh": lambda: np.empty_like(value),
+                        "float64": lambda: np.empty(value.shape),
+                        "flat": lambda: np.empty(value.size, dtype=value.dtype),
+                        "value": lambda: value}[buffer]()
+            if forwards == "the next slot":
+                outgoing = values[(r - step + 1) % p]  # not filled yet
+            comm.sendrecv(outgoing, right(r, p), incoming, left(r, p))
+            values[index(r, step, p)] = incoming
+            outgoing = incoming
+        if keeps == "received":
+            return [v for i, v in enumerate(values) if i != r]
+        return values if keeps == "all" or r == 0 else [value]
+    return ring
+
+
+@pytest.mark.parametrize("fn,hint", [
+    (ring_with(index=lambda r, s, p: (r + s + 1) % p),
+     r"case 2/5 [\s\S]*Hint: rank 0 received every value but entry i holds the value of rank "
+     r"\[0, 2, 1\]\[i\]: the index you store an arrival at and the rank it started on go round"),
+    (ring_with(right=lambda r, p: (r - 1) % p, left=lambda r, p: (r + 1) % p),
+     r"case 2/5 [\s\S]*go round the ring in opposite directions"),
+    (ring_with(index=lambda r, s, p: (r - s) % p),
+     r"case 1/5 [\s\S]*Hint: rank 0's own entry \(0\) was overwritten and entry 1 was never "
+     r"filled"),
+    (ring_with(steps=lambda p: p - 2), r"Hint: entry 1 of rank 0's list was never filled \(None\)"
+                                       r": your loop ran one step too few"),
+    (ring_with(left=lambda r, p: (r + 1) % p),
+     r"case 2/5 [\s\S]*CommTimeout: rank \d: sendrecv from rank[\s\S]*Hint: the ranks waited in "
+     r"vain for messages to arrive \(rank 0 for rank 1, rank 1 for rank 2"),
+    (ring_with(buffer="float64"), r"case 3/5 \(world_size=3, value shape \(4,\) int64\)[\s\S]*"
+                                  r"Hint: entry 1 is float64, the values are int64: the bytes "
+                                  r"arrived, read as another type"),
+    (ring_with(buffer="flat"), r"case 4/5 [\s\S]*Hint: entry 1 has shape \(6,\), the values have "
+                               r"shape \(2, 3\)"),
+    (ring_with(buffer="value"), r"Hint: rank 0 received into value, the caller's array"),
+    (ring_with(forwards="the next slot"),
+     r"raised on rank\(s\) \[0, 1\].*NoneType[\s\S]*Hint: your function handed comm a None"),
+    (ring_with(keeps="received"), r"Hint: rank 0's list has world_size - 1 = 1 entries, the "
+                                  r"values it received: its own value is missing"),
+    (ring_with(keeps="rank 0"), r"Hint: rank 1 returned 1 of the 2 values: every rank \(not only "
+                                r"one\)"),
+], ids=["index the other way", "ring reversed, index not", "index off by one",
+        "one step short", "receives from the rank it sends to", "float64 buffer",
+        "flat buffer", "receives into value", "forwards an unfilled entry",
+        "own value left out", "only rank 0 keeps the list"])
+def test_more_ring_pass_mistakes(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint) as failed:
+        CP.check_ring_pass(fn, cluster, timeout=TIMEOUT)
+    assert "(rank - step - 1)" not in str(failed.value)
 
 
 def test_a_deadlock_fails_within_the_deadline_and_the_cluster_recovers(cluster):
@@ -165,7 +225,7 @@ def test_global_gradient_accepts_right_answers(cluster, fn):
 
 
 @pytest.mark.parametrize("fn,hint", [
-    (gradient_no_division, "divide by m"),
+    (gradient_no_division, "not divided by m = n_total"),
     (gradient_own_shard, "own shard only"),
     (gradient_mean_of_means, "mean of the shard means"),
     (gradient_mean_on_empty_shard, r"(?s)raised on rank\(s\) \[2\].*empty"),
@@ -174,6 +234,51 @@ def test_global_gradient_accepts_right_answers(cluster, fn):
 def test_global_gradient_rejects_wrong_answers_with_a_hint(cluster, fn, hint):
     with pytest.raises(CheckFailed, match=hint):
         CP.check_global_gradient(fn, cluster, timeout=TIMEOUT)
+
+
+def gradient_with(divide="n_total", sign=1, combine="sum", local="sum", transposed=True):
+    """The global gradient of exercise 2 with knobs for the usual mistakes."""
+    def gradient(comm, X_shard, y_shard, theta, n_total):
+        r = X_shard @ theta - y_shard
+        g = sign * (X_shard.T @ r if transposed else r)
+        if local == "own times world":
+            return g * comm.world_size / n_total
+        parts = parallel_gd.ring_pass(comm, g)
+        if combine == "parts":
+            return parts
+        if combine == "rank 0" and comm.rank != 0:
+            return g / n_total
+        return sum(parts) / {"n_total": n_total, "world_size": comm.world_size,
+                             "shard": max(len(X_shard), 1), "2 n_total": 2 * n_total,
+                             "shard x world_size": max(len(X_shard), 1) * comm.world_size
+                             }[divide]
+    return gradient
+
+
+@pytest.mark.parametrize("fn,hint", [
+    (gradient_with(divide="world_size"), r"Hint: you divided the sum by world_size = 2, the "
+                                         r"number of ranks"),
+    (gradient_with(divide="shard"), r"case 1/5 [\s\S]*Hint: your gradient is world_size = 2 "
+                                    r"times the right one"),
+    (gradient_with(divide="2 n_total"), r"Hint: your gradient is half the right one"),
+    (gradient_with(divide="shard x world_size"),
+     r"case 2/5 [\s\S]*Hint: you divided by world_size x rank 0's shard size = 42: that is m only "
+     r"when the shards have equal sizes; here they have \[14, 13, 13\]"),
+    (gradient_with(sign=-1), r"Hint: your gradient has the opposite sign"),
+    (gradient_with(combine="parts"), r"rank 0's result: expected shape \(4,\), got shape \(2, 4\)"
+                                     r"\nHint: your result holds the 2 ranks' parts"),
+    (gradient_with(combine="rank 0"), r"rank 1's result[\s\S]*Hint: that is rank 1's own shard "
+                                      r"only"),
+    (gradient_with(local="own times world"), r"Hint: that is rank 0's own shard only"),
+    (gradient_with(transposed=False), r"Hint: your result has one entry per row of rank 0's "
+                                      r"shard \(20\), the gradient one per parameter \(4\)"),
+], ids=["divided by world_size", "divided by the shard's size", "divided by 2 m",
+        "divided by shard size x world_size", "opposite sign", "parts not added",
+        "rank 0 only", "own shard x world_size", "no transpose"])
+def test_more_global_gradient_mistakes(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint) as failed:
+        CP.check_global_gradient(fn, cluster, timeout=TIMEOUT)
+    assert "X_shard.T @" not in str(failed.value)
 
 
 def test_references_agree_with_the_native_allreduce_and_one_process(cluster):

@@ -18,6 +18,7 @@ instead of a hang. The conventions are those of ``course_lib.checks``: a pass li
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -85,7 +86,23 @@ def _call_student(fn_bytes, world_size, kind, params, timeout):
         return None
     comm = TorchComm(group=groups.get(world_size), timeout=timeout)
     fn = cloudpickle.loads(fn_bytes)
-    return _plain(fn(comm, *_rank_inputs(kind, params, rank, world_size)))
+    args = _rank_inputs(kind, params, rank, world_size)
+    got = fn(comm, *args)
+    return _plain(got), _buffers(got, args[0], _rank_inputs(kind, params, rank, world_size)[0])
+
+
+def _buffers(got, value, fresh):
+    """What the buffers of a rank's answer share: the pairs of entries that are one array, the
+    entries that are the caller's ``value``, and whether ``value`` was changed in place."""
+    arrays = [g.detach().numpy() if hasattr(g, "detach") else g
+              for g in (got if isinstance(got, (list, tuple)) else [])]
+    arrays = [a if isinstance(a, np.ndarray) else None for a in arrays]
+    pairs = [(i, j) for i in range(len(arrays)) for j in range(i + 1, len(arrays))
+             if arrays[i] is not None and arrays[j] is not None
+             and np.shares_memory(arrays[i], arrays[j])]
+    inputs = [i for i, a in enumerate(arrays) if a is not None and np.shares_memory(a, value)]
+    return {"pairs": pairs, "inputs": inputs,
+            "input_changed": not np.array_equal(value, fresh, equal_nan=True)}
 
 
 def _train_on_rank(fn_bytes, n_samples, n_features, lr, num_epochs, seed, timeout):
@@ -121,17 +138,57 @@ def _run_case(name, where, fn_bytes, cluster, case, timeout, hint):
         crashed = {r: t for r, t in texts.items() if not t.startswith(waits)}
         if crashed:  # a real error on some rank: the others then wait for it in vain
             rank = min(crashed)
+            first = crashed[rank].splitlines()[0]
             raise CheckFailed(f"{where}\n  your function raised on rank(s) {sorted(crashed)}; "
-                              f"rank {rank}: {crashed[rank].splitlines()[0]}\nHint: {hint}"
+                              f"rank {rank}: {first}\nHint: {_crash_hint(first) or hint}"
                               ) from None
         timed_out = sorted(r for r, t in texts.items() if t.startswith("CommTimeout"))
         first = texts[(timed_out or sorted(texts))[0]].splitlines()[0]
-        raise CheckFailed(f"{where}\n  {first}\nHint: {DEADLOCK_HINT}") from None
+        raise CheckFailed(f"{where}\n  {first}\nHint: {_wait_hint(texts, case)}") from None
     except ClusterTimeout as err:
         raise CheckFailed(f"{where}\n  {err}\nHint: {DEADLOCK_HINT}") from None
     except ClusterError as err:
         raise CheckFailed(f"{where}\n  {err}\nHint: {hint}") from None
     return results[:case.world_size]
+
+
+_WAITED = re.compile(r"^CommTimeout: rank (\d+): (\w+) (?:from|to) rank (\d+)")
+_MISFIT = re.compile(r"rank (\d+): \w+ from rank (\d+) of (.*?) over .*?: rank \d+ sent (\d+) "
+                     r"bytes \((.*?)\) but the receive buffer holds (\d+) bytes")
+
+
+def _wait_hint(texts, case):
+    """Why the ranks of a case were left waiting: a message that did not fit its buffer, a
+    blocking-send cycle, or receives from ranks that were sending elsewhere."""
+    for text in texts.values():
+        misfit = _MISFIT.search(text)
+        if misfit:
+            rank, src, buf, sent, elements, holds = misfit.groups()
+            return (f"a message did not fit its receive buffer: rank {src} sent {sent} bytes "
+                    f"({elements}) and rank {rank}'s buffer, {buf}, holds {holds} bytes. The "
+                    f"receive buffer must be the size of what arrives: the value's shape AND "
+                    f"its dtype.")
+    waits = {}
+    for text in texts.values():
+        m = _WAITED.match(text)
+        if m:
+            waits[int(m.group(1))] = (m.group(2), int(m.group(3)))
+    ops = {op for op, _ in waits.values()}
+    if waits and ops <= {"sendrecv", "recv"} and "send" not in ops:
+        who = ", ".join(f"rank {r} for rank {src}" for r, (_, src) in sorted(waits.items()))
+        return (f"the ranks waited in vain for messages to arrive ({who}): with sendrecv no "
+                f"send blocks another, so each of these receives named a rank that, in that "
+                f"step, sent to someone else. Whoever rank r receives from must be the one "
+                f"that sends to rank r.")
+    return DEADLOCK_HINT
+
+
+def _crash_hint(first_line):
+    """A hint for a crash whose message gives the mistake away; None for the others."""
+    if "'NoneType'" in first_line:
+        return ("your function handed comm a None: an entry of your list that nothing has "
+                "filled yet (what a rank forwards in a step must be what it has already).")
+    return None
 
 
 def _run_check(name, student_fn, cluster, cases, expected_fn, diagnose, hint, timeout):
@@ -145,10 +202,10 @@ def _run_check(name, student_fn, cluster, cases, expected_fn, diagnose, hint, ti
         if results is None:
             return not_implemented(name)
         expected = expected_fn(case)
-        for rank, got in enumerate(results):
+        for rank, (got, buffers) in enumerate(results):
             problem = compare(expected, got, f"rank {rank}'s result")
             if problem:
-                specific = diagnose(case, expected, got, rank)
+                specific = diagnose(case, expected, got, rank, buffers)
                 raise CheckFailed(f"{where}\n  {problem}\nHint: {specific or hint}")
     print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference on every rank")
     return True
@@ -164,34 +221,79 @@ def _ring_expected(case):
             for r in range(case.world_size)]
 
 
-def _diagnose_ring(case, expected, got, rank):
-    """Tell aliasing, wrong order and a wrong length apart."""
-    if not isinstance(got, (list, tuple)) or len(got) != len(expected):
-        return (f"return a list of world_size = {len(expected)} arrays, entry r holding rank "
-                "r's value (your own value included, at index rank).")
+def _diagnose_ring(case, expected, got, rank, buffers):
+    """Tell a list of the wrong length, a buffer of the wrong dtype or shape, entries never
+    filled, one buffer for every step, the caller's value received into, no forwarding and a
+    wrong index apart."""
+    n = len(expected)
+    if not isinstance(got, (list, tuple)):
+        return (f"return a list of world_size = {n} arrays, entry r holding rank r's value; "
+                f"yours is {type(got).__name__}.")
+    if len(got) != n:
+        own = any(_same_array(g, expected[rank]) for g in got)
+        if len(got) == n - 1 and not own:
+            return (f"rank {rank}'s list has world_size - 1 = {n - 1} entries, the values it "
+                    f"received: its own value is missing (it belongs at index {rank}).")
+        if len(got) < n:
+            return (f"rank {rank} returned {len(got)} of the {n} values: every rank (not "
+                    f"only one) must end with the list of all of them, in rank order.")
+        return f"rank {rank} returned {len(got)} entries, for world_size = {n} ranks."
+    if buffers["inputs"] or buffers["input_changed"]:
+        return (f"rank {rank} received into value, the caller's array (its entries "
+                f"{buffers['inputs']} are that array, and it changed): the caller's value is "
+                f"overwritten, and each entry stored from it ends as the last value received.")
+    if buffers["pairs"]:
+        i, j = buffers["pairs"][0]
+        return (f"entries {i} and {j} of rank {rank}'s list are one array: you kept receiving "
+                f"into one buffer, so every entry stored from it shows the last value "
+                f"received there.")
+    none = [i for i, g in enumerate(got) if g is None]
+    if none:
+        if rank in none or not np.array_equal(np.asarray(got[rank]), expected[rank]):
+            return (f"rank {rank}'s own entry ({rank}) was overwritten and entry {none[0]} was "
+                    f"never filled: the index you store each arrival at is off by one.")
+        return (f"entry {none[0]} of rank {rank}'s list was never filled (None): "
+                f"{'your loop ran one step too few' if len(none) == 1 else 'steps are missing'}"
+                f", where world_size - 1 = {n - 1} values have to arrive.")
     try:
         got = [np.asarray(g) for g in got]
-        n, left = len(expected), (rank - 1) % len(expected)
+        dtype, shape = expected[rank].dtype, expected[rank].shape
+        for i, g in enumerate(got):
+            if i == rank:
+                continue
+            if g.dtype != dtype:
+                same_bytes = g.nbytes == expected[i].nbytes and np.array_equal(
+                    np.ascontiguousarray(g).view(dtype).reshape(shape), expected[i])
+                return (f"entry {i} is {g.dtype}, the values are {dtype}" + (
+                    ": the bytes arrived, read as another type" if same_bytes else "")
+                    + ". The receive buffer must have the value's dtype (and shape).")
+            if g.shape != shape:
+                return (f"entry {i} has shape {g.shape}, the values have shape {shape}: the "
+                        f"receive buffer must have the value's shape (and dtype).")
+        left = (rank - 1) % n
         received = [got[i] for i in range(n) if i != rank]
         if n > 2 and all(np.array_equal(g, expected[left]) for g in received):
             return (f"every entry rank {rank} received holds rank {left}'s value: each rank "
-                    "sent its own value at every step. Forward what you received: after each "
-                    "sendrecv, the value to send next is the one that just arrived.")
-        for i in range(len(got)):
-            for j in range(i + 1, len(got)):
+                    "sent its own value at every step, so only the neighbour's value ever "
+                    "arrives. What a rank sends on must change from step to step.")
+        for i in range(n):
+            for j in range(i + 1, n):
                 if np.array_equal(got[i], got[j]) and not np.array_equal(expected[i],
                                                                           expected[j]):
-                    return (f"entries {i} and {j} hold the same array: you stored one buffer "
-                            "and kept receiving into it. Allocate a new receive buffer every "
-                            "step (np.empty_like(value)).")
+                    return (f"entries {i} and {j} hold the same array: you kept receiving into "
+                            "one buffer, so every entry stored from it shows the last value "
+                            "received there.")
         matches = [next((j for j, e in enumerate(expected) if np.array_equal(g, e)), None)
                    for g in got]
     except (TypeError, ValueError):
         return None
     if None not in matches:
+        if all(matches[i] == (2 * rank - i) % n for i in range(n)):
+            return (f"rank {rank} received every value but entry i holds the value of rank "
+                    f"{matches}[i]: the index you store an arrival at and the rank it started "
+                    f"on go round the ring in opposite directions.")
         return (f"rank {rank} received every value but stored them at the wrong index "
-                f"(entry i holds rank {matches}[i]'s value). In step s a rank receives the value "
-                "that started on rank (rank - s - 1) % world_size.")
+                f"(entry i holds rank {matches}[i]'s value).")
     return None
 
 
@@ -216,9 +318,9 @@ def check_ring_pass(student_fn: Callable, cluster, seed: int = 0, timeout: float
                     ((131072,), "float64", seed + 2))]
     return _run_check("check_ring_pass", student_fn, cluster, cases, _ring_expected,
                       _diagnose_ring, timeout=timeout,
-                      hint="world_size - 1 steps; in each, comm.sendrecv(the value you received "
-                           "last, right, a fresh buffer, left); store what arrives at index "
-                           "(rank - step - 1) % world_size.")
+                      hint="in each of world_size - 1 steps a rank passes one value to one "
+                           "neighbour and takes one from the other; every value ends at the "
+                           "index of the rank it started on.")
 
 
 # ---------------------------------------------------------------- exercise 2: global_gradient
@@ -235,30 +337,65 @@ def _gradient_expected(case):
     return _gradient_parts(case)[2]
 
 
-def _diagnose_gradient(case, expected, got, rank):
-    """Map the mismatch to the usual mistakes: no 1/m, own shard only, mean of shard means."""
+def _same_array(a, b):
+    try:
+        return a is not None and np.array_equal(np.asarray(a), b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _diagnose_gradient(case, expected, got, rank, buffers):
+    """Map the mismatch to the usual mistakes: the wrong divisor, the wrong sign, own shard
+    only, mean of shard means, the parts not combined, no transpose."""
     sums, sizes, full = _gradient_parts(case)
     m, k = case.params[0], case.world_size
     try:
         got = np.asarray(got, dtype=float)
     except (TypeError, ValueError):
         return None
+    if got.shape == (k,) + full.shape:
+        return (f"your result holds the {k} ranks' parts, one row each: they are not yet "
+                f"combined into one gradient.")
+    if got.shape == (sizes[rank],) and sizes[rank] != full.size:
+        return (f"your result has one entry per row of rank {rank}'s shard ({sizes[rank]}), "
+                f"the gradient one per parameter ({full.size}): the residuals still have to "
+                f"be taken back through the features (X_shard transposed).")
     if got.shape != full.shape:
         return None
     close = lambda a: bool(np.allclose(got, a, rtol=1e-6, atol=1e-9))
-    if close(full * m):
-        return f"that is the SUM of the gradients: divide by m = n_total = {m}."
+    total = full * m
+    if close(total):
+        return f"that is the SUM of the gradients: it is not divided by m = n_total = {m}."
+    if close(-full):
+        return "your gradient has the opposite sign: it points downhill, not uphill."
+    if close(full / 2):
+        return ("your gradient is half the right one: the 1/2 in J cancels against the 2 "
+                "that the square's derivative brings down.")
+    if close(total / k):
+        return (f"you divided the sum by world_size = {k}, the number of ranks: the mean is "
+                f"over the m = {m} rows of the data.")
+    if sizes[rank] and close(total / sizes[rank]):
+        if sizes[rank] * k == m:
+            return (f"your gradient is world_size = {k} times the right one: the sum over all "
+                    f"the ranks is divided by one shard's size ({sizes[rank]}), as adding the "
+                    f"shard means does, but it covers all m = {m} rows.")
+        return (f"you divided the sum by rank {rank}'s shard size ({sizes[rank]}): the mean "
+                f"is over all m = {m} rows, and the shards here have sizes {sizes}.")
+    if sizes[rank] and close(total / (sizes[rank] * k)):
+        return (f"you divided by world_size x rank {rank}'s shard size = {sizes[rank] * k}: "
+                f"that is m only when the shards have equal sizes; here they have {sizes}.")
     if close(sums[rank] / m) or (sizes[rank] and close(sums[rank] / sizes[rank])) \
-            or close(sums[rank]):
-        return (f"that is rank {rank}'s own shard only: each rank must combine its gradient "
-                "sum with the sums of all the other ranks (ring_pass them, then add).")
+            or close(sums[rank]) or close(sums[rank] * k / m):
+        return (f"that is rank {rank}'s own shard only: each rank's gradient sum covers its "
+                "own rows, and the other ranks' sums never reached it.")
     means = [s / n for s, n in zip(sums, sizes, strict=True) if n]
     if means and close(sum(means) / k):
         return (f"that is the mean of the shard means (1/k times the sum of each shard's mean "
                 f"gradient). It equals the full gradient only when all shards have the same "
-                f"size; here they have {sizes}. Add the shard SUMS and divide by m = {m}.")
+                f"size; here they have {sizes}.")
     if means and close(sum(means)):
-        return f"that is the sum of the shard means: add the shard SUMS, then divide by m = {m}."
+        return (f"that is the sum of the shard means: a shard's mean weighs its rows by 1 / "
+                f"its size, so with sizes {sizes} the rows do not count alike.")
     return None
 
 
@@ -279,9 +416,9 @@ def check_global_gradient(student_fn: Callable, cluster, seed: int = 0,
                            "gradient", (m, d, seed + s)))
     return _run_check("check_global_gradient", student_fn, cluster, cases, _gradient_expected,
                       _diagnose_gradient, timeout=timeout,
-                      hint="g = X_shard.T @ (X_shard @ theta - y_shard) (a sum, fine for an "
-                           "empty shard); bring every rank's g to every rank (ring_pass), add "
-                           "them, divide by n_total.")
+                      hint="each rank's shard gives a partial SUM of the gradient (also "
+                           "for an empty shard); every rank needs the whole sum, over the "
+                           "n_total rows of all the data.")
 
 
 def _sizes(m, k):
