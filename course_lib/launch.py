@@ -257,10 +257,15 @@ def start_watchdog(owner: int, cluster_file: str, poll: float = 0.5) -> subproce
 
 
 def watch_owner(owner: int, cluster_file: str, poll: float = 0.5) -> None:
-    """The watchdog's loop (see :func:`start_watchdog`).
+    """The watchdog's loop (see :func:`start_watchdog`). Once the owner is gone it kills the
+    processes of the owner's clusters first (found by their cluster ids, which start with the
+    owner's pid: its spare warm template too), with psutil alone, imported while waiting; then
+    it cleans what else is left (with ipyparallel: seconds of imports on a busy machine).
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    import psutil  # noqa: F401 - now, not once the owner is gone
     while os.path.exists(cluster_file):  # removed when the cluster stops normally
         if not alive(owner):
+            _kill_leftovers(lambda found: _owner(found) == str(owner))
             clean_clusters()  # the clusters of every owner that is gone, this one among them
             return
         time.sleep(poll)

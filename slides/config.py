@@ -15,18 +15,22 @@ from IPython.core.inputtransformer2 import TransformerManager
 from jupyter_cache import get_cache
 from jupyter_cache.base import CacheBundleIn
 from nbconvert.preprocessors import ExecutePreprocessor
-from traitlets import Unicode
+from traitlets import Bool, Unicode
 
 HERE = Path(__file__).resolve().parent
 
 
 class CachedExecute(ExecutePreprocessor):
-    """The notebook's outputs from the cache, or executed (in its folder) and cached."""
+    """The notebook's outputs from the cache, or executed (in its folder) and cached; with
+    `--CachedExecute.as_stored=True`, the notebook as it is stored (a quick deck, for tests)."""
 
     record_timing = False  # as myst-nb executes: the cached notebook must hash like the source
     cache_path = Unicode(str(HERE.parent / "build" / "jupyter_cache")).tag(config=True)
+    as_stored = Bool(False, help="Neither execute nor read the cache").tag(config=True)
 
     def preprocess(self, nb, resources=None, km=None):
+        if self.as_stored:
+            return _deck_links(nb), resources
         cache = get_cache(self.cache_path)
         try:
             return _deck_links(cache.merge_match_into_notebook(nb)[1]), resources
@@ -99,3 +103,7 @@ c.SlidesExporter.mathjax_url = "vendor/mathjax/MathJax.js?config=TeX-AMS_CHTML-f
 c.SlidesExporter.reveal_theme = "white"
 c.SlidesExporter.reveal_transition = "none"
 c.SlidesExporter.reveal_number = "c/t"
+# The deck's own size: 1 deck-pixel is 1 pixel on a 1280 x 720 screen (reveal.js scales the deck
+# to any other); the template starts reveal.js with no margin around it
+c.SlidesExporter.reveal_width = "1280"
+c.SlidesExporter.reveal_height = "720"

@@ -156,6 +156,7 @@ def ring_with(index=lambda r, s, p: (r - s - 1) % p, right=lambda r, p: (r + 1) 
         for step in range(steps(p)):
             incoming = {"fresh": lambda: np.empty_like(value),
                         "float64": lambda: np.empty(value.shape),
+                        "float32": lambda: np.empty(value.shape, dtype=np.float32),
                         "flat": lambda: np.empty(value.size, dtype=value.dtype),
                         "value": lambda: value}[buffer]()
             if forwards == "the next slot":
@@ -186,6 +187,8 @@ def ring_with(index=lambda r, s, p: (r - s - 1) % p, right=lambda r, p: (r + 1) 
     (ring_with(buffer="float64"), r"case 3/5 \(world_size=3, value shape \(4,\) int64\)[\s\S]*"
                                   r"Hint: entry 1 is float64, the values are int64: the bytes "
                                   r"arrived, read as another type"),
+    (ring_with(buffer="float32"), r"case 1/5 [\s\S]*CommError: [\s\S]*Hint: a message did not fit "
+                                  r"its receive buffer: rank 1 sent 24 bytes"),
     (ring_with(buffer="flat"), r"case 4/5 [\s\S]*Hint: entry 1 has shape \(6,\), the values have "
                                r"shape \(2, 3\)"),
     (ring_with(buffer="value"), r"Hint: rank 0 received into value, the caller's array"),
@@ -197,6 +200,7 @@ def ring_with(index=lambda r, s, p: (r - s - 1) % p, right=lambda r, p: (r + 1) 
                                 r"one\)"),
 ], ids=["index the other way", "ring reversed, index not", "index off by one",
         "one step short", "receives from the rank it sends to", "float64 buffer",
+        "float32 buffer",
         "flat buffer", "receives into value", "forwards an unfilled entry",
         "own value left out", "only rank 0 keeps the list"])
 def test_more_ring_pass_mistakes(cluster, fn, hint):

@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from course_lib import launch
+from course_lib.testing.timing import hang_bound
 
 SHORT = 2.0  # the deadline of the scenarios' distributed waits, in seconds
 
@@ -281,9 +283,24 @@ def _killed_kernel(kill_watchdog):
               " if p.pid != c.watchdog]), flush=True)\n"
               f"os.kill(c.watchdog, signal.SIGKILL) if {kill_watchdog} else None\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # its line is read, then the process itself waited for: not the end of its output, which
+    # the cluster's processes hold open (what they inherited) until the watchdog stops them
+    kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = _line_within(kernel.stdout, 120)
+        kernel.wait(timeout=120)
+    finally:
+        kernel.kill()
+        kernel.stdout.close()
+    return json.loads(line)
+
+
+def _line_within(stream, seconds):
+    """The next line of ``stream``, or Broken after ``seconds``."""
+    if not select.select([stream], [], [], seconds)[0]:
+        raise Broken(f"no line within {seconds:g} s")
+    return stream.readline()
 
 
 def _alive(pids):
@@ -294,11 +311,11 @@ def _alive(pids):
           "stops the cluster within seconds", 5.0)
 def kernel_killed(ctx):
     pids = _killed_kernel(kill_watchdog=False)
-    start = time.monotonic()
-    while _alive(pids) and time.monotonic() - start < 30:
+    start, bound = time.monotonic(), hang_bound(5.0)
+    while _alive(pids) and time.monotonic() - start < bound:
         time.sleep(0.1)
     seconds = time.monotonic() - start
-    check(not _alive(pids), f"{_alive(pids)} still running 30 s after the kernel died")
+    check(not _alive(pids), f"{_alive(pids)} still running {bound:g} s after the kernel died")
     return seconds, f"the watchdog stopped {len(pids)} processes {seconds:.1f} s after the kill"
 
 
