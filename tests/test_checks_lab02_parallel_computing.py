@@ -183,7 +183,7 @@ def ring_with(index=lambda r, s, p: (r - s - 1) % p, right=lambda r, p: (r + 1) 
                                        r": your loop ran one step too few"),
     (ring_with(left=lambda r, p: (r + 1) % p),
      r"case 2/5 [\s\S]*CommTimeout: rank \d: sendrecv from rank[\s\S]*Hint: the ranks waited in "
-     r"vain for messages to arrive \(rank 0 for rank 1, rank 1 for rank 2"),
+     r"vain for messages to arrive \(rank (\d) for rank (?!\1)\d"),
     (ring_with(buffer="float64"), r"case 3/5 \(world_size=3, value shape \(4,\) int64\)[\s\S]*"
                                   r"Hint: entry 1 is float64, the values are int64: the bytes "
                                   r"arrived, read as another type"),
