@@ -20,6 +20,8 @@ reaping in :mod:`course_lib.launch`.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -112,6 +115,7 @@ class Cluster:
         self._replaced: set[int] = set()  # ids of engines a restart replaced
         self.watchdog = None  # pid of the process that stops it if its owner dies
         self._setup()
+        _STARTED.add(self)
 
     # -- set-up and repair
     def _setup(self):
@@ -534,7 +538,7 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
         warm_start.TEMPLATES[cluster_id] = template
     config = Config()
     kwargs = dict(n=n, profile=PROFILE, log_level=40, config=config, cluster_id=cluster_id,
-                  controller_args=CONTROLLER_ARGS, shutdown_atexit=not shared)
+                  controller_args=CONTROLLER_ARGS, shutdown_atexit=False)  # _stop_at_exit
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if engines == "local":
         kwargs.update(engines=warm_start.WarmEngineSetLauncher if warm else "local",
@@ -592,6 +596,21 @@ def _start_logs(ipp_cluster, lines=6):
         said.append(f"{name} (pid {getattr(launcher, 'pid', '?')}, {state}): " +
                     ("\n    ".join(["", *tail]) if tail else "printed nothing"))
     return "what each process printed:\n" + "\n".join(said)
+
+
+_STARTED: weakref.WeakSet[Cluster] = weakref.WeakSet()  # stopped when this process exits
+
+
+@atexit.register
+def _stop_at_exit():
+    """A kernel that ends (a restart, a shutdown, the end of a notebook under nbval) stops its
+    clusters as :meth:`Cluster.stop` does: every process killed, before the kernel is gone.
+    (ipyparallel's own stop at exit asks them to end, and an engine that did not ended only
+    when it missed its controller's heartbeats, 30 s later.) Its spare template goes too."""
+    for cluster in list(_STARTED):
+        with contextlib.suppress(Exception):  # at exit: stop what can be stopped
+            cluster.stop()
+    warm_start.stop_spares()
 
 
 def _quiet(record):

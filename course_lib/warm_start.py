@@ -257,6 +257,13 @@ def keep_spare(profile_dir: str) -> None:
         SPARE.append(_started(profile_dir))
 
 
+def stop_spares() -> None:
+    """Stop this process's spare template (at exit: it would import on, then end by itself).
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    while SPARE:
+        _reap(SPARE.pop()[1])
+
+
 def _started(profile_dir):
     cluster_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"  # as cluster.start_cluster names one
     return cluster_id, start_template(profile_dir, cluster_id)

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from course_lib import cluster as C
-from course_lib.launch import slurm_batch_script, slurm_config
+from course_lib.launch import alive, slurm_batch_script, slurm_config
 from course_lib.parallel_gd import check_full_gradient
 from course_lib.testing.timing import assert_no_hang
 
@@ -326,3 +326,24 @@ def test_engines_that_do_not_come_up_are_named_with_what_they_printed(tmp_path):
     said = C._start_logs(ipp_cluster)
     assert "controller (pid 10, running): printed nothing" in said
     assert "engine 0 (pid 11, stopped):" in said and "the template's socket" in said
+
+
+def test_a_kernel_that_ends_without_stop_leaves_no_process_of_its_cluster():
+    """A kernel restarted or shut down runs its exit handlers: the cluster (and the spare warm
+    template) are gone once the kernel is. (ipyparallel's own exit handler asked them to end,
+    and the engines lingered until they missed the controller's heartbeats: 30 s.)"""
+    script = ("import json, psutil\n"
+              "from course_lib.cluster import start_cluster\n"
+              "c = start_cluster(n=2, share=False)\n"
+              "print(json.dumps([p.pid for p in psutil.Process().children(recursive=True)"
+              " if p.pid != c.watchdog]), flush=True)\n")  # then ends, as a kernel does
+    kernel = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        pids = json.loads(kernel.stdout.readline())
+        kernel.wait(timeout=300)  # a hang guard
+    finally:
+        kernel.kill()
+        kernel.stdout.close()
+    assert len(pids) >= 4  # the controller, the template, two engines (and their nannies)
+    assert not [p for p in pids if alive(p)]
