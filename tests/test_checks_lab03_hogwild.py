@@ -102,12 +102,81 @@ def test_collision_probability_check():
         checks_hogwild.check_collision_probability(lambda nnz, d: nnz * nnz / d)
 
 
+def loop_with(rows="order", g="right", values_in_step=True, row_end=0, margins="each row",
+              lr_is=lambda lr, order: lr):
+    """The lock-free loop with knobs for the usual mistakes."""
+    def lockfree_epoch(w, indptr, indices, values, y, order, lr):
+        visit = {"order": order, "range": range(len(order)), "every row": range(len(y))}[rows]
+        later = []
+        for i in visit:
+            idx = indices[indptr[i]:indptr[i + 1] + row_end]
+            v = values[indptr[i]:indptr[i + 1] + row_end]
+            m = float(w[idx] @ v)
+            scale = {"right": -y[i] / (1 + math.exp(y[i] * m)),
+                     "positive": y[i] / (1 + math.exp(y[i] * m)),
+                     "exp sign": -y[i] / (1 + math.exp(-y[i] * m)),
+                     "no y": -1 / (1 + math.exp(y[i] * m)),
+                     "0/1 labels": 1 / (1 + math.exp(-m)) - y[i]}[g]
+            step = lr_is(lr, order) * scale * (v if values_in_step else 1.0)
+            if margins == "all first":
+                later.append((idx, step))
+            else:
+                w[idx] -= step
+        for idx, step in later:
+            w[idx] -= step
+    return lockfree_epoch
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (loop_with(g="positive"), r"Hint: your steps go uphill \(the loss grows\)"),
+    (loop_with(g="exp sign"), r"Hint: your g has the wrong sign inside the exponential"),
+    (loop_with(g="no y"), r"Hint: your g leaves y out of the numerator"),
+    (loop_with(g="0/1 labels"), r"Hint: your g is the gradient for labels 0 and 1"),
+    (loop_with(values_in_step=False), r"Hint: your update leaves out the row's values"),
+    (loop_with(rows="range"), r"wrote \d+ coordinates that none of the rows in order touches "
+                              r".*: your loop visited rows 0, 1, \.\.\., len\(order\) - 1"),
+    (loop_with(rows="every row"), r"none of the rows in order touches .*: your loop visited "
+                                  r"every row of the data"),
+    (loop_with(row_end=1), r"your loop read one entry past each row"),
+    (loop_with(margins="all first"), r"Hint: your loop read every row's margin before any "
+                                     r"update"),
+    (loop_with(lr_is=lambda lr, order: lr / len(order)),
+     r"Hint: your steps are divided by the number of rows in order"),
+], ids=["g positive", "exp sign", "no y", "0/1 labels", "no values", "range(len(order))",
+        "every row", "one past the row", "margins first", "lr / len(order)"])
+def test_more_loop_mistakes(wrong, message):
+    with pytest.raises(CheckFailed, match=message) as failed:
+        checks_hogwild.check_lockfree_epoch(wrong)
+    assert "w[idx] -= lr" not in str(failed.value)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (lambda k, d: math.comb(d - k, k) / math.comb(d, k), r"share NO feature"),
+    (lambda k, d: 1 - (1 - k / d) ** k, r"independent draws \(with replacement\)"),
+    (lambda k, d: k * k / d, r"the approximation nnz\^2 / n_features"),
+    (lambda k, d: 1 - math.exp(-k * k / d), r"an approximation \(exp"),
+    (lambda k, d: k / d, r"the chance that ONE given feature"),
+    (lambda k, d: 1 - math.prod((d - k - j) / (d - j) for j in range(k + 1)),
+     r"one step short \(a product of nnz \+ 1 factors"),
+    (lambda k, d: 1 - math.prod((d - k - j) / (d - j) for j in range(1, k)),
+     r"your product has nnz - 1 factors"),
+    (lambda k, d: 1 - math.comb(d - k, k) // math.comb(d, k), r"rounded down to a whole number"),
+    (lambda k, d: 100 * (1 - math.comb(d - k, k) / math.comb(d, k)), r"that is a percentage"),
+], ids=["no collision", "with replacement", "nnz^2 / d", "exp approximation", "one feature",
+        "nnz + 1 factors", "nnz - 1 factors", "floor division", "percentage"])
+def test_collision_probability_mistakes(wrong, message):
+    with pytest.raises(CheckFailed, match=message) as failed:
+        checks_hogwild.check_collision_probability(wrong)
+    assert "C(d - nnz, nnz)" not in str(failed.value)
+
+
 # ---------------------------------------------------------------- exercise 2: the worker process
 def worker(view="ndarray", rows="shard", key="rank", per_epoch_rng=False, step=1.0, epochs=0,
-           unlink=False, close_first=False, use_after_close=False, write_back=False):
+           unlink=False, close_first=False, use_after_close=False, write_back=False,
+           shuffle=True, lr_is=None, zero_first=False, create=False):
     """A Hogwild worker, right by default, or with one of the usual mistakes."""
     def hogwild_worker(rank, world_size, shm_name, data, lr, num_epochs, seed):
-        shm = SharedMemory(name=shm_name)
+        shm = SharedMemory(name=shm_name, create=create, size=8 if create else 0)
         if view == "ndarray":
             w = np.ndarray((data.n_features,), dtype=np.float64, buffer=shm.buf)
         elif view == "frombuffer":
@@ -117,22 +186,30 @@ def worker(view="ndarray", rows="shard", key="rank", per_epoch_rng=False, step=1
         else:
             w = np.frombuffer(shm.buf, dtype=np.float32)  # the wrong dtype
         shared = w
+        if zero_first:
+            w[:] = 0.0
         if write_back:
             w = w.copy()
             time.sleep(0.3)  # slow enough that the other worker starts meanwhile
         start, stop = shard_bounds(len(data), rank, world_size)
+        if rows == "floor split":
+            start, stop = rank * (len(data) // world_size), (rank + 1) * (len(data) // world_size)
         order_rows = {"shard": lambda r: start + r, "all": None, "no offset": lambda r: r,
-                      "inclusive": lambda r: start + r}[rows]
-        size = {"all": len(data), "inclusive": stop - start + 1}.get(rows, stop - start)
-        seed_key = {"rank": [seed, rank], "seed + rank": seed + rank}[key]
+                      "inclusive": lambda r: start + r, "floor split": lambda r: start + r,
+                      "strided": lambda r: np.arange(rank, len(data), world_size)[r],
+                      "filtered": lambda r: r[(r >= start) & (r < stop)]}[rows]
+        size = {"all": len(data), "inclusive": stop - start + 1, "filtered": len(data),
+                "strided": len(range(rank, len(data), world_size))}.get(rows, stop - start)
+        seed_key = {"rank": [seed, rank], "seed + rank": seed + rank, "seed": seed}[key]
         rng = np.random.default_rng(seed_key)
         for _ in range(num_epochs + epochs):
             if per_epoch_rng:
                 rng = np.random.default_rng(seed_key)
-            order = rng.permutation(size)
+            order = rng.permutation(size) if shuffle else np.arange(size)
             if order_rows is not None:
                 order = order_rows(order)
-            sparse_sgd_epoch(w, data.indptr, data.indices, data.values, data.y, order, lr * step)
+            sparse_sgd_epoch(w, data.indptr, data.indices, data.values, data.y, order,
+                             lr * step if lr_is is None else lr_is(lr, world_size))
         if write_back:
             shared[:] = w
         if unlink:
@@ -190,6 +267,32 @@ def test_worker_mistakes_fail_with_a_hint(wrong, did, fix):
         checks_hogwild.check_hogwild_worker(wrong)
     message = str(failed.value)
     assert did in message and fix in message, message
+
+
+@pytest.mark.parametrize("wrong, said", [
+    # default_rng(seed) is default_rng([seed, 0]): rank 0's stream on every rank
+    (worker(key="seed"), r"case 3/4 \(worker 1 of 2, alone[\s\S]*came from "
+                         r"np.random.default_rng\(seed\), whatever its rank \(the stream of "
+                         r"default_rng\(\[seed, 0\]\)\)"),
+    (worker(rows="strided"), r"case 2/4 [\s\S]*visited rows rank, rank \+ world_size, \.\.\. \(a "
+                             r"strided split\)"),
+    (worker(rows="filtered"), r"case 2/4 [\s\S]*a permutation of ALL the rows with the rows "
+                              r"outside its shard left out"),
+    (worker(rows="floor split"), r"case 2/4 [\s\S]*the last rows \(len\(data\) % world_size of "
+                                 r"them\) belong to no worker"),
+    (worker(shuffle=False), r"visited its rows in their stored order, without shuffling"),
+    (worker(epochs=-1), r"ran one epoch fewer than num_epochs"),
+    (worker(lr_is=lambda lr, world_size: 1.0), r"stepped as if lr were 1"),
+    (worker(lr_is=lambda lr, world_size: lr / world_size), r"case 2/4 [\s\S]*stepped with lr / "
+                                                           r"world_size\.\nHint: every worker"),
+    (worker(zero_first=True), r"set the shared vector to zeros before its epochs"),
+    (worker(create=True), r"raised FileExistsError[\s\S]*Hint: your worker asked for a NEW block"),
+], ids=["seed only", "strided", "filtered permutation", "floor split",
+        "not shuffled", "one epoch short", "lr 1", "lr / world_size", "zeros first",
+        "create=True"])
+def test_more_worker_mistakes(wrong, said):
+    with pytest.raises(CheckFailed, match=said):
+        checks_hogwild.check_hogwild_worker(wrong)
 
 
 def test_a_worker_that_never_returns_is_killed_at_the_deadline():

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import math
 import os
 import signal
 import sys
@@ -121,6 +122,72 @@ def _epoch_cases(seed):
     return cases
 
 
+# The usual mistakes of the loop, replayed on a case: (mistake, what the loop did). Those that
+# visit other rows than ``order`` write coordinates the rows of ``order`` do not touch.
+EPOCH_ROW_MISTAKES = [
+    ("range", "your loop visited rows 0, 1, ..., len(order) - 1, not the rows listed in order "
+     "(order holds row numbers: it is what to iterate over)."),
+    ("all rows", "your loop visited every row of the data, not the rows listed in order."),
+    ("slice + 1", "your loop read one entry past each row, the first feature of row i + 1 "
+     "too: row i ends where row i + 1 begins."),
+]
+EPOCH_MISTAKES = [
+    ("lr 1", "you step as if lr were 1: the learning rate is missing from the update."),
+    ("uphill", "your steps go uphill (the loss grows): the sign of g, or of the update, is "
+     "flipped."),
+    ("exp sign", "your g has the wrong sign inside the exponential: with it, rows the model "
+     "already gets right (y m large) get the largest steps, and rows it gets wrong the "
+     "smallest."),
+    ("no y", "your g leaves y out of the numerator: every row then pushes the margin up, "
+     "whatever its label."),
+    ("0/1 labels", "your g is the gradient for labels 0 and 1 (sigmoid(m) - y): here the labels "
+     "are -1 and +1, and the loss is log(1 + exp(-y m))."),
+    ("no v", "your update leaves out the row's values: the gradient of the margin x.w in w_j "
+     "is x_j, so each feature's step is scaled by its value."),
+    ("margins first", "your loop read every row's margin before any update: SGD updates w after "
+     "each row, and the next row reads the updated w."),
+    ("mean", "your steps are divided by the number of rows in order: each row's step is its "
+     "own gradient times lr, not an average over the epoch."),
+]
+
+
+def _epoch_variant(w, indptr, indices, values, y, order, lr, mistake):
+    """One epoch of the loop as written with ``mistake`` (see EPOCH_MISTAKES), on ``w``."""
+    rows = {"range": range(len(order)), "all rows": range(len(y))}.get(mistake, order)
+    extra = 1 if mistake == "slice + 1" else 0
+    step = {"lr 1": 1.0, "uphill": -lr, "mean": lr / max(len(order), 1)}.get(mistake, lr)
+    later = []
+    for i in rows:
+        a, b = indptr[i], min(indptr[i + 1] + extra, len(indices))
+        idx, v = indices[a:b], values[a:b]
+        yi, m = y[i], float(w[idx] @ v)
+        g = {"exp sign": -yi / (1 + math.exp(min(-yi * m, 700.0))),
+             "no y": -1 / (1 + math.exp(min(yi * m, 700.0))),
+             "0/1 labels": 1 / (1 + math.exp(min(-m, 700.0))) - yi,
+             }.get(mistake, -yi / (1 + math.exp(min(yi * m, 700.0))))
+        update = step * g * (1.0 if mistake == "no v" else v)
+        if mistake == "margins first":
+            later.append((idx, update))
+        else:
+            w[idx] -= update
+    for idx, update in later:
+        w[idx] -= update
+    return w
+
+
+def _replays(mistakes, w0, got, args):
+    """The text of the first mistake whose replay from ``w0`` gives ``got``, else None."""
+    for mistake, text in mistakes:
+        with np.errstate(all="ignore"):
+            try:
+                replay = _epoch_variant(w0.copy(), *args, mistake)
+            except (IndexError, OverflowError, ValueError):
+                continue
+        if np.allclose(got, replay, rtol=1e-8, atol=1e-12):
+            return text
+    return None
+
+
 def _student_epoch(student_fn):
     def run(w, indptr, indices, values, y, order, lr):
         shared = _WriteLog(w)
@@ -130,6 +197,11 @@ def _student_epoch(student_fn):
         student_fn(shared, indptr, indices, values, y, order, lr)
         extra = np.flatnonzero(shared.written & ~touched)
         if extra.size:
+            rows = _replays(EPOCH_ROW_MISTAKES, w, np.asarray(shared),
+                            (indptr, indices, values, y, order, lr))
+            if rows:
+                raise CheckFailed(f"your loop wrote {extra.size} coordinates that none of the "
+                                  f"rows in order touches (for example w[{extra[0]}]): {rows}")
             raise CheckFailed(
                 f"your loop wrote {extra.size} coordinates that none of its samples touches "
                 f"(for example w[{extra[0]}]), out of {w.size}. Another worker may have "
@@ -149,18 +221,12 @@ def check_lockfree_epoch(student_fn: Callable, seed: int = 0) -> bool:
     cases = _epoch_cases(seed)
 
     def diagnose(expected, got):
-        w0, *rest, lr = cases_args[0]
+        w0, *rest = cases_args[0]
         got = np.asarray(got, dtype=float)
-        for wrong_lr, hint in [(1.0, "you step as if lr were 1: multiply the gradient by lr."),
-                               (-lr, "you step uphill: the derivative of log(1 + exp(-y m)) "
-                                     "in m is -y / (1 + exp(y m)); subtract lr times it (times "
-                                     "x).")]:
-            if np.allclose(got, sparse_sgd_epoch(w0.copy(), *rest, wrong_lr), rtol=1e-8):
-                return hint
         if np.allclose(got, w0):
-            return ("w did not change: update the caller's w in place (w[idx] -= ...), "
-                    "not a copy of it.")
-        return None
+            return ("w did not change: update the caller's w in place, not a copy of it (a "
+                    "new array made inside the loop is not the caller's).")
+        return _replays(EPOCH_MISTAKES, w0, got, rest)
 
     cases_args = []
 
@@ -171,8 +237,9 @@ def check_lockfree_epoch(student_fn: Callable, seed: int = 0) -> bool:
     ok = run_check(
         "check_lockfree_epoch", _student_epoch(student_fn), reference, cases, diagnose=diagnose,
         rtol=1e-10, atol=1e-12, result_name="w after the epoch",
-        hint="for each i in order: idx, v = the CSR row i (indices/values[indptr[i]:indptr[i+1]]); "
-             "m = w[idx] @ v; g = -y[i] / (1 + exp(y[i] * m)); then w[idx] -= lr * g * v.")
+        hint="go through the three steps above the exercise for each row of order: the row's "
+             "features and values, its margin and g from the current w, then the update of "
+             "those features alone.")
     if ok:
         data = make_sparse_classification(400, 2000, 8, seed=seed + 7)
         w = np.zeros(data.n_features)
@@ -184,8 +251,7 @@ def check_lockfree_epoch(student_fn: Callable, seed: int = 0) -> bool:
         if not after < before:
             raise CheckFailed(f"check_lockfree_epoch: 3 epochs did not lower the loss "
                               f"({before:.4f} -> {after:.4f}).\nHint: each sample's step "
-                              "goes DOWN the gradient: w[idx] -= lr * g * x, with g the "
-                              "derivative of the loss at this sample.")
+                              "must go DOWN its gradient.")
         print(f"  and 3 epochs lower the loss from {before:.4f} to {after:.4f}")
     return ok
 
@@ -366,13 +432,12 @@ WORKER_MISTAKES = [
      "start (order = start + rng.permutation(stop - start))."),
     ("strided", "your worker visited rows rank, rank + world_size, ... (a strided split)",
      "the shards are contiguous: start, stop = shard_bounds(len(data), rank, world_size)."),
-    ("seed only", "your worker's order came from np.random.default_rng(seed): every rank shuffles "
-     "alike", "use rng = np.random.default_rng([seed, rank]), created once, before the epochs."),
+    ("seed only", "your worker's order came from np.random.default_rng(seed), whatever its "
+     "rank (the stream of default_rng([seed, 0])): every rank shuffles alike",
+     "use rng = np.random.default_rng([seed, rank]), created once, before the epochs."),
     ("seed + rank", "your worker's order came from np.random.default_rng(seed + rank)",
      "use rng = np.random.default_rng([seed, rank]) (a list: [0, 1] is a different stream "
      "from 1), created once, before the epochs."),
-    ("rank 0's order", "your worker's order came from np.random.default_rng([seed, 0]) whatever "
-     "its rank", "use rng = np.random.default_rng([seed, rank])."),
     ("one order", "your worker visited its rows in the same order in every epoch",
      "create the generator once, before the epochs, and draw a new rng.permutation(stop - start) "
      "in each epoch."),
@@ -384,6 +449,20 @@ WORKER_MISTAKES = [
     ("extra epoch", "your worker ran one epoch more than num_epochs",
      "for epoch in range(num_epochs): one permutation and one pass each."),
     ("lr 1", "your worker stepped as if lr were 1", "pass lr to your loop."),
+    ("lr / world_size", "your worker stepped with lr / world_size",
+     "every worker takes whole steps of lr: Hogwild! runs plain SGD in each worker, with no "
+     "average over the workers."),
+    ("filtered", "your worker's order was a permutation of ALL the rows with the rows outside "
+     "its shard left out", "that is another order than the permutation of the shard's own "
+     "stop - start rows (and it draws a permutation of the whole data set every epoch)."),
+    ("floor split", "your worker's shard was len(data) // world_size rows from rank * "
+     "(len(data) // world_size): the last rows (len(data) % world_size of them) belong to no "
+     "worker", "the shards come from shard_bounds, which spreads the remainder over the first "
+     "ranks."),
+    ("zeroed", "your worker set the shared vector to zeros before its epochs: the parent's "
+     "starting values are gone (and with more workers, so are the updates of those that "
+     "started first)", "the parent has filled the block already: a worker only reads and "
+     "updates it."),
     ("uphill", "your worker stepped uphill (lr with the wrong sign)",
      "w[idx] -= lr * g * v: subtract the gradient step."),
 ]
@@ -392,11 +471,16 @@ WORKER_MISTAKES = [
 def _orders(n, rank, world_size, num_epochs, seed, mistake=""):
     """The rows a worker visits, one array per epoch, correct or with ``mistake``."""
     start, stop = shard_bounds(n, rank, world_size)
+    if mistake == "floor split":
+        start = rank * (n // world_size)
+        stop = start + n // world_size
     rows = {"all rows": np.arange(n), "no offset": np.arange(stop - start),
             "strided": np.arange(rank, n, world_size)}.get(mistake, np.arange(start, stop))
-    key = {"seed only": seed, "seed + rank": seed + rank, "rank 0's order": [seed, 0]}
+    key = {"seed only": seed, "seed + rank": seed + rank}
     rng = np.random.default_rng(key.get(mistake, [seed, rank]))
     epochs = num_epochs + {"missing epoch": -1, "extra epoch": 1}.get(mistake, 0)
+    if mistake == "filtered":
+        return [[i for i in rng.permutation(n) if start <= i < stop] for _ in range(epochs)]
     if mistake == "sorted":
         return [rows] * epochs
     if mistake == "one order":
@@ -407,11 +491,11 @@ def _orders(n, rank, world_size, num_epochs, seed, mistake=""):
 def _replay(data, w0, world_size, ranks, lr, num_epochs, seed, mistake=""):
     """What the workers ``ranks`` leave in the shared vector, one after the other (exact when
     their shards touch disjoint features), each correct or making ``mistake``."""
-    w = w0.copy()
+    w = np.zeros_like(w0) if mistake == "zeroed" else w0.copy()
     if mistake == "unchanged":
         return w
     view = w.view(np.float32)[: w.size] if mistake == "float32" else w
-    step = {"lr 1": 1.0, "uphill": -lr}.get(mistake, lr)
+    step = {"lr 1": 1.0, "uphill": -lr, "lr / world_size": lr / world_size}.get(mistake, lr)
     with np.errstate(all="ignore"):  # a float32 view of float64 bytes holds any number
         for rank in ranks:
             for order in _orders(len(data), rank, world_size, num_epochs, seed, mistake):
@@ -458,6 +542,9 @@ def _worker_failure_hint(err, name):
     if err.error.startswith("BufferError"):
         return ("shm.close() refuses while a numpy array still points into the block: delete "
                 "your view first (del w), then call shm.close().")
+    if err.error.startswith("FileExistsError"):
+        return ("your worker asked for a NEW block under the parent's name (create=True): "
+                "that name is taken, by the block the parent made for the workers to share.")
     if err.error.startswith("FileNotFoundError"):
         return ("attach to the block the parent created, by the name you are given: "
                 "SharedMemory(name=shm_name) (create=False, the default).")
@@ -510,10 +597,10 @@ def check_hogwild_worker(student_fn: Callable, seed: int = 0,
             if _same(got, _replay(data, w0, world_size, ranks, lr, num_epochs, seed, mistake)):
                 raise CheckFailed(f"{where}\n  {problem}\n  {did}.\nHint: {fix}")
         raise CheckFailed(
-            f"{where}\n  {problem}\nHint: rows start .. stop - 1 of shard_bounds(len(data), rank, "
-            "world_size), in the order start + rng.permutation(stop - start) drawn each epoch "
-            "from rng = np.random.default_rng([seed, rank]), each through your lockfree_epoch "
-            "with lr, on a float64 view of the block.")
+            f"{where}\n  {problem}\nHint: none of the usual mistakes gives these values; go "
+            "through steps 2 to 4 above the exercise again: the view of the block, the rows "
+            "of the shard, the order of each epoch and its generator, the number of epochs and "
+            "the step of each row.")
     print(f"✓ {name}: {len(cases)}/{len(cases)} launches leave exactly the values of serial SGD")
     data = make_sparse_classification(4000, 2000, 10, seed=seed + 40)
     _, serial = serial_sgd(data, lr=0.5, num_epochs=2, seed=seed)
@@ -550,6 +637,51 @@ def _lost_updates(data, w0, expected, got, ranks):
 
 
 # ---------------------------------------------------------------- exercise 3: collisions
+# The usual mistakes of the collision probability: (what it computes, what it is).
+COLLISION_MISTAKES = [
+    (lambda k, d: math.comb(d - k, k) / math.comb(d, k),
+     "that is the probability that the two rows share NO feature: the complement of what is "
+     "asked."),
+    (lambda k, d: 1 - (1 - k / d) ** k,
+     "that treats the second row's features as independent draws (with replacement): the "
+     "nnz features of a row are distinct, so each draw leaves one feature fewer to choose from."),
+    (lambda k, d: 1 - math.exp(-k * k / d),
+     "that is an approximation (exp(-nnz^2 / n_features)), not the exact count: count the ways "
+     "exactly."),
+    (lambda k, d: k * k / d, "that is the approximation nnz^2 / n_features, good only when it "
+     "is small: count the ways exactly."),
+    (lambda k, d: k / d, "that is the chance that ONE given feature of the second row is one "
+     "of the first row's: the second row has nnz features, and any of them may collide."),
+    (lambda k, d: 1 - (d - k) / d, "that is the chance that ONE given feature of the second "
+     "row is one of the first row's: the second row has nnz features, and any of them may "
+     "collide."),
+    (lambda k, d: 1 - math.prod((d - k - j) / (d - j) for j in range(k + 1)),
+     "your count of the ways to avoid the first row is one step short (a product of nnz + 1 "
+     "factors, or one free feature too few): the second row draws nnz features from the "
+     "n_features - nnz the first one left free."),
+    (lambda k, d: 1 - math.prod((d - k - j) / (d - j) for j in range(1, k)),
+     "your product has nnz - 1 factors: the second row draws nnz features, one factor each, "
+     "starting from the first draw."),
+    (lambda k, d: 1 - math.comb(d - k, k) // math.comb(d, k),
+     "your ratio was rounded down to a whole number (//): a probability needs the true "
+     "division."),
+    (lambda k, d: 100 * (1 - math.comb(d - k, k) / math.comb(d, k)),
+     "that is a percentage: return the probability, a number between 0 and 1."),
+]
+
+
+def _diagnose_collision(expected, got, args):
+    k, d = args
+    for formula, text in COLLISION_MISTAKES:
+        try:
+            theirs = float(formula(k, d))
+        except (ValueError, ZeroDivisionError, OverflowError):
+            continue
+        if np.isclose(float(got), theirs, rtol=1e-6, atol=1e-12):
+            return text
+    return None
+
+
 def check_collision_probability(student_fn: Callable) -> bool:
     """Lab 03, exercise 3: ``student_fn(nnz, n_features)`` = chance that two rows with ``nnz``
     distinct uniform features share at least one (``sparse_problem.collision_probability``)."""
@@ -558,7 +690,7 @@ def check_collision_probability(student_fn: Callable) -> bool:
              for k, d in [(1, 10), (2, 10), (32, 20_000), (76, 47_236), (10, 15)]]
     return run_check(
         "check_collision_probability", student_fn, collision_probability, cases, rtol=1e-6,
-        result_name="probability",
-        hint="count the ways the second row avoids the first row's nnz features: "
-             "C(d - nnz, nnz) of C(d, nnz); the answer is 1 minus their ratio "
-             "(math.comb, or a product of (d - nnz - j) / (d - j) for j < nnz).")
+        result_name="probability", diagnose=_diagnose_collision,
+        hint="count the ways the second row can pick its nnz features among those the first "
+             "row left free, against all the ways it can pick them; the rows collide in the "
+             "other cases.")
