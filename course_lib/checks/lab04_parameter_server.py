@@ -227,6 +227,9 @@ def sync_schedules(seed: int = 0, n: int = 5) -> list[tuple[str, int, list[tuple
                 + _sync_round([3, 0, 2, 1], 1, n, seed)))
     out.append(("one worker, 3 versions", 1,
                 [("pull", 0, 0)] + sum((_sync_round([0], v, n, seed) for v in range(3)), [])))
+    out.append(("worker 1's push of version 1 arrives before any push of version 0", 2,
+                [("pull", w, 0) for w in range(2)] + [_push(1, 1, n, seed)]
+                + _sync_round([0, 1], 0, n, seed) + _sync_round([1, 0], 1, n, seed)))
     return out
 
 
@@ -284,6 +287,12 @@ def _step_hint(before: np.ndarray, got: np.ndarray, held: list[tuple], lr: float
     sums, counts = [np.asarray(g) for _, _, g, _ in held], [c for _, _, _, c in held]
     total = sum(counts)
     candidates = {
+        "left out the learning rate: it moved theta by the whole mean gradient":
+            before - sum(sums) / total,
+        "divided the sum of the gradient sums by the LAST held push's count alone, not by the "
+        "counts of all the held pushes": before - lr * sum(sums) / counts[-1],
+        "divided the sum of the gradient sums by the FIRST held push's count alone, not by the "
+        "counts of all the held pushes": before - lr * sum(sums) / counts[0],
         "summed the gradient sums without dividing by the samples: divide the sum of the "
         "gradient sums by the sum of the counts (the global batch size)": before - lr * sum(sums),
         "divided by the number of workers, not by the number of samples: the workers' counts "
@@ -291,14 +300,14 @@ def _step_hint(before: np.ndarray, got: np.ndarray, held: list[tuple], lr: float
         "averaged the workers' mean gradients: with counts that differ that weighs a small "
         "slice like a large one; divide the sum of the sums by the sum of the counts":
             before - lr * np.mean([g / c for g, c in zip(sums, counts, strict=True)], axis=0),
-        "added the step (gradient ascent): theta - lr * mean gradient":
-            before + lr * sum(sums) / total,
+        "went UP the gradient: the loss grows": before + lr * sum(sums) / total,
     }
     for hint, value in candidates.items():
         if not _differ(got, value):
             return f"your step {hint}."
-    return ("the step is theta - lr * (sum of the held gradient sums) / (sum of their counts), "
-            "over the pushes of this version only.")
+    return ("your step is not one step of mini-batch SGD on the global batch made of the held "
+            "pushes of this version, and none of the usual mistakes either: compare it with "
+            "the formula above the exercise, term by term.")
 
 
 def _state_before(i: int, expected: list[tuple], messages: list[tuple],
@@ -338,6 +347,12 @@ def _diagnose_sync(i: int, got: list[tuple], expected: list[tuple], messages: li
                     f"server's current version: hold it until every worker has pushed (and "
                     f"let step() empty what the server holds).")
         if g[4] != e[4]:
+            after = expected[i + 1] if i + 1 < len(expected) else None
+            if (g[4] == e[4] + 1 and after is not None and after[0] == "step"
+                    and not _differ(g[5], after[2])):
+                return ("your on_push took the step itself when the last push of the version "
+                        "came in: the loop takes it, when ready() says so, by calling step() "
+                        "(and answers the pulls around it).")
             return (f"after this push your server is at version {g[4]}, not {e[4]}: only a step "
                     "(every worker's push of the version in) adds one to the version.")
         return ("you changed theta when a push arrived: on_push only holds it; the step, once "
@@ -363,10 +378,11 @@ def _diagnose_sync(i: int, got: list[tuple], expected: list[tuple], messages: li
                         "waits for is applied, self.version >= version.")
             return (f"you answered worker {g[1]}'s pull of version {asked} with the parameters "
                     f"of version {at}, with {g[5]} of {num_workers} pushes of version "
-                    f"{asked - 1} in (off by one): a pull of version v waits until "
-                    "self.version >= v.")
+                    f"{asked - 1} in: on_pull let a pull through before the version it asks "
+                    f"for exists (off by one, or no test of the version at all).")
         return (f"you answered worker {g[1]}'s pull of version {asked} at version {at}, after "
-                "the course's server had: answer as soon as self.version >= version.")
+                "the course's server had: a pull can be answered as soon as the version it asks "
+                "for exists.")
     if e is not None and e[0] == "step" and (g is None or g[0] != "step"):
         return (f"every worker pushed version {version} but your server took no step: ready() "
                 "must be True once the server holds one push from each of the num_workers "
@@ -378,9 +394,9 @@ def _diagnose_sync(i: int, got: list[tuple], expected: list[tuple], messages: li
         return _step_hint(before, g[2], held, lr, num_workers)
     if e is not None and e[0] == "answer" and (g is None or g[0] != "answer"):
         return (f"worker {e[1]}'s pull of version {e[2]} was never answered although the server "
-                f"was at version {e[3]}: on_pull(worker, version) is True once "
-                "self.version >= version (with > a worker waits one step too many; in a real "
-                "run every worker then waits for the others until the deadline).")
+                f"was at version {e[3]}: on_pull said no to a version that exists (a worker "
+                "that waits one step too many; in a real run every worker then waits for the "
+                "others until the deadline).")
     if g is not None and e is not None and g[0] == e[0] == "answer":
         return (f"worker {g[1]}'s pull of version {g[2]} got version {g[3]} with other "
                 f"parameters than the course's version {e[3]}: keep self.theta and "
@@ -545,6 +561,10 @@ def _diagnose_async(g: tuple, e: tuple, before: np.ndarray, message: tuple, opts
     if g[3] not in ("applied", "rejected"):
         return f"on_push returned {g[3]!r}: return 'applied' or 'rejected'."
     if e[3] == "rejected" and g[3] == "applied":
+        if bound == 0:
+            return (f"a push stale by {tau} is beyond max_staleness=0, and your server applied "
+                    f"it: 0 is a bound too (a test like `if self.max_staleness:` skips it, 0 "
+                    f"being falsy; only None means no bound).")
         return (f"a push stale by {tau} (server version {version}, pulled {pulled}) is beyond "
                 f"max_staleness={bound}: reject it, without changing theta or the version.")
     if e[3] == "applied" and g[3] == "rejected":
@@ -554,19 +574,32 @@ def _diagnose_async(g: tuple, e: tuple, before: np.ndarray, message: tuple, opts
         return (f"you rejected a push stale by {tau} (server version {version}, pulled "
                 f"{pulled}) with max_staleness={bound}: staleness = self.version - version.")
     if e[3] == "rejected":
+        if g[4] == e[4] and not _differ(g[5], e[5]) and g[6] != e[6]:
+            return ("your server recorded a staleness for a rejected push: self.staleness "
+                    "lists the applied pushes only.")
         return ("a rejected push is not an update: leave theta and the version as they were "
                 f"(version {e[4]}, yours {g[4]}).")
     if g[4] != e[4]:
+        if g[4] == pulled + 1 and pulled + 1 != e[4]:
+            return (f"after the push your version is {g[4]}, the pushed version + 1: the "
+                    f"server's version counts ITS updates ({e[4]} now), whatever version the "
+                    f"worker had pulled.")
         return f"every applied push adds one to the version: {e[4]}, yours {g[4]}."
     if g[6] != e[6]:
+        if g[6] is None:
+            return ("your server recorded no staleness for this applied push: self.staleness "
+                    "gets one entry per applied push.")
         if g[6] == -tau and tau:
             return (f"you recorded staleness {g[6]} for a push of version {pulled} at server "
                     f"version {version}: staleness = self.version - version, not the reverse.")
         if g[6] == tau + 1:
             return (f"you recorded staleness {g[6]} instead of {tau}: measure it BEFORE adding "
                     "one to the version.")
-        return (f"record each applied push's staleness, self.version - version ({tau}), in "
-                f"self.staleness (yours: {g[6]}).")
+        if g[6] == tau - 1:
+            return (f"you recorded staleness {g[6]} instead of {tau}, one less than the number "
+                    f"of updates applied since the worker pulled version {pulled}.")
+        return (f"you recorded staleness {g[6]}; the push of version {pulled} arrived at "
+                f"server version {version}.")
     grad, lr = np.asarray(grad_sum) / count, opts["lr"]
     rate = lr / max(tau, 1) if opts["staleness_aware"] else lr
     candidates = {
@@ -581,12 +614,20 @@ def _diagnose_async(g: tuple, e: tuple, before: np.ndarray, message: tuple, opts
         "pushed the gradient SUM into the step: divide grad_sum by count (the mean gradient)":
             before - rate * np.asarray(grad_sum),
         "added the step (gradient ascent)": before + rate * grad,
+        f"multiplied the rate by the staleness ({max(tau, 1)}): a staler gradient must get a "
+        "SMALLER step": before - lr * max(tau, 1) * grad,
+        "divided the rate by the square root of the staleness: the course's step (Zhang et "
+        "al.) divides by the staleness itself": before - lr / np.sqrt(max(tau, 1)) * grad,
+        "divided by count twice: grad_sum / count is the mean gradient already":
+            before - rate * grad / count,
+        "left out the learning rate": before - (1 / max(tau, 1) if opts["staleness_aware"]
+                                                else 1.0) * grad,
     }
     for hint, value in candidates.items():
         if not _differ(g[5], value):
             return f"you {hint}."
-    return ("theta - step * grad_sum / count with step = lr / max(staleness, 1) if "
-            "staleness_aware else lr.")
+    return ("your step is none of the usual mistakes: compare it with the formula above the "
+            "exercise, term by term (the mean gradient, the rate, and when it is divided).")
 
 
 def _async_failure(where: str, messages: list[tuple], student: ServerLoop,
@@ -632,8 +673,8 @@ def check_async_shard(shard_class: Callable, seed: int = 0) -> bool:
             student = _run_student(lambda o=opts, m=messages: _replay(
                 m, shard_class(theta0.copy(), o["lr"], o["staleness_aware"],
                                o["max_staleness"]), False), where,
-                "staleness = self.version - version; step = lr / max(staleness, 1) when "
-                "staleness_aware (a fresh push has staleness 0).")
+                "a push's staleness counts the updates the server applied since its worker "
+                "pulled; a fresh push has staleness 0.")
         except NotImplementedError:
             return not_implemented(name)
         failure = _async_failure(where, messages, student, reference, opts, theta0)
