@@ -194,6 +194,63 @@ def test_wrong_receive_length_and_missing_names_get_hints(cluster):
         CA.check_ring_reduce_scatter(uses_an_undefined_helper, cluster)
 
 
+def reduce_scatter_with(cut="shard_bounds", add_into="arrived", sends="partial sums",
+                        tmp_dtype=None, receives_from="left", messages="chunks",
+                        returns="bounds"):
+    """The ring reduce-scatter with knobs for more of the usual mistakes."""
+    def ring(buf, comm):
+        rank, N, right, left = _ring(comm)
+        n = len(buf)
+        bounds = ([shard_bounds(n, c, N) for c in range(N)] if cut == "shard_bounds" else
+                  [(c * (n // N), n if c == N - 1 else (c + 1) * (n // N)) for c in range(N)])
+        start = buf.clone()
+        src = left if receives_from == "left" else right
+        for s in range(N - 1):
+            s0, s1 = bounds[(rank - s - 1) % N]
+            r0, r1 = bounds[(rank - s - 2) % N]
+            if messages == "whole buffer":
+                tmp = torch.empty_like(buf)
+                comm.sendrecv(buf.clone(), right, tmp, src)
+                buf[r0:r1] += tmp[r0:r1]
+                continue
+            tmp = (torch.empty(r1 - r0, dtype=tmp_dtype) if tmp_dtype is not None
+                   else torch.empty_like(buf[r0:r1]))
+            comm.sendrecv((start if sends == "starting values" else buf)[s0:s1], right, tmp, src)
+            if add_into == "arrived":
+                buf[r0:r1] += tmp
+            else:
+                buf[s0:s1] += tmp  # into the chunk it sent
+        return buf if returns == "buf" else bounds[rank]
+    return ring
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (reduce_scatter_with(cut="n // N"), r"case 1/6 [\s\S]*rank 0 returned \(0, 4\)[\s\S]*Hint: "
+                                        r"your chunks are cut len\(buf\) // N = 4 long"),
+    (reduce_scatter_with(add_into="sent"), r"RuntimeError: The size of tensor[\s\S]*Hint: rank 0 "
+                                           r"added a chunk of 5 elements into a chunk of 4 \(the "
+                                           r"other ranks then waited for it in vain\)"),
+    (reduce_scatter_with(sends="starting values"), r"Hint: chunk 0 of rank 0 holds its own data "
+                                                   r"and its left neighbour's only"),
+    (reduce_scatter_with(tmp_dtype=torch.float32), r"case 2/6 \(n=12, float64[\s\S]*Hint: rank 0 "
+                                                   r"received 32 bytes[\s\S]*Rank 0's receive "
+                                                   r"buffer is float32, the buffer being reduced "
+                                                   r"float64"),
+    (reduce_scatter_with(receives_from="right"), r"CommTimeout[\s\S]*Hint: rank\(s\) \[.*\] "
+                                                 r"waited for a message from their RIGHT "
+                                                 r"neighbour"),
+    (reduce_scatter_with(messages="whole buffer"), r"not the ring: rank 0 sent 2 message\(s\) of "
+                                                   r"\[56, 56\] bytes, each the whole buffer"),
+    (reduce_scatter_with(returns="buf"), r"rank 0 returned a Tensor[\s\S]*Hint: your function "
+                                         r"returned a Tensor: return the pair \(start, stop\)"),
+], ids=["chunks of n // N", "adds into the chunk it sent", "passes on its starting values",
+        "float32 receive buffer", "receives from the right", "whole buffers", "returns buf"])
+def test_more_reduce_scatter_mistakes(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint) as info:
+        CA.check_ring_reduce_scatter(fn, cluster, timeout=1.0)
+    assert "(r - s - 1) mod N" not in str(info.value)
+
+
 # ---------------------------------------------------------------- all-gather variants
 def allgather(buf, comm, shift=0, steps=None):
     rank, N, right, left = _ring(comm)
@@ -257,6 +314,49 @@ def test_allgather(cluster, capsys):
         CA.check_ring_allgather(allgather_one_step_short, cluster)
 
 
+def allgather_with(combine="copy", into="buf", receives="(r - s - 1)", on="buf", steps=None,
+                   receives_from="left"):
+    """The ring all-gather with knobs for more of the usual mistakes."""
+    def ring(buf, comm):
+        rank, N, right, left = _ring(comm)
+        target = buf.clone() if on == "a copy" else buf
+        bounds = [shard_bounds(len(buf), c, N) for c in range(N)]
+        for s in range(N - 1 if steps is None else steps(N)):
+            s0, s1 = bounds[(rank - s) % N]
+            r0, r1 = bounds[{"(r - s - 1)": rank - s - 1, "(r + s + 1)": rank + s + 1,
+                             "what it sends": rank - s}[receives] % N]
+            src = left if receives_from == "left" else right
+            if combine == "add" or into == "a temporary":
+                tmp = torch.empty_like(target[r0:r1])
+                comm.sendrecv(target[s0:s1], right, tmp, src)
+                if combine == "add":
+                    target[r0:r1] += tmp
+            else:
+                comm.sendrecv(target[s0:s1], right, target[r0:r1], src)
+        return target
+    return ring
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (allgather_with(combine="add"), r"Hint: rank 0's chunk\(s\) \[2\] hold the arriving chunk plus "
+                                    r"what was there before"),
+    (allgather_with(into="a temporary"), r"Hint: rank 0's buffer holds only what it started with"),
+    (allgather_with(on="a copy"), r"Hint: rank 0's buffer holds only what it started with: "
+                                  r"nothing was received into it"),
+    (allgather_with(receives="(r + s + 1)"), r"CommError[\s\S]*Hint: rank \d received \d+ bytes "
+                                             r"from rank \d into a buffer of \d+ bytes"),
+    (allgather_with(receives="what it sends"), r"Hint: rank \d received \d+ bytes from rank \d"),
+    (allgather_with(steps=lambda N: N), r"not the ring: rank 0 sent 3 message\(s\)"),
+    (allgather_with(receives_from="right"), r"Hint: rank\(s\) \[.*\] waited for a message from "
+                                            r"their RIGHT neighbour"),
+], ids=["adds", "into a temporary", "on a copy", "index the other way",
+        "into the chunk it sends", "one step too many", "receives from the right"])
+def test_more_allgather_mistakes(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint) as info:
+        CA.check_ring_allgather(fn, cluster, timeout=1.0)
+    assert "(r - s) mod N" not in str(info.value)
+
+
 # ---------------------------------------------------------------- the composed allreduce
 def good_allreduce(buf, comm):
     good_reduce_scatter(buf, comm)
@@ -282,6 +382,59 @@ def test_allreduce_against_native(cluster, capsys):
         CA.check_ring_allreduce(reduce_scatter_only, cluster)
     with pytest.raises(CheckFailed, match=r"holds the sum divided by 3: the average"):
         CA.check_ring_allreduce(allreduce_that_averages, cluster)
+
+
+def allgather_then_reduce_scatter(buf, comm):
+    good_allgather(buf, comm)
+    good_reduce_scatter(buf, comm)
+    return buf
+
+
+def allgather_only(buf, comm):
+    return good_allgather(buf, comm)
+
+
+def reduce_scatter_twice(buf, comm):
+    good_reduce_scatter(buf, comm)
+    good_reduce_scatter(buf, comm)
+    return good_allgather(buf, comm)
+
+
+def reduce_scatter_on_a_copy(buf, comm):
+    good_reduce_scatter(buf.clone(), comm)
+    return good_allgather(buf, comm)
+
+
+def native_allreduce(buf, comm):
+    import torch.distributed as dist
+    dist.all_reduce(buf)
+    return buf
+
+
+def into_a_new_tensor(buf, comm):
+    return good_allreduce(buf.clone(), comm)
+
+
+def own_chunk_averaged(buf, comm):
+    a, b = good_reduce_scatter(buf, comm)
+    buf[a:b] /= comm.world_size
+    return good_allgather(buf, comm)
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (allgather_then_reduce_scatter, r"Hint: rank 0's chunk 0 is 3 x its own data: the all-gather "
+                                    r"ran first"),
+    (allgather_only, r"Hint: rank 0's buffer holds every rank's own chunk, unreduced"),
+    (reduce_scatter_on_a_copy, r"Hint: rank 0's buffer holds every rank's own chunk, unreduced"),
+    (reduce_scatter_twice, r"Hint: even rank 0's own chunk 0 is not the sum"),
+    (native_allreduce, r"the values are right but rank 0 sent nothing through comm"),
+    (into_a_new_tensor, r"Hint: rank 0's buffer did not change: the allreduce works in place"),
+    (own_chunk_averaged, r"Hint: rank 0 holds the sum divided by 3: the average"),
+], ids=["all-gather first", "all-gather only", "reduce-scatter on a copy",
+        "reduce-scatter twice", "dist.all_reduce", "a new tensor", "own chunk averaged"])
+def test_more_allreduce_mistakes(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        CA.check_ring_allreduce(fn, cluster, timeout=1.0)
 
 
 def test_time_allreduce_returns_a_row_per_size(cluster):
@@ -371,3 +524,85 @@ def test_time_against_ring_on_an_emulated_link(cluster):
         cluster.set_link(None)
     assert [r["size"] for r in rows] == [4096, 65536]
     assert all(r["yours_us"] > 0 and r["ring_us"] > 0 and r["model_us"] > 0 for r in rows)
+
+
+def two_way_averaged(buf, comm):
+    good_two_way(buf, comm)
+    buf /= comm.world_size
+    return buf
+
+
+def first_half_only(buf, comm):
+    good_allreduce(buf[:(len(buf) + 1) // 2], comm)
+    return buf
+
+
+def second_half_without_its_allgather(buf, comm):
+    rank, N, right, left = _ring(comm)
+    h = (len(buf) + 1) // 2
+    good_allreduce(buf[:h], comm)
+    half = buf[h:]
+    bounds = [shard_bounds(len(half), c, N) for c in range(N)]
+    for s in range(N - 1):  # the mirrored reduce-scatter, then nothing
+        s0, s1 = bounds[(rank + s + 1) % N]
+        r0, r1 = bounds[(rank + s + 2) % N]
+        tmp = torch.empty_like(half[r0:r1])
+        comm.sendrecv(half[s0:s1], left, tmp, right)
+        half[r0:r1] += tmp
+    return buf
+
+
+def second_half_cut_like_the_buffer(buf, comm):
+    """The second half's chunks cut from the whole buffer's bounds: chunks too long."""
+    rank, N, right, left = _ring(comm)
+    h = (len(buf) + 1) // 2
+    good_allreduce(buf[:h], comm)
+    half = buf[h:]
+    bounds = [tuple(min(x, len(half)) for x in shard_bounds(len(buf), c, N)) for c in range(N)]
+    for s in range(N - 1):
+        s0, s1 = bounds[(rank + s + 1) % N]
+        r0, r1 = bounds[(rank + s + 2) % N]
+        tmp = torch.empty_like(half[r0:r1])
+        comm.sendrecv(half[s0:s1], left, tmp, right)
+        half[r0:r1] += tmp
+    for s in range(N - 1):
+        s0, s1 = bounds[(rank + s) % N]
+        r0, r1 = bounds[(rank + s + 1) % N]
+        comm.sendrecv(half[s0:s1], left, half[r0:r1], right)
+    return buf
+
+
+def waits_on_each_request(buf, comm):
+    """Waits on every request as soon as it is posted: every rank waits on a receive first."""
+    rank, N, right, left = _ring(comm)
+    h = (len(buf) + 1) // 2
+    half = buf[:h]
+    bounds = [shard_bounds(len(half), c, N) for c in range(N)]
+    for s in range(N - 1):
+        s0, s1 = bounds[(rank - s - 1) % N]
+        r0, r1 = bounds[(rank - s - 2) % N]
+        tmp = torch.empty_like(half[r0:r1])
+        comm.irecv(tmp, left).wait()
+        comm.isend(half[s0:s1], right).wait()
+        half[r0:r1] += tmp
+    return buf
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (two_way_averaged, r"Hint: rank 0 holds the sum divided by 3: the average"),
+    (first_half_only, r"Hint: rank 0's first half is right, its second half buf\[7:\] is as it "
+                      r"was"),
+    (second_half_without_its_allgather, r"Hint: rank 0's first half is right, and in the second "
+                                        r"half its own chunk 0 is the sum but the other chunks "
+                                        r"are not"),
+    (second_half_cut_like_the_buffer,
+     r"Hint: rank \d received \d+ bytes from rank \d into a buffer of \d+ bytes[\s\S]*Each half "
+     r"has its own N chunks|a chunk of half the buffer holds at most"),
+    (waits_on_each_request, r"CommTimeout[\s\S]*Hint: a rank waited past its deadline\. .*or every "
+                            r"rank waits on a receive before it has posted its sends"),
+], ids=["averaged", "first half only", "second half without all-gather",
+        "second half cut like the buffer", "waits on each request"])
+def test_more_two_way_mistakes(cluster, fn, hint):
+    with pytest.raises(CheckFailed, match=hint) as info:
+        CA.check_bidirectional_ring_allreduce(fn, cluster, timeout=1.0)
+    assert "(r + s + 1) mod N" not in str(info.value)

@@ -44,21 +44,18 @@ STUDENT_TIMEOUT = 5.0
 MARK = -10_000  # placeholder values of the all-gather cases are <= MARK; real sums are not
 
 SCHEDULE = {
-    "reduce-scatter": "At step s = 0 .. N-2, rank r sends chunk (r - s - 1) mod N to rank "
-                      "(r + 1) mod N and adds the chunk (r - s - 2) mod N that arrives from rank "
-                      "(r - 1) mod N into its buffer; then rank r holds the full sum of chunk r "
-                      "and returns shard_bounds(len(buf), r, N).",
-    "all-gather": "At step s = 0 .. N-2, rank r sends chunk (r - s) mod N to rank (r + 1) mod N "
-                  "(its own chunk first, then the one it has just received) and receives chunk "
-                  "(r - s - 1) mod N from rank (r - 1) mod N straight into its buffer.",
+    "reduce-scatter": "Work out which chunk moves in step s from the exercise's two rules (a rank "
+                      "sends the chunk it added to in the step before; after the last step rank "
+                      "r holds chunk r summed over all ranks) and check it on the figure's 3 "
+                      "ranks.",
+    "all-gather": "Work out which chunk moves in step s from the exercise's rule (a rank sends "
+                  "its own chunk first, then always the one it has just received, and an "
+                  "arriving chunk goes straight into its place) and check it on the figure.",
     # the stretch exercise: the two halves of the buffer go around in opposite directions
-    "two-way": "The first half, buf[:h] with h = (len(buf) + 1) // 2, runs the ring of "
-               "exercises 1 and 2 (to (r + 1) mod N). The second half, buf[h:], cut into its "
-               "own N chunks, runs its mirror image: reduce-scatter step s, rank r sends chunk "
-               "(r + s + 1) mod N to rank (r - 1) mod N and adds chunk (r + s + 2) mod N from "
-               "rank (r + 1) mod N; all-gather step s, it sends chunk (r + s) mod N to the left "
-               "and receives chunk (r + s + 1) mod N from the right. In each step post both "
-               "receives and both sends (irecv, isend), then wait for all four.",
+    "two-way": "The second half's schedule is the mirror image of the ring of exercises 1 and "
+               "2 (left and right swapped, derived from the same two rules), on its own N "
+               "chunks; in each step post both receives and both sends, then wait for all "
+               "four.",
 }
 SENDRECV = ("use comm.sendrecv(sendbuf, right, recvbuf, left) for each step: it posts the "
             "receive before the send, so a ring of them cannot block")
@@ -141,6 +138,8 @@ def run_student(payload, exercise, n, dtype, seed, timeout=STUDENT_TIMEOUT):
     returned = None
     if exercise == "reduce-scatter":
         try:
+            if hasattr(out, "numel") and out.numel() != 2:
+                raise TypeError("a tensor")
             returned = tuple(int(v) for v in out)
         except (TypeError, ValueError):
             returned = "None" if out is None else f"a {type(out).__name__}"
@@ -198,7 +197,7 @@ def _cases(world_size):
             for n, dtype, text in specs]
 
 
-def _remote_failure(name, where, err, schedule, world_size, two_way=False):
+def _remote_failure(name, where, err, schedule, world_size, two_way=False, dtype=None):
     """Turn a failure on the engines into False (not implemented) or a CheckFailed with a hint."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.cluster import ClusterTimeout, RemoteError
@@ -208,12 +207,25 @@ def _remote_failure(name, where, err, schedule, world_size, two_way=False):
             return not_implemented(name)
         lines = "\n  ".join(f"rank {r}: {text.splitlines()[0]}" for r, text in errors.items())
         sizes = [m for m in (MISFIT.search(text) for text in errors.values()) if m]
-        if sizes:
-            hint = _hint_misfit(sizes[0], world_size, schedule, two_way)
+        crashed = {r: t for r, t in errors.items() if not t.startswith(("CommTimeout",
+                                                                          "CommError"))}
+        waited = [(int(m.group(1)), int(m.group(2))) for m in
+                  (WAITED.match(t) for t in errors.values()) if m]
+        if crashed and not any(t.startswith(("NameError", "PicklingError"))
+                               for t in crashed.values()):
+            hint = _hint_crash(crashed, schedule)
+        elif sizes:
+            hint = _hint_misfit(sizes[0], world_size, schedule, two_way, dtype)
+        elif (not two_way and world_size > 2 and waited
+              and all(src == (r + 1) % world_size for r, src in waited)):
+            hint = (f"rank(s) {sorted(r for r, _ in waited)} waited for a message from their "
+                    f"RIGHT neighbour, which sends to its own right: in this ring every rank "
+                    f"receives from the neighbour that sends to it, its left one. {schedule}")
         elif any("CommTimeout" in text for text in errors.values()):
             hint = (f"a rank waited past its deadline. Either every rank sends before anyone "
                     f"receives (a blocking send cycle: comm.send blocks until the peer "
-                    f"receives; {SENDRECV}), or the ranks disagree on peers, on the number of "
+                    f"receives; {SENDRECV}), or every rank waits on a receive before it has "
+                    f"posted its sends, or the ranks disagree on peers, on the number of "
                     f"steps or on a chunk's length (a receive buffer must have exactly the "
                     f"length of the chunk sent to it; an empty chunk sends nothing). {schedule}")
         elif any(text.startswith(("NameError", "PicklingError")) for text in errors.values()):
@@ -232,29 +244,49 @@ def _remote_failure(name, where, err, schedule, world_size, two_way=False):
                       f"where. {schedule}") from None
 
 
-# "rank 1: sendrecv from rank 2 of ...: rank 2 sent 20 bytes (5 x float32) but the receive
-# buffer holds 16 bytes" (course_lib.comm's error for a message that does not fit)
-MISFIT = re.compile(r"rank (\d+): \w+ from rank (\d+) of .*?: rank \d+ sent (\d+) bytes .*?"
-                    r"holds (\d+) bytes")
+# "rank 1: sendrecv from rank 2 of 4 x float32 (16 bytes) ...: rank 2 sent 20 bytes (5 x
+# float32) but the receive buffer holds 16 bytes" (course_lib.comm's error for a message that
+# does not fit), and "rank 1: sendrecv from rank 2 of ... did not complete" (a deadline)
+MISFIT = re.compile(r"rank (\d+): \w+ from rank (\d+) of \d+ x (\w+) .*?: rank \d+ sent (\d+) "
+                    r"bytes .*?holds (\d+) bytes")
+WAITED = re.compile(r"CommTimeout: rank (\d+): \w+ from rank (\d+) ")
+SIZES = re.compile(r"The size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)")
 
 
-def _hint_misfit(match, world_size, schedule, two_way=False):
+def _hint_crash(crashed, schedule):
+    """What a rank's own error (not a wait for another) says; the others then waited."""
+    rank = min(crashed)
+    first = crashed[rank].splitlines()[0]
+    others = " (the other ranks then waited for it in vain)"
+    if SIZES.search(first):
+        a, b = SIZES.search(first).groups()
+        return (f"rank {rank} added a chunk of {b} elements into a chunk of {a}{others}: what a "
+                f"rank adds into must be the chunk that just arrived, at that chunk's place in "
+                f"buf. {schedule}")
+    return f"rank {rank} raised {first.split(':')[0]}{others}: read its traceback. {schedule}"
+
+
+def _hint_misfit(match, world_size, schedule, two_way=False, dtype=None):
     """What a message that does not fit its receive buffer says about the student's ring."""
-    rank, src, sent, holds = (int(g) for g in match.groups())
+    rank, src = int(match.group(1)), int(match.group(2))
+    into, sent, holds = match.group(3), int(match.group(4)), int(match.group(5))
     told = (f"rank {rank} received {sent} bytes from rank {src} into a buffer of {holds} "
-             f"bytes: a send and its receive must be the same chunk")
+            f"bytes: a send and its receive must be the same chunk")
+    if dtype is not None and into != str(np.dtype(dtype)):
+        return (f"{told}. Rank {rank}'s receive buffer is {into}, the buffer being reduced "
+                f"{np.dtype(dtype)}: a receive buffer of another dtype holds another number of "
+                f"bytes (make it like the chunk it receives).")
     if two_way:
         return (f"{told}. Each half has its own N chunks (shard_bounds(len(half), c, N)); the "
                 f"half that goes to the left needs the ring's chunk indices mirrored, not the "
                 f"same ones. {schedule}")
     if world_size > 2 and src == (rank + 1) % world_size:
         return (f"{told}. Rank {rank} receives from rank {src}, its RIGHT neighbour: the ring "
-                f"is reversed. Every rank sends to (r + 1) mod N and receives from (r - 1) mod "
-                f"N. {schedule}")
-    return (f"{told}. A receive buffer must have exactly the length of the chunk sent to it "
-            f"(slice a longer one: tmp[:r1 - r0]); if yours does, the two ranks disagree on "
-            f"which chunk moves at this step (chunks differ in length when N does not divide "
-            f"len(buf)): is a rank sending the same chunk at every step? {schedule}")
+                f"is reversed. {schedule}")
+    return (f"{told}. A receive buffer must have exactly the length of the chunk sent to it; "
+            f"if yours does, the two ranks disagree on which chunk moves at this step (chunks "
+            f"differ in length when N does not divide len(buf)): is a rank sending the same "
+            f"chunk at every step? {schedule}")
 
 
 def _decode(got, parts):
@@ -264,6 +296,22 @@ def _decode(got, parts):
         if np.array_equal(got, sum(kq * p for kq, p in zip(k, parts, strict=True))):
             return k
     return None
+
+
+def _hint_returned(returned, rank, n, N):
+    """Why the bounds a rank returned are not its chunk's."""
+    floor = n // N
+    cut = (rank * floor, n if rank == N - 1 else (rank + 1) * floor)
+    if returned == cut:
+        return (f"your chunks are cut len(buf) // N = {floor} long, the rest in the last one: "
+                f"the chunks are shard_bounds', which hands the len(buf) % N elements left over "
+                f"to the first chunks, one each.")
+    if isinstance(returned, str):
+        return (f"your function returned {returned}: return the pair (start, stop) of the "
+                f"chunk this rank owns.")
+    if returned in [shard_bounds(n, c, N) for c in range(N)]:
+        return "that is another rank's chunk: return the bounds of the chunk this rank owns."
+    return "return the pair (start, stop) of the chunk this rank owns."
 
 
 def _hint_reduce(rank, N, got_buf, inputs, full):
@@ -280,45 +328,57 @@ def _hint_reduce(rank, N, got_buf, inputs, full):
     if k is None:
         return None
     who = [q for q in range(N) if k[q]]
+    if N > 2 and who == sorted({rank, (rank - 1) % N}) and max(k) == 1:
+        return (f"chunk {chunk} of rank {rank} holds its own data and its left neighbour's "
+                f"only: each rank passed on its starting values, not the chunk it had added "
+                f"to, so a chunk picks up one rank's data and never more. "
+                f"{SCHEDULE['reduce-scatter']}")
     if max(k) == 2:
         twice = [q for q in range(N) if k[q] == 2]
         return (f"chunk {chunk} of rank {rank} counts rank(s) {twice}'s data twice: a chunk was "
                 f"added into twice. {SCHEDULE['reduce-scatter']}")
     if who == [rank] and np.array_equal(got_buf, inputs[rank].astype(np.float64)):
-        return (f"rank {rank}'s buffer did not change: nothing received was added to it. After "
-                f"each sendrecv, add the received chunk into the buffer (buf[a:b] += tmp). "
-                f"{SCHEDULE['reduce-scatter']}")
+        return (f"rank {rank}'s buffer did not change: nothing received was added to it (not "
+                f"into buf itself, at least: a copy of buf, or a temporary, is not the caller's "
+                f"buffer). {SCHEDULE['reduce-scatter']}")
     if len(who) == 1 and who != [rank]:
         return (f"chunk {chunk} of rank {rank} holds rank {who[0]}'s data only: the received "
                 f"chunk replaced the buffer's instead of being added to it (the reduction is "
-                f"missing: buf[a:b] += tmp, not buf[a:b] = tmp).")
+                f"missing).")
     return (f"chunk {chunk} of rank {rank} holds the data of {len(who)} of {N} ranks {who}: an "
-            f"off-by-one in the step schedule (N-1 steps, range(N - 1); the chunk sent at step s "
-            f"is the one added at step s-1). {SCHEDULE['reduce-scatter']}")
+            f"off-by-one in the step schedule (in the number of steps, or in which chunk moves "
+            f"when). {SCHEDULE['reduce-scatter']}")
 
 
 def _hint_gather(rank, N, got_buf, start, full):
     """Which chunks of rank ``rank`` are right, untouched, or hold someone else's marks."""
-    missing, foreign = [], []
+    missing, foreign, added = [], [], []
     for c in range(N):
         a, b = shard_bounds(len(full), c, N)
         if np.array_equal(got_buf[a:b], full[a:b]):
             continue
         if np.array_equal(got_buf[a:b], start[a:b]):
             missing.append(c)
+        elif np.array_equal(got_buf[a:b], start[a:b] + full[a:b]):
+            added.append(c)
         elif np.all(got_buf[a:b] <= MARK):
             foreign.append(c)
+    if added:
+        return (f"rank {rank}'s chunk(s) {added} hold the arriving chunk plus what was there "
+                f"before (the placeholders here): the all-gather copies a final chunk into its "
+                f"place, it adds nothing.")
     if foreign:
         return (f"rank {rank}'s chunk(s) {foreign} hold another rank's placeholder values: a "
                 f"chunk was passed on before it had arrived. {SCHEDULE['all-gather']}")
     if len(missing) == N - 1:
-        return (f"rank {rank} received nothing into its buffer: receive chunk (r - s - 1) mod N "
-                f"straight into buf. {SCHEDULE['all-gather']}")
+        return (f"rank {rank}'s buffer holds only what it started with: nothing was received "
+                f"into it (into a temporary never copied into buf, or into a copy of buf, "
+                f"which the caller never sees). {SCHEDULE['all-gather']}")
     if missing:
-        return (f"rank {rank} never received chunk(s) {missing}: one step short? N-1 steps, "
-                f"range(N - 1). {SCHEDULE['all-gather']}")
-    return (f"rank {rank}'s chunks hold wrong values: receive each chunk into its own place. "
-            f"{SCHEDULE['all-gather']}")
+        return (f"rank {rank} never received chunk(s) {missing}: one step short? "
+                f"{SCHEDULE['all-gather']}")
+    return (f"rank {rank}'s chunks hold wrong values: an arriving chunk went to another "
+            f"chunk's place. {SCHEDULE['all-gather']}")
 
 
 _PHASES = {"allreduce": ["reduce-scatter", "all-gather"]}
@@ -334,12 +394,21 @@ def _check_traffic(where, exercise, rank, N, n, itemsize, sent):
         expected += [chunk[(rank + first - s) % N] for s in range(N - 1)]
     right = (rank + 1) % N
     wrong_peer = sorted({dst for dst, _ in sent if dst != right})
+    if not sent:
+        problem = (f"rank {rank} sent nothing through comm: this is not your ring (a native "
+                   f"collective such as dist.all_reduce does not count)")
+        hint = " ".join(SCHEDULE[p] for p in phases)
+        raise CheckFailed(f"{where}\n  the values are right but {problem}.\nHint: {hint}")
     if wrong_peer:
         problem = f"rank {rank} sent to rank(s) {wrong_peer}; the ring only sends to rank {right}"
+    elif N > 2 and all(b == n * itemsize for _, b in sent):
+        problem = (f"rank {rank} sent {len(sent)} message(s) of {[b for _, b in sent]} bytes, "
+                   f"each the whole buffer; the ring sends one chunk per step, here "
+                   f"{expected} bytes")
     elif sorted(b for _, b in sent if b) != sorted(b for b in expected if b):
         problem = (f"rank {rank} sent {len(sent)} message(s) of {[b for _, b in sent]} bytes; "
                    f"the ring sends N-1 = {N - 1} per phase, here {expected} bytes: one chunk "
-                   f"per step; check the number of steps, range(N - 1)")
+                   f"per step; check the number of steps")
     else:
         return
     raise CheckFailed(f"{where}\n  the values are right but this is not the ring: {problem}."
@@ -363,7 +432,7 @@ def _check(name, exercise, student_fn, cluster, seed, timeout):
                                   timeout=timeout + 20)
         except Exception as err:  # RemoteError, ClusterTimeout, EngineDied
             if _remote_failure(name, where, err, SCHEDULE.get(exercise, ""), N,
-                               two_way=exercise == "two-way") is False:
+                               two_way=exercise == "two-way", dtype=dtype) is False:
                 return False
         inputs = case_inputs(exercise, n, dtype, seed, N)
         full = np.sum(case_inputs("reduce-scatter", n, dtype, seed, N), axis=0,
@@ -375,8 +444,7 @@ def _check(name, exercise, student_fn, cluster, seed, timeout):
                 if res["returned"] != (a, b):
                     raise CheckFailed(f"{where}\n  rank {rank} returned {res['returned']}; it owns "
                                       f"chunk {rank} = shard_bounds({n}, {rank}, {N}) = {(a, b)}"
-                                      f"\nHint: return (start, stop) of the chunk rank r owns, "
-                                      f"chunk r: shard_bounds(len(buf), comm.rank, N)")
+                                      f"\nHint: {_hint_returned(res['returned'], rank, n, N)}")
                 problem = compare(full[a:b], got[a:b], f"rank {rank}: chunk {rank} = buf[{a}:{b}]",
                                   rtol=0, atol=0)
                 hint = problem and _hint_reduce(rank, N, got, inputs, full)
@@ -385,9 +453,9 @@ def _check(name, exercise, student_fn, cluster, seed, timeout):
                 if problem and exercise == "all-gather":
                     hint = _hint_gather(rank, N, got, inputs[rank], full)
                 elif problem and exercise == "two-way":
-                    hint = _hint_two_way(rank, N, got, full)
+                    hint = _hint_two_way(rank, N, got, full, inputs[rank].astype(np.float64))
                 elif problem:
-                    hint = _hint_allreduce(rank, N, got, full)
+                    hint = _hint_allreduce(rank, N, got, full, inputs)
                 if not problem and exercise in ("allreduce", "two-way"):
                     problem = compare(res["native"], got, f"rank {rank}: buf vs dist.all_reduce",
                                       rtol=0, atol=0)
@@ -401,26 +469,49 @@ def _check(name, exercise, student_fn, cluster, seed, timeout):
     return True
 
 
-def _hint_allreduce(rank, world_size, got, full):
-    a, b = shard_bounds(len(full), rank, world_size)
+def _hint_allreduce(rank, world_size, got, full, inputs):
+    N, n = world_size, len(full)
+    a, b = shard_bounds(n, rank, N)
+    mine = inputs[rank].astype(np.float64)
     if np.allclose(got * world_size, full, rtol=1e-3, atol=world_size):
         return (f"rank {rank} holds the sum divided by {world_size}: the average. This allreduce "
                 f"sums, like dist.all_reduce's default op (SUM): do not divide by N.")
+    if np.array_equal(got, mine):
+        return (f"rank {rank}'s buffer did not change: the allreduce works in place, on the "
+                f"buffer it is given (a result in a copy, or a new tensor, is not the caller's).")
     if np.array_equal(got[a:b], full[a:b]):
         return (f"rank {rank}'s own chunk {rank} is right but the others are not: run the "
                 f"all-gather after the reduce-scatter, on the same buffer.")
-    return (f"even rank {rank}'s own chunk {rank} is wrong: the reduce-scatter must come first "
-            f"(and pass check_ring_reduce_scatter).")
+    own_chunks = np.concatenate([inputs[c][slice(*shard_bounds(n, c, N))].astype(np.float64)
+                                 for c in range(N)])
+    if np.array_equal(got, own_chunks):
+        return (f"rank {rank}'s buffer holds every rank's own chunk, unreduced: the all-gather "
+                f"spread chunks that no reduce-scatter had summed (none ran on this buffer).")
+    if b > a and np.array_equal(got[a:b], N * mine[a:b]):
+        return (f"rank {rank}'s chunk {rank} is {N} x its own data: the all-gather ran first "
+                f"(every rank then held rank {rank}'s chunk), and the reduce-scatter after it "
+                f"summed those copies.")
+    return (f"even rank {rank}'s own chunk {rank} is not the sum: the reduce-scatter has to run "
+            f"once, first, on this buffer (and pass check_ring_reduce_scatter).")
 
 
-def _hint_two_way(rank, world_size, got, full):
+def _hint_two_way(rank, world_size, got, full, mine):
     """Which half of rank ``rank``'s buffer is wrong, and what that says."""
     h = (len(full) + 1) // 2
     first, second = (np.array_equal(got[sl], full[sl]) for sl in (slice(0, h), slice(h, None)))
     if np.allclose(got * world_size, full, rtol=1e-3, atol=world_size):
         return (f"rank {rank} holds the sum divided by {world_size}: the average. Sum, like "
                 f"dist.all_reduce's default op (SUM): do not divide by N.")
+    if first and not second and np.array_equal(got[h:], mine[h:]):
+        return (f"rank {rank}'s first half is right, its second half buf[{h}:] is as it was: "
+                f"nothing of the second half went around the ring. {SCHEDULE['two-way']}")
     if first and not second:
+        half = full[h:]
+        a, b = shard_bounds(len(half), rank, world_size)
+        if b > a and np.array_equal(got[h + a:h + b], half[a:b]):
+            return (f"rank {rank}'s first half is right, and in the second half its own chunk "
+                    f"{rank} is the sum but the other chunks are not: the second half's "
+                    f"all-gather is missing or wrong. {SCHEDULE['two-way']}")
         return (f"rank {rank}'s first half buf[:{h}] is right, its second half is not: check "
                 f"the mirrored schedule of the half that goes to the left. "
                 f"{SCHEDULE['two-way']}")
