@@ -28,7 +28,7 @@ def test_options_are_checked():
     with pytest.raises(ValueError):
         bench_ddp.parse_buckets("1,0")
     out = subprocess.run([sys.executable, "-m", "course_lib", "bench", "ddp", "--hidden", "7y"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 1 and "--hidden" in out.stderr
 
 

@@ -22,7 +22,7 @@ CLUSTER_SIZE = 2
 def _run(code, **env):
     """Run ``code`` in a fresh Python; returns the CompletedProcess."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **env})
+                          text=True, timeout=600, env={**os.environ, **env})
 
 
 def test_naive_save_killed_mid_write_loses_the_previous_checkpoint(tmp_path):

@@ -72,7 +72,7 @@ cluster.stop()
 """
 
 
-def as_user(user, code, timeout=60, env=None, python_args=None):
+def as_user(user, code, timeout=600, env=None, python_args=None):
     """Run Python ``code`` (or Python with ``python_args``) as ``user`` in their home; the
     finished process."""
     home = pwd.getpwnam(user).pw_dir
@@ -90,12 +90,12 @@ def people(tmp_path_factory):
     passwords = tmp_path_factory.mktemp("hub") / "passwords"
     script = [str(ROOT / "hub" / "users.sh"), "--passwords", str(passwords),
               "--instructors", names["teacher"], "--students", f"{names['a']} {names['b']}"]
-    subprocess.run(script, check=True, capture_output=True, timeout=60)
+    subprocess.run(script, check=True, capture_output=True, timeout=600)
     secret = dict(line.split(":", 1) for line in passwords.read_text().split())
     try:
         yield {role: (name, secret[name]) for role, name in names.items()}
     finally:
-        subprocess.run([*script, "--remove"], capture_output=True, timeout=60)
+        subprocess.run([*script, "--remove"], capture_output=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ try:
     rc[:].apply_sync(lambda: open({str(marker)!r}, "w").write("x"))
 except Exception as err:
     raise SystemExit(f"refused: {{type(err).__name__}}: {{err}}")
-""", timeout=60)
+""", timeout=600)
     assert tried.returncode != 0 and "refused" in tried.stderr, tried.stdout + tried.stderr
     assert not marker.exists()
     assert a_cluster["allreduce"]() == [[3.0, 3.0], [3.0, 3.0]]
@@ -697,7 +697,7 @@ def test_instructor_grades_on_the_command_line_without_any_student_password(peop
     assert "Finish exercises 1 to 3" in feedback[b]
     assert "not implemented yet" not in feedback[a]
 
-    report = as_user(teacher, None, timeout=120,
+    report = as_user(teacher, None, timeout=600,
                      python_args=["-m", "course_lib", "class", "report", "--root", "grading"])
     assert report.returncode == 0, report.stderr[-3000:]
     n = len(CHECKS)
@@ -740,7 +740,7 @@ print("A's submissions found:", glob.glob(os.path.join({str(inbound)!r}, {a + "+
     collect = as_user(b, "from course_lib.classroom.grading import run_nbgrader\n"
                          f"run_nbgrader(['collect', {LAB!r}, '--CourseDirectory.course_id="
                          f"{grading.COURSE_ID}', '--Exchange.root={inbound.parent.parent}'], "
-                         "cwd='.', timeout=60)", timeout=90)
+                         "cwd='.', timeout=60)", timeout=600)
     assert collect.returncode != 0 and "You don't have read permissions for the directory: " \
         f"{inbound}" in collect.stderr, collect.stdout + collect.stderr[-2000:]
     assert a_submission.exists() and not Path(pwd.getpwnam(b).pw_dir, "submitted").exists()

@@ -58,7 +58,7 @@ def test_stacks_any_time_and_from_the_command_line(cluster):
     assert [s["rank"] for s in snaps] == [0, 1, 2, 3]
     assert stacks.summary(snaps) == "rank(s) 0, 1, 2, 3: idle (not in a cluster call)"
     out = subprocess.run([sys.executable, "-m", "course_lib", "cluster", "stacks"],
-                         capture_output=True, text=True, timeout=60).stdout
+                         capture_output=True, text=True, timeout=600).stdout
     assert "rank(s) 0, 1, 2, 3: idle" in out, out
 
 

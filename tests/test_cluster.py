@@ -164,7 +164,7 @@ def _notebook_session():
 
     def kernel(script):
         return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                              text=True, timeout=120)
+                              text=True, timeout=600)
     try:
         yield owner.pid, kernel
     finally:
@@ -309,7 +309,7 @@ def test_the_course_computes_with_one_thread_unless_told_otherwise():
                                   (("course_lib", "torch"), {"OMP_NUM_THREADS": "2"}, "2")]:
         out = subprocess.run([sys.executable, "-c", script.format(*order)],
                              cwd=Path(__file__).resolve().parents[1], env={**env, **extra},
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=600)
         assert out.stdout.strip() == threads, (order, extra, out.stderr[-500:])
 
 

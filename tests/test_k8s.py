@@ -389,7 +389,7 @@ def test_a_pytorchjob_s_pods_train_here_with_the_operator_s_environment():
     import sys
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "-m", "course_lib.train", "--steps", "4"],
-                          capture_output=True, text=True, timeout=120,
+                          capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert json.loads(done.stdout.strip().splitlines()[-1])["params_sha256"] == \
         result["params_sha256"]

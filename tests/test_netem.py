@@ -111,7 +111,7 @@ def test_a_cluster_without_a_link_is_loopback_again(cluster, slow_link):
 
 def _bench(*args):
     return subprocess.run([sys.executable, "-m", "course_lib", "bench", "allreduce", *args],
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=600)
 
 
 def test_bench_reports_the_prediction_beside_each_time(tmp_path):

@@ -42,7 +42,7 @@ def test_stored_as_the_nbstripout_filter_writes_them():
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-m", "nbstripout", "--dry-run", *map(str, ALL)],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "", (
         f"{out.stdout}{out.stderr}\nrun: python -m nbstripout notebooks/*.ipynb labs/*.ipynb "
         "labs/solutions/*.ipynb")

@@ -155,7 +155,7 @@ def test_measure_refuses_too_small_a_cluster(cluster):
 
 
 # ---------------------------------------------------------------- bench and figures
-def _bench(*args, timeout=180):
+def _bench(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "course_lib", "bench", "scaling", *args],
                           capture_output=True, text=True, timeout=timeout)
 

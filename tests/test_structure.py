@@ -179,11 +179,57 @@ def fixed_timing_asserts(source):
     return sorted(found)
 
 
+SUBPROCESS_GUARD = 300  # seconds: a Python that imports PyTorch took over 30 beside other work
+RUNS = {"run", "check_output", "check_call", "call", "communicate"}
+
+
+def _const_timeout(call):
+    return next((k.value.value for k in call.keywords if k.arg == "timeout"
+                 and isinstance(k.value, ast.Constant) and isinstance(k.value.value, int | float)),
+                None)
+
+
+def short_subprocess_guards(source):
+    """Line numbers of a subprocess a test waits for with a literal ``timeout=`` below
+    ``SUBPROCESS_GUARD``: ``subprocess.run(..., timeout=30)``, ``proc.communicate(timeout=30)``,
+    or a call of this file's own function that passes its ``timeout`` to one (its default
+    too). Such a timeout is a hang guard: its process waits for a core like any other."""
+    tree, found = ast.parse(source), set()
+    wrappers = set()
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        for call in (c for c in ast.walk(fn) if isinstance(c, ast.Call)):
+            if isinstance(call.func, ast.Attribute) and call.func.attr in RUNS and any(
+                    k.arg == "timeout" and isinstance(k.value, ast.Name) for k in call.keywords):
+                wrappers.add(fn.name)
+                defaults = dict(zip([a.arg for a in fn.args.args][::-1],
+                                    fn.args.defaults[::-1], strict=False))
+                defaults.update({a.arg: d for a, d in zip(fn.args.kwonlyargs,
+                                                          fn.args.kw_defaults, strict=True)})
+                d = defaults.get("timeout")
+                if isinstance(d, ast.Constant) and isinstance(d.value, int | float) \
+                        and d.value < SUBPROCESS_GUARD:
+                    found.add(fn.lineno)
+    for call in (c for c in ast.walk(tree) if isinstance(c, ast.Call)):
+        name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(
+            call.func, "id", "")
+        subprocess_call = isinstance(call.func, ast.Attribute) and (
+            call.func.attr == "communicate" or isinstance(call.func.value, ast.Name)
+            and call.func.value.id == "subprocess" and call.func.attr in RUNS)
+        timeout = _const_timeout(call)
+        if (subprocess_call or name in wrappers) and timeout is not None \
+                and timeout < SUBPROCESS_GUARD:
+            found.add(call.lineno)
+    lines = source.splitlines()
+    return sorted(n for n in found if LOAD_PROOF not in " ".join(lines[n - 2:n]))
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "tests").glob("test_*.py")), ids=lambda p: p.name)
 def test_no_test_bounds_a_time_that_load_can_break(path):
     lines = path.read_text().splitlines()
     bad = [f"{path.name}:{n}: {lines[n - 1].strip()}"
            for n in fixed_timing_asserts("\n".join(lines))]
+    bad += [f"{path.name}:{n}: {lines[n - 1].strip()} (a subprocess's hang guard: at least "
+            f"{SUBPROCESS_GUARD} s)" for n in short_subprocess_guards("\n".join(lines))]
     assert not bad, ("a busy machine breaks these bounds: assert the promise with "
                      "course_lib.testing.timing.assert_no_hang, report the figure in a benchmark, "
                      "or say why it holds under any load (# holds under load: ...):\n"
@@ -202,3 +248,13 @@ def test_the_timing_checker_sees_what_it_must():
               "    assert r['steps_per_s'] <= 2 * r['model']  # holds under load: never early\n"
               "    assert r['loss'] < 0.5 and len(r) > 3\n")         # not a time
     assert fixed_timing_asserts(source) == [4, 6, 7]
+    source = ("import subprocess\n"
+              "def _cli(*args, timeout=30):\n"                       # 2: its default
+              "    return subprocess.run(args, timeout=timeout)\n"
+              "def test_y(proc, cluster):\n"
+              "    subprocess.run(['x'], timeout=60)\n"              # 5
+              "    _cli('--help', timeout=20)\n"                      # 6: through the wrapper
+              "    proc.communicate(timeout=10)\n"                    # 7
+              "    subprocess.run(['x'], timeout=600)\n"             # a hang guard: fine
+              "    cluster.run(f, timeout=2)\n")                      # a deadline under test
+    assert short_subprocess_guards(source) == [2, 5, 6, 7]

@@ -49,7 +49,7 @@ def test_tensorboard_dies_with_the_process_that_started_it(run_dir):
             "print(board.process.pid, flush=True)\n"
             "import os; os.kill(os.getpid(), 9)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=600)
     pid = int(out.stdout.split()[0])
 
     def gone():

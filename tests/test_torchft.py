@@ -84,7 +84,7 @@ def test_a_replica_without_a_lighthouse_says_what_it_waited_for(tmp_path):
     pytest.importorskip("torchft", reason="optional: pip install -c constraints.txt torchft")
     proc = subprocess.run(
         [sys.executable, "-m", "course_lib.testing.torchft", "--replica", "1", "--timeout", "1",
-         "--dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+         "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 1
     assert last.startswith("torchft replica 1: failed while waiting for the Lighthouse to "

@@ -95,7 +95,7 @@ def _slurm_reason():
     if shutil.which("srun") is None or shutil.which("sinfo") is None:
         return "no SLURM here: run `sudo scripts/slurm-single-node.sh` (a one-node SLURM)"
     state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
-                           timeout=20)
+                           timeout=600)
     if state.returncode != 0 or not state.stdout.strip():
         return f"SLURM does not answer ({state.stderr.strip()}): scripts/slurm-single-node.sh"
     return None
@@ -124,6 +124,6 @@ def test_the_slurm_daemons_close_what_their_caller_had_open(tmp_path):
              f"exec 7>{marker}\n"
              "start_daemon python3 -c 'import os; print(sorted(os.listdir(\"/proc/self/fd\")),"
              f" file=open(\"{marker}.fds\", \"w\"), flush=True)'\n")
-    subprocess.run(["bash", "-c", shell], check=True, timeout=60)
+    subprocess.run(["bash", "-c", shell], check=True, timeout=600)
     fds = (tmp_path / "held.fds").read_text().strip()
     assert fds == "['0', '1', '2', '3']", fds  # 3: the listing's own; the caller's 7 is gone

@@ -92,7 +92,7 @@ def test_an_older_template_of_a_kept_cluster_leaves_the_new_ones_socket(tmp_path
     new = warm_start.start_template(str(profile), "kept")
     try:
         warm_start.wait_ready(new)
-        kernel.communicate("\n", timeout=120)
+        kernel.communicate("\n", timeout=600)
         deadline = time.monotonic() + 120  # a hang guard: it ends within a second when idle
         while not _ended(old) and time.monotonic() < deadline:
             time.sleep(0.1)
