@@ -31,10 +31,8 @@ from course_lib.checks.framework import (
 HIDDEN, CAP_BYTES, BATCH, STEPS, LR = (128, 128, 128), 40_000, 64, 4, 0.1
 WAIT_DEADLINE = 10.0  # seconds a student's work.wait() may take before it is an error
 TOLERANCE = 1e-5
-BUCKET_HINT = ("walk i from the last parameter to the first, reversed(range(len(sizes))); append i "
-               "to the open bucket and count its bytes; as soon as the bucket holds at least "
-               "cap_bytes, close it and open a new one; at the end keep the open bucket if it is "
-               "not empty.")
+BUCKET_HINT = ("go through the three rules above the exercise again: the order in which the "
+               "parameters are walked, when a bucket closes, and what happens at the end.")
 
 
 # ---------------------------------------------------------------- exercise 1 (local)
@@ -56,29 +54,78 @@ def _as_lists(buckets):
     return [[int(i) for i in b] for b in buckets]
 
 
+def _buckets_like(sizes, cap, mistake):
+    """The buckets as written with ``mistake``: each a list of parameter indices."""
+    n, order = len(sizes), list(reversed(range(len(sizes))))
+    out, current, filled = [], [], 0
+    for i in order:
+        if mistake == "close before the cap" and current and filled + sizes[i] > cap:
+            out.append(current)
+            current, filled = [], 0
+        current.append(n - 1 - i if mistake == "numbered from the end" else i)
+        filled += 4 * sizes[i] if mistake == "4 x sizes" else sizes[i]
+        if filled >= cap and mistake != "close before the cap":
+            out.append(current)
+            current, filled = [], (filled - cap if mistake == "carry over" else 0)
+    if current:
+        out.append(current)
+    if mistake == "buckets reversed":
+        out = out[::-1]
+    elif mistake == "each bucket sorted":
+        out = [sorted(b) for b in out]
+    return out
+
+
+# The usual mistakes of the buckets, replayed: (mistake, what the student's buckets did).
+BUCKET_MISTAKES = [
+    ("numbered from the end", "your buckets have the right sizes but count the parameters "
+     "from the end: position k of the reversed sizes is parameter len(sizes) - 1 - k, and a "
+     "bucket holds the parameters' own indices."),
+    ("carry over", "after closing a bucket your count of bytes did not start again from zero: "
+     "what went over the cap was carried into the next bucket, which then closes too early."),
+    ("4 x sizes", "you counted every size 4 times: sizes are in bytes already (the caller "
+     "multiplied by the element size)."),
+    ("buckets reversed", "your buckets are right but in reverse order: the first bucket is the "
+     "one backward fills first, which holds the LAST parameters."),
+    ("each bucket sorted", "your buckets hold the right parameters, each bucket in increasing "
+     "order: list them in the order they were added, the order backward produces them."),
+    ("close before the cap", "you closed a bucket before a parameter could push it over the "
+     "cap: here a bucket closes once it holds at least cap_bytes, so it may exceed the cap by "
+     "its last parameter."),
+]
+
+
 def _diagnose_buckets(got, sizes, cap):
     try:
         got = _as_lists(got)
     except (TypeError, ValueError):
         return "return a list of buckets, each a list of parameter indices."
+    for mistake, text in BUCKET_MISTAKES:
+        if got == _buckets_like(sizes, cap, mistake):
+            return text
     flat = [i for b in got for i in b]
     if sorted(flat) != list(range(len(sizes))):
+        missing = sorted(set(range(len(sizes))) - set(flat))
+        if missing and sorted(flat) == [i for i in range(len(sizes)) if i not in missing] \
+                and missing == list(range(len(missing))):
+            return (f"parameters {missing[::-1]} are in no bucket: the bucket still open at the "
+                    f"end (holding less than cap_bytes) was dropped.")
         return "every parameter index must appear in exactly one bucket."
     if any(not b for b in got):
         return "never return an empty bucket."
     if flat == sorted(flat) and len(sizes) > 1:
         return ("your buckets follow the model's order; backward produces the LAST layer's "
-                "gradient first, so walk the parameters in reverse: reversed(range(len(sizes))).")
+                "gradient first, and the buckets are filled in that order.")
     for b in got[:-1]:
         if sum(sizes[i] for i in b) < cap:
             return (f"bucket {b} holds {sum(sizes[i] for i in b)} bytes, less than the cap of "
-                    f"{cap}, yet you closed it: close a bucket only once it holds at least "
+                    f"{cap}, yet you closed it: a bucket closes only once it holds at least "
                     "cap_bytes (a large parameter may join it and push it over the cap).")
     for b in got:
         if len(b) > 1 and sum(sizes[i] for i in b[:-1]) >= cap:
             return (f"bucket {b} already held {sum(sizes[i] for i in b[:-1])} >= {cap} bytes "
-                    "before its last parameter: close it as soon as it holds at least cap_bytes "
-                    "(>=, not >).")
+                    "before its last parameter: a bucket closes as soon as it holds at least "
+                    "cap_bytes (>=, not >).")
     return BUCKET_HINT
 
 
@@ -103,8 +150,8 @@ def check_assign_buckets(student_fn, seed: int = 0) -> bool:
                               f"\nHint: {BUCKET_HINT}") from err
         if given != sizes:
             raise CheckFailed(f"{where}\n  your function changed the caller's list of sizes."
-                              "\nHint: walk it with reversed(range(len(sizes))) instead of "
-                              "sizes.reverse().")
+                              "\nHint: sizes.reverse() (or sort) reorders the caller's list in "
+                              "place: the caller still needs it in the model's order.")
         try:
             shown = _as_lists(got)  # tuples or numpy ints compare as the lists they hold
         except (TypeError, ValueError):
@@ -146,7 +193,8 @@ class _Recorder:
 
     def __call__(self, tensor, *args, async_op=False, **kwargs):
         record = dict(start=time.perf_counter(), end=None, async_op=bool(async_op),
-                      bytes=tensor.numel() * tensor.element_size())
+                      bytes=tensor.numel() * tensor.element_size(),
+                      launched=tensor.detach().clone())  # what the allreduce is handed
         self.calls.append(record)
         work = self.original(tensor, *args, async_op=async_op, **kwargs)
         if not async_op:
@@ -175,7 +223,7 @@ def run_averager(payload, steps=STEPS, cap_bytes=CAP_BYTES, hidden=HIDDEN, batch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from course_lib import data, models, sharding, timeline
+    from course_lib import data, ddp, models, sharding, timeline
     cls = cloudpickle.loads(payload)
     rank, world = dist.get_rank(), dist.get_world_size()
     X, y, _, _ = data.load_digits()
@@ -185,10 +233,13 @@ def run_averager(payload, steps=STEPS, cap_bytes=CAP_BYTES, hidden=HIDDEN, batch
     mine, ref = (models.mlp(64, list(hidden), 10, seed=seed) for _ in range(2))
     ref_net = torch.nn.parallel.DistributedDataParallel(ref, bucket_cap_mb=cap_bytes / 2**20)
     opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (mine, ref)]
-    ready = []
-    for p in mine.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+    ready = {}  # parameter -> when its gradient was final (this hook runs before the student's)
+    for i, p in enumerate(mine.parameters()):
+        p.register_post_accumulate_grad_hook(
+            lambda p, i=i: ready.__setitem__(i, time.perf_counter()))
     averager = cls(mine, cap_bytes)
+    params = list(mine.parameters())
+    buckets = ddp.assign_buckets([p.numel() * p.element_size() for p in params], cap_bytes)
     tl, out = timeline.Timeline(rank), dict(diffs=[], steps=[])
     for s in range(steps):
         idx = order[s * batch:(s + 1) * batch][lo:hi]
@@ -199,10 +250,16 @@ def run_averager(payload, steps=STEPS, cap_bytes=CAP_BYTES, hidden=HIDDEN, batch
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
-            local = [p.grad.clone() for p in mine.parameters()] if s == 0 else None
+            local = [p.grad.clone() for p in mine.parameters()]
             averager.wait()
             t3 = time.perf_counter()
         F.cross_entropy(ref_net(X[idx]), y[idx]).backward()
+        off = {}  # parameter -> what its gradient holds, for those that differ from DDP's
+        for i, (a, b) in enumerate(zip(mine.parameters(), ref.parameters(), strict=True)):
+            if not torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-6):
+                off[i] = ("zero" if not a.grad.any() else
+                          "own share" if torch.allclose(a.grad, local[i] / world) else
+                          "own" if torch.allclose(a.grad, local[i]) else "other")
         if s == 0:
             g_mine = torch.cat([p.grad.reshape(-1) for p in mine.parameters()])
             g_ref = torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
@@ -214,8 +271,12 @@ def run_averager(payload, steps=STEPS, cap_bytes=CAP_BYTES, hidden=HIDDEN, batch
             opt.zero_grad()
         out["diffs"].append(max(float((a - b).abs().max()) for a, b in
                                 zip(mine.parameters(), ref.parameters(), strict=True)))
-        out["steps"].append(dict(calls=rec.calls, last_grad=max(ready, default=t2),
-                                 backward_end=t2))
+        unfilled = _unfilled(rec.calls, buckets, local)
+        for c in rec.calls:
+            del c["launched"]
+        out["steps"].append(dict(calls=rec.calls, last_grad=max(ready.values(), default=t2),
+                                 backward_end=t2, off=off, ready=dict(ready),
+                                 unfilled=unfilled))
         tl.add("forward", "forward", t0, t1)
         tl.add("backward", "backward", t1, t2)
         tl.add("wait", "wait", t2, t3)
@@ -223,6 +284,26 @@ def run_averager(payload, steps=STEPS, cap_bytes=CAP_BYTES, hidden=HIDDEN, batch
             tl.add(f"allreduce {k}", "allreduce", c["start"], c["end"] or t3, bytes=c["bytes"])
     out["timeline"] = tl
     return out
+
+
+def _unfilled(calls, buckets, local):
+    """(bucket, parameters) of the first launch whose buffer, as handed to the allreduce, did
+    not hold some of its parameters' gradients of this step, laid out as the lab's constructor
+    lays them (the bucket's parameters one after the other); None when every launch held them
+    all, or when the launches are not the buckets' (another layout, another order)."""
+    calls = sorted(calls, key=lambda c: c["start"])
+    sizes = [sum(local[i].numel() for i in b) for b in buckets]
+    if [c["launched"].numel() for c in calls] != sizes:
+        return None
+    for k, (call, bucket) in enumerate(zip(calls, buckets, strict=True)):
+        offset, held = 0, []
+        for i in bucket:
+            n = local[i].numel()
+            held.append(bool((call["launched"][offset:offset + n] == local[i].reshape(-1)).all()))
+            offset += n
+        if any(held) and not all(held):
+            return k, [i for i, h in zip(bucket, held, strict=True) if not h]
+    return None
 
 
 def _expected_buckets(cap_bytes, hidden):
@@ -233,42 +314,81 @@ def _expected_buckets(cap_bytes, hidden):
 
 def _judge(results, world):
     """Raise CheckFailed with a hint for the first thing wrong; None when all is right."""
-    n_buckets = _expected_buckets(CAP_BYTES, HIDDEN)
+    from course_lib import ddp, models
+    sizes = [p.numel() * 4 for p in models.mlp(64, list(HIDDEN), 10).parameters()]
+    buckets = ddp.assign_buckets(sizes, CAP_BYTES)
+    n_buckets = len(buckets)
     r0 = results[0]
     for step, st in enumerate(r0["steps"]):
         calls = st["calls"]
         if not calls and step > 0:
             return (f"step {step}: no dist.all_reduce was called (step 0 made "
-                    f"{len(r0['steps'][0]['calls'])}).", "wait() must leave the buckets ready "
-                    "for the next backward pass: reset every pending count to the bucket's "
-                    "number of parameters (and forget the finished works).")
+                    f"{len(r0['steps'][0]['calls'])}).", "after the first step the buckets "
+                    "were not ready for the next backward pass: a bucket's count of missing "
+                    "gradients stayed where the last step left it.")
         if not calls:
             return (f"step {step}: no dist.all_reduce was called.",
-                    "launch dist.all_reduce(flat, async_op=True) from the hook when the "
-                    "bucket's last gradient has arrived (pending count reaches 0).")
+                    "a bucket's allreduce is launched from the hook, once the bucket's last "
+                    "missing gradient has arrived.")
         if any(not c["async_op"] for c in calls):
             return (f"step {step}: dist.all_reduce was called without async_op=True, so the "
                     "backward pass stopped until each allreduce finished.",
-                    "work = dist.all_reduce(flat, async_op=True); keep the work and call "
-                    "work.wait() in wait().")
+                    "launch it without waiting (its work is what wait() waits for later).")
+        if len(calls) == len(sizes) and n_buckets != len(sizes):
+            return (f"step {step}: {len(calls)} allreduces per step, one per parameter; "
+                    f"expected one per bucket ({n_buckets}).", "a bucket gathers several "
+                    "gradients into one buffer, so that they travel as one larger message: its "
+                    "allreduce goes once the whole bucket is in.")
         if len(calls) != n_buckets:
             return (f"step {step}: {len(calls)} allreduce(s) per step, expected one per bucket "
-                    f"({n_buckets}).", "launch each bucket's allreduce once, when its pending "
-                    "count reaches 0, and reset the counts in wait() for the next step.")
+                    f"({n_buckets}).", "launch each bucket's allreduce once per step, when its "
+                    "last missing gradient has arrived.")
+    diffs = [max(r["diffs"][s] for r in results) for s in range(len(r0["diffs"]))]
+    for step in range(len(r0["steps"])):
+        early = _launched_early(results, step, buckets, sizes)
+        if early:
+            k, missing = early
+            luck = ("" if diffs[step] > TOLERANCE else " The parameters came out right anyway: "
+                    "the allreduce happened to read the buffer late, a race that any other run "
+                    "may lose.")
+            return (f"step {step}: bucket {k}'s allreduce ({buckets[k]}) was launched before "
+                    f"the gradient(s) of parameter(s) {missing} had arrived.{luck}",
+                    "a bucket's allreduce can only go once ALL its gradients are in its buffer: "
+                    "your count of the missing ones reached its end one gradient early.")
+    for step in range(len(r0["steps"])):
+        for r in results:
+            if r["steps"][step]["unfilled"]:
+                k, missing = r["steps"][step]["unfilled"]
+                luck = ("" if diffs[step] > TOLERANCE else " The parameters came out right "
+                        "anyway: the allreduce happened to read the buffer late, a race that "
+                        "any other run may lose.")
+                return (f"step {step}: when bucket {k}'s allreduce was launched, its buffer did "
+                        f"not hold the gradient(s) of parameter(s) {missing} yet.{luck}",
+                        "the allreduce reads the buffer from the moment it is launched: every "
+                        "gradient of the bucket must be in the buffer before (a copy that comes "
+                        "after the launch is too late).")
     if r0["is_local"]:
         return ("the gradients after wait() are this rank's own: the averages never came back.",
-                "after work.wait(), divide the bucket's flat buffer by the world size and copy "
-                "each parameter's slice back into p.grad.")
+                "the averaged buffers never reached the parameters' p.grad.")
     if abs(r0["sum_ratio"] - world) < 0.05 * world:
         return (f"the gradients are {world}x torch DDP's: a sum over the ranks, not a mean.",
-                "divide the flat buffer by dist.get_world_size() after the allreduce.")
-    diffs = [max(r["diffs"][s] for r in results) for s in range(len(r0["diffs"]))]
+                "the allreduce sums: the mean over the ranks still has to be taken.")
+    if abs(r0["sum_ratio"] - 1 / world) < 0.05 / world:
+        return (f"the gradients are 1/{world} of torch DDP's: divided by the world size twice.",
+                "the allreduce's sum is divided by the world size once.")
     bad = [s for s, d in enumerate(diffs) if not d <= TOLERANCE]
     if bad:
         s = bad[0]
-        where = ("from the first step: copy the right slice of each bucket back into each "
-                 "p.grad" if s == 0 else "only from a later step: reset every bucket's pending "
-                 "count (and forget its work) in wait(), ready for the next backward pass")
+        off = sorted({i for r in results for i in r["steps"][s]["off"]})
+        if off and set(off) <= {b[-1] for b in buckets}:
+            return (f"step {s}: parameters differ from torch DDP's by {diffs[s]:.2e}; the "
+                    f"gradients that differ, of parameters {off}, are each the LAST to arrive "
+                    f"in its bucket.", "their bucket's allreduce was launched before their "
+                    "gradient was copied into its buffer: the allreduce reads the buffer as it "
+                    "is when it starts.")
+        where = ("from the first step: each parameter's gradient must come back from its own "
+                 "slice of its bucket" if s == 0 else "only from a later step: the buckets "
+                 "were not made ready for the next backward pass")
         return (f"step {s}: parameters differ from torch DDP's by {diffs[s]:.2e} "
                 f"(> {TOLERANCE:g}).", f"the averages go wrong {where}.")
     st = r0["steps"][-1]
@@ -276,8 +396,24 @@ def _judge(results, world):
     if first >= st["last_grad"]:
         return ("the parameters match, but the first allreduce started only after the last "
                 "gradient was computed: no overlap with backward.",
-                "launch each bucket from the hook (grad_ready) as soon as its last gradient "
-                "arrives, not in wait().")
+                "a bucket's allreduce can start as soon as the bucket is complete, while "
+                "backward computes the rest: wait() comes too late.")
+    return None
+
+
+def _launched_early(results, step, buckets, sizes):
+    """(bucket, parameters) of the first bucket whose allreduce started, on some rank, before
+    all of its gradients were final; None when every launch came after its bucket was in (or
+    the launches are not the buckets', in their order)."""
+    for r in results:
+        st = r["steps"][step]
+        calls = sorted(st["calls"], key=lambda c: c["start"])
+        if [c["bytes"] for c in calls] != [sum(sizes[i] for i in b) for b in buckets]:
+            return None
+        for k, (call, bucket) in enumerate(zip(calls, buckets, strict=True)):
+            missing = [i for i in bucket if st["ready"].get(i, float("inf")) > call["start"]]
+            if missing:
+                return k, missing
     return None
 
 
@@ -296,10 +432,14 @@ def check_overlapped_averager(student_cls, cluster, steps: int = STEPS):
             return not_implemented(name), None
         first = "\n  ".join(f"rank {r}: {t.strip().splitlines()[-1]}"
                             for r, t in sorted(e.errors.items()))
-        raise CheckFailed(f"{name}: your class raised on the ranks:\n  {first}\nHint: read "
-                          "each rank's traceback above; every rank must launch the same "
-                          "allreduces in the same order, and wait() must wait for each of "
-                          "them.") from None
+        hint = ("read each rank's traceback above; every rank must launch the same allreduces "
+                "in the same order, and wait() must wait for each of them.")
+        if all("'NoneType' object has no attribute 'wait'" in t for t in e.errors.values()):
+            hint = ("wait() found a bucket whose allreduce was never launched in this step (its "
+                    "work is None): the bucket's count of missing gradients never came to its "
+                    "end. Was it made ready again after the step before?")
+        raise CheckFailed(f"{name}: your class raised on the ranks:\n  {first}\nHint: "
+                          f"{hint}") from None
     except ClusterTimeout as e:
         raise CheckFailed(f"{name}: {e}\nHint: a rank waited for an allreduce another rank "
                           "never launched: are the buckets and their order the same on every "
