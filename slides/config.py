@@ -6,14 +6,15 @@ executed and cached, so the site then reuses it. reveal.js, require.js and MathJ
 from slides/vendor/ (`python slides/vendor.py`); the look is in slides/template/.
 
     jupyter nbconvert --config slides/config.py --to slides --output-dir slides notebooks/*.ipynb
+
+With `--CachedExecute.as_stored=True` a deck is made from the notebook as stored (no outputs),
+with no cache and nothing executed: seconds for every notebook (tests/test_slides.py).
 """
 import ast
 import re
 from pathlib import Path
 
 from IPython.core.inputtransformer2 import TransformerManager
-from jupyter_cache import get_cache
-from jupyter_cache.base import CacheBundleIn
 from nbconvert.preprocessors import ExecutePreprocessor
 from traitlets import Bool, Unicode
 
@@ -31,6 +32,8 @@ class CachedExecute(ExecutePreprocessor):
     def preprocess(self, nb, resources=None, km=None):
         if self.as_stored:
             return _deck_links(nb), resources
+        from jupyter_cache import get_cache  # the site extra (a deck as stored needs none)
+        from jupyter_cache.base import CacheBundleIn
         cache = get_cache(self.cache_path)
         try:
             return _deck_links(cache.merge_match_into_notebook(nb)[1]), resources
