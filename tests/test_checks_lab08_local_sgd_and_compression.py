@@ -39,6 +39,59 @@ def test_lab_compress_check_catches_mistakes(wrong, hint):
         checks_compression.check_topk_compress(wrong)
 
 
+def topk_with(corrected_in="a new tensor", residual_from="a copy", values="signed",
+              residual_holds="what was not sent", largest=True, order="values first"):
+    """topk_compress with knobs for more of the usual mistakes."""
+    def topk_compress(grad, residual, k):
+        if k < 1:
+            raise ValueError("k")
+        if residual is None:
+            corrected = grad
+        elif corrected_in == "grad":
+            grad += residual  # the caller's grad
+            corrected = grad
+        else:
+            corrected = grad + residual
+        k = min(k, len(grad))
+        indices = torch.topk(corrected.abs(), k, largest=largest).indices
+        new_residual = corrected if residual_from == "corrected itself" else corrected.clone()
+        if residual_holds == "grad only":
+            new_residual = grad.clone()
+        if residual_holds == "what was sent":
+            new_residual = torch.zeros_like(corrected)
+            new_residual[indices] = corrected[indices]
+        else:
+            new_residual[indices] = 0
+        sent = {"signed": corrected[indices], "magnitudes": corrected[indices].abs(),
+                "of grad": grad[indices]}[values]
+        return (indices, sent, new_residual) if order == "indices first" else \
+            (sent, indices, new_residual)
+    return topk_compress
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (topk_with(corrected_in="grad"), r"changed its input grad or residual in place\.\nHint: grad "
+                                     r"now holds grad \+ residual"),
+    (topk_with(residual_from="corrected itself"), r"case 1/9 [\s\S]*Hint: the sent entries of "
+                                                  r"grad itself were set to zero"),
+    (topk_with(values="magnitudes"), r"Hint: send the signed values"),
+    (topk_with(values="of grad"), r"Hint: send grad \+ residual at those positions"),
+    (topk_with(residual_holds="grad only"), r"Hint: your new residual leaves the old residual "
+                                            r"out"),
+    (topk_with(residual_holds="what was sent"), r"Hint: your new residual holds the entries that "
+                                                r"WERE sent"),
+    (topk_with(largest=False), r"Hint: you picked the k SMALLEST magnitudes"),
+    (topk_with(order="indices first"), r"Hint: the three come back in the order \(values, "
+                                       r"indices, new_residual\)"),
+], ids=["grad += residual", "residual is grad", "magnitudes sent", "grad's values sent",
+        "old residual left out", "residual of the sent entries", "smallest k",
+        "indices first"])
+def test_more_compress_mistakes(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint) as failed:
+        checks_compression.check_topk_compress(wrong)
+    assert "torch.topk(corrected.abs(), k)" not in str(failed.value)
+
+
 def test_lab_compress_check_passes_the_reference():
     assert checks_compression.check_topk_compress(compression.topk_compress) is True
 
@@ -69,7 +122,62 @@ def _int64_indices(flat_grad, residual, k):
 
 def test_lab_exchange_check_passes_the_reference_and_catches_mistakes(cluster):
     assert checks_compression.check_topk_allreduce(compression.topk_allreduce, cluster) is True
-    with pytest.raises(CheckFailed, match="add their values"):
+    with pytest.raises(CheckFailed, match="must be added, not assigned"):
         checks_compression.check_topk_allreduce(_assign_instead_of_add, cluster)
     with pytest.raises(CheckFailed, match="int32"):
         checks_compression.check_topk_allreduce(_int64_indices, cluster)
+
+
+def exchange_with(divide="world size", gather="values and indices", place="their indices",
+                  returns="new residual", value_dtype=None):
+    """topk_allreduce with knobs for more of the usual mistakes."""
+    def topk_allreduce(flat_grad, residual, k):
+        import torch
+        import torch.distributed as dist
+        values, indices, new_residual = compression.topk_compress(flat_grad, residual, k)
+        world = dist.get_world_size()
+        dense = torch.zeros_like(flat_grad)
+        if gather == "own only":
+            dense.index_add_(0, indices, values)
+        elif gather == "dense allreduce":
+            dense[indices] = values
+            dist.all_reduce(dense)
+        elif gather == "dense vector":
+            dense[indices] = values
+            dense = sum(compression.all_gather(dense))
+        else:
+            sent = values if value_dtype is None else values.to(value_dtype)
+            every = zip(compression.all_gather(sent),
+                        compression.all_gather(indices.to(torch.int32)), strict=True)
+            for vals, idx in every:
+                at = indices if place == "own indices" else idx.long()
+                dense.index_add_(0, at, vals.to(dense.dtype))
+        mean = dense / {"world size": world, "k": k, "nothing": 1}[divide]
+        kept = {"new residual": new_residual, "zeros": torch.zeros_like(flat_grad),
+                "the one given": residual if residual is not None
+                else torch.zeros_like(flat_grad)}[returns]
+        return mean, kept
+    return topk_allreduce
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (exchange_with(divide="nothing"), r"Hint: your result is the SUM over the ranks"),
+    (exchange_with(divide="k"), r"Hint: you divided the sum by k"),
+    (exchange_with(gather="own only"), r"Hint: your result holds rank 0's own top-k only"),
+    (exchange_with(place="own indices"), r"Hint: every rank's values were placed at rank 0's "
+                                         r"OWN indices"),
+    (exchange_with(gather="dense allreduce"), r"handed 4000 bytes to \['all_reduce'\][\s\S]*"
+                                              r"Hint: an allreduce of the whole vector"),
+    (exchange_with(gather="dense vector"), r"Hint: you gathered the whole vector"),
+    (exchange_with(value_dtype=torch.float64), r"handed 120 bytes[\s\S]*Hint: one of your "
+                                               r"collectives is handed 8 bytes per entry"),
+    (exchange_with(returns="the one given"), r"new_residual differs\nHint: you returned the "
+                                             r"residual you were given"),
+    (exchange_with(returns="zeros"), r"Hint: you returned a residual of zeros"),
+], ids=["no division", "divided by k", "own values only", "at its own indices",
+        "dense allreduce", "dense all_gather", "float64 values", "residual given back",
+        "zero residual"])
+def test_more_exchange_mistakes(cluster, wrong, hint):
+    with pytest.raises(CheckFailed, match=hint) as failed:
+        checks_compression.check_topk_allreduce(wrong, cluster)
+    assert "index_add_" not in str(failed.value)

@@ -16,9 +16,9 @@ import numpy as np
 
 from course_lib.checks.framework import CheckFailed, not_implemented, pack_function
 
-EXERCISE_1 = ("corrected = grad + residual (residual None means zeros); k = min(k, len(grad)); "
-              "indices = torch.topk(corrected.abs(), k).indices; values = corrected[indices]; "
-              "new_residual = corrected.clone(); new_residual[indices] = 0.")
+EXERCISE_1 = ("compare your function with the three parts of the formula above the exercise: "
+              "what is corrected (the gradient and the residual), which k entries of it are "
+              "sent, and what stays behind in the new residual.")
 
 
 # ---------------------------------------------------------------- exercise 1, in this process
@@ -49,6 +49,11 @@ def _problem_1(grad, residual, k, got):
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         return "return three things: values, indices, new_residual", None
     values, indices, new_residual = (torch.as_tensor(x) for x in got)
+    if (values.shape == indices.shape == (kk,) and not values.is_floating_point()
+            and indices.is_floating_point()):
+        return ("your values are whole numbers and your indices are not",
+                "the three come back in the order (values, indices, new_residual): yours has "
+                "values and indices the other way round.")
     if values.shape != (kk,) or indices.shape != (kk,):
         return (f"expected {kk} values and {kk} indices, got shapes {tuple(values.shape)} and "
                 f"{tuple(indices.shape)}", "send exactly min(k, len(grad)) entries.")
@@ -62,7 +67,10 @@ def _problem_1(grad, residual, k, got):
     rest[idx] = False
     if kk < n and corrected.abs()[idx].min() < corrected.abs()[rest].max():
         hint = EXERCISE_1
-        if residual is not None and grad.abs()[idx].min() >= grad.abs()[rest].max():
+        if corrected.abs()[idx].max() <= corrected.abs()[rest].min():
+            hint = ("you picked the k SMALLEST magnitudes: the entries sent are those of "
+                    "largest magnitude.")
+        elif residual is not None and grad.abs()[idx].min() >= grad.abs()[rest].max():
             hint = "choose among grad + residual, not grad alone: add the residual first."
         elif corrected[idx].min() >= corrected[rest].max():
             hint = "choose by magnitude, corrected.abs(): a large negative entry counts too."
@@ -77,14 +85,47 @@ def _problem_1(grad, residual, k, got):
     expected = corrected.clone()
     expected[idx] = 0
     if not torch.equal(new_residual, expected):
+        only_grad, sent = grad.clone(), torch.zeros_like(corrected)
+        only_grad[idx], sent[idx] = 0, corrected[idx]
         if torch.equal(new_residual, corrected):
             hint = "set the sent entries of the residual to zero: they have been sent."
+        elif residual is not None and torch.equal(new_residual, residual):
+            hint = ("your new residual is the old one, unchanged: it must hold what THIS step "
+                    "did not send, of the gradient and the old residual together.")
         elif not new_residual.any():
             hint = "keep everything that was not sent in the residual (error feedback)."
+        elif residual is not None and torch.equal(new_residual, only_grad):
+            hint = ("your new residual leaves the old residual out: what was not sent of the "
+                    "old residual is still owed too.")
+        elif torch.equal(new_residual, sent):
+            hint = ("your new residual holds the entries that WERE sent (zeros elsewhere): it "
+                    "must hold what was not sent.")
         else:
-            hint = "new_residual = (grad + residual) with the sent entries set to zero."
+            hint = ("new_residual + what was sent must give back grad + residual exactly: "
+                    "nothing is lost, only delayed.")
         return "new_residual + sent != grad + residual", hint
     return None
+
+
+def _in_place_hint(grad, residual, k, after):
+    """How a function changed its caller's grad or residual, told from what they hold now."""
+    import torch
+    grad_after, residual_after = after[0], after[1]
+    corrected = grad if residual is None else grad + residual
+    zeroed = corrected.clone()
+    zeroed[torch.topk(corrected.abs(), min(k, len(grad))).indices] = 0
+    if residual is None and torch.equal(grad_after, zeroed):
+        return ("the sent entries of grad itself were set to zero: with no residual, your "
+                "corrected gradient IS grad (the same tensor, not a copy), and so is the new "
+                "residual made from it.")
+    if residual is not None and torch.allclose(grad_after, corrected):
+        return ("grad now holds grad + residual: an in-place addition (grad += residual) "
+                "changes the caller's tensor; the sum must be a new one.")
+    if residual is not None and torch.equal(residual_after, zeroed):
+        return ("the residual you were given now holds the new residual: it was updated in "
+                "place; the new residual must be a new tensor.")
+    return ("grad and residual belong to the caller: make new tensors instead of changing "
+            "them (+=, [...] = 0).")
 
 
 def check_topk_compress(student_fn: Callable, seed: int = 0) -> bool:
@@ -111,7 +152,7 @@ def check_topk_compress(student_fn: Callable, seed: int = 0) -> bool:
         if not torch.equal(args[0], grad) or (residual is not None
                                               and not torch.equal(args[1], residual)):
             raise CheckFailed(f"{where}\n  your function changed its input grad or residual in "
-                              "place.\nHint: make new tensors (corrected = grad + residual).")
+                              f"place.\nHint: {_in_place_hint(grad, residual, k, args)}")
         problem = _problem_1(grad, residual, k, got)
         if problem:
             text, hint = problem
@@ -201,6 +242,62 @@ def _remote(name, where, err):
                       "by hand with cluster.run to see where.") from None
 
 
+def _mean_hint(got, want, rank, world, n, k, seed, with_residual, shared):
+    """Which usual mistake of the exchange gives rank ``rank``'s mean, replayed here from every
+    rank's top-k (the reference's compression of the case's inputs)."""
+    import torch
+
+    from course_lib.compression import topk_compress
+    parts = [topk_compress(*exchange_inputs(n, seed, r, with_residual, shared), k)[:2]
+             for r in range(world)]
+
+    def dense(pairs, add=True):
+        out = torch.zeros(n)
+        for vals, idx in pairs:
+            if add:
+                out.index_add_(0, idx, vals)
+            else:
+                out[idx] = vals
+        return out.numpy()
+    total = dense(parts)
+    close = lambda a: bool(np.allclose(got, a, rtol=1e-5, atol=1e-6))  # noqa: E731
+    if close(world * want):
+        return "your result is the SUM over the ranks: every rank needs the mean."
+    if close(total / k):
+        return "you divided the sum by k: the mean is over the ranks."
+    if close(dense(parts[rank:rank + 1]) / world) or close(dense(parts[rank:rank + 1])):
+        return (f"your result holds rank {rank}'s own top-k only: every rank's values must "
+                f"reach every rank.")
+    if close(dense([(v, parts[rank][1]) for v, _ in parts]) / world):
+        return (f"every rank's values were placed at rank {rank}'s OWN indices: each rank's "
+                f"values go at the indices that rank sent with them.")
+    if close(dense(parts, add=False) / world):
+        return ("where two ranks picked the same index, your result keeps one rank's value: "
+                "their values must be added, not assigned.")
+    if shared:
+        return ("ranks picked the same indices here: their values must be added, not "
+                "assigned.")
+    return "the mean over the ranks of every rank's top-k, each at its own indices."
+
+
+def _bytes_hint(calls, n, k):
+    """What the collectives were handed, against k float32 values and k int32 indices."""
+    sizes = [b for _, b in calls]
+    ops = {op for op, _ in calls}
+    if "all_reduce" in ops and max(sizes) >= 4 * n:
+        return ("an allreduce of the whole vector sends all n numbers: what travels is the k "
+                "values and their k indices, gathered from every rank.")
+    if max(sizes) >= 4 * n:
+        return ("you gathered the whole vector (n numbers): only the k values and their k "
+                "indices need to travel.")
+    if 8 * k in sizes:
+        return ("one of your collectives is handed 8 bytes per entry (int64 indices, or "
+                "float64 values): both travel as 4-byte numbers, float32 values and int32 "
+                "indices.")
+    return ("what travels is the k values and their k indices of every rank, gathered (4 bytes "
+            "each); count what you hand to the collectives.")
+
+
 def check_topk_allreduce(student_fn: Callable, cluster, seed: int = 0) -> bool:
     """Lab 08, exercise 2: ``topk_allreduce(flat_grad, residual, k) -> (mean, new_residual)``
     on every rank of ``cluster``: equal to :func:`compression.topk_allreduce` on 4 cases, and
@@ -226,28 +323,26 @@ def check_topk_allreduce(student_fn: Callable, cluster, seed: int = 0) -> bool:
         ref = cluster.run(exchange_on_rank, None, n, k, seed, with_residual, shared)
         for rank, (got, want) in enumerate(zip(yours, ref, strict=True)):
             if not np.allclose(got["mean"], want["mean"], rtol=1e-5, atol=1e-6):
-                hint = "add every rank's values at its indices, then divide by the world size."
-                if np.allclose(got["mean"], cluster.n * want["mean"], rtol=1e-5, atol=1e-6):
-                    hint = "divide the sum by the world size: every rank needs the mean."
-                elif shared:
-                    hint = ("ranks picked the same indices here: add their values "
-                            "(dense.index_add_(0, idx, vals)), do not assign (dense[idx] = vals).")
+                hint = _mean_hint(got["mean"], want["mean"], rank, cluster.n, n, k, seed,
+                                  with_residual, shared)
                 raise CheckFailed(f"{where}\n  rank {rank}: the mean differs from the reference "
                                   f"(largest difference "
                                   f"{np.abs(got['mean'] - want['mean']).max():.3g})\nHint: {hint}")
             if not np.array_equal(got["residual"], want["residual"]):
-                raise CheckFailed(f"{where}\n  rank {rank}: new_residual differs\nHint: return "
-                                  "the new residual that your topk_compress gave this rank.")
+                grad, residual = exchange_inputs(n, seed, rank, with_residual, shared)
+                hint = "return the new residual that your topk_compress gave this rank."
+                if residual is not None and np.array_equal(got["residual"], residual.numpy()):
+                    hint = ("you returned the residual you were given: " + hint)
+                elif not got["residual"].any():
+                    hint = "you returned a residual of zeros: " + hint
+                raise CheckFailed(f"{where}\n  rank {rank}: new_residual differs\nHint: {hint}")
             sent = sum(b for _, b in got["calls"])
             expected = sum(b for _, b in want["calls"])
             if sent != expected:
                 ops = sorted({op for op, _ in got["calls"]})
-                hint = ("all-gather the k values and the k indices (two all_gather calls); "
-                        "send indices as int32 (indices.to(torch.int32)), 4 bytes each.")
-                if "all_reduce" in ops:
-                    hint = "an allreduce of the whole vector sends n numbers: " + hint
                 raise CheckFailed(f"{where}\n  rank {rank} handed {sent} bytes to {ops}; "
-                                  f"k values + k int32 indices are {expected} bytes\nHint: {hint}")
+                                  f"k values + k int32 indices are {expected} bytes\nHint: "
+                                  f"{_bytes_hint(got['calls'], n, k)}")
     print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference on {cluster.n} ranks")
     return True
 
