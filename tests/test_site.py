@@ -2,10 +2,11 @@
 
 The site is built from a subset (notebook 01, executed into a fresh jupyter-cache; lab 05; the
 landing page, the API reference and the figures), then the deck of notebook 01 from the same
-cache, which must not execute it again. Every page and the deck are served on 127.0.0.1 and
-opened in headless Chromium (Debian's, driven by Playwright, as in test_browser.py): any request
-to another host, console error or failed load fails the test. Screenshots go to
-$BROWSER_ARTIFACTS (a temporary directory otherwise; its path is printed).
+cache, which must not execute it again; every slide of the deck, figures included, is measured
+as tests/test_slides.py measures the decks as stored. Every page and the deck are served on
+127.0.0.1 and opened in headless Chromium (Debian's, driven by Playwright, as in
+test_browser.py): any request to another host, console error or failed load fails the test.
+Screenshots go to $BROWSER_ARTIFACTS (a temporary directory otherwise; its path is printed).
 """
 
 import functools
@@ -272,84 +273,57 @@ def test_figures_page_shows_every_image(open_page):
     assert len(widths) == len(list((ROOT / "images").glob("*.png"))) and all(widths), widths
 
 
-# The current slide against the deck's viewport: nothing outside it (what a box that scrolls
-# clips is inside it), no code line cut off, every image of the slide loaded, every formula once.
-SLIDE_JS = """() => {
-  const slide = Reveal.getCurrentSlide();
-  const box = document.querySelector('.reveal .slides').getBoundingClientRect();
-  const problems = [], r = slide.getBoundingClientRect();
-  const clipped = e => {
-    for (let a = e.parentElement; a && a !== slide; a = a.parentElement)
-      if (getComputedStyle(a).overflowY !== 'visible') return true;
-    return false;
-  };
-  if (r.top < box.top - 1 || r.bottom > box.bottom + 1 || r.right > box.right + 1)
-    problems.push(`slide ${Math.round(r.top)}..${Math.round(r.bottom)} outside ` +
-                  `${Math.round(box.top)}..${Math.round(box.bottom)}`);
-  if (slide.scrollHeight > slide.clientHeight + 1) problems.push('slide scrolls');
-  for (const math of slide.querySelectorAll('.MathJax_CHTML'))  // typeset once, shown once
-    if (math.querySelectorAll(':scope > .mjx-math').length > 1)
-      problems.push(`formula shown twice: ${math.textContent.slice(0, 20)}`);
-  for (const e of slide.querySelectorAll('pre, img, table, .jp-OutputArea-output')) {
-    const q = e.getBoundingClientRect(), name = e.tagName + '.' + e.className;
-    if (!clipped(e) && (q.bottom > box.bottom + 1 || q.right > box.right + 1))
-      problems.push(`${name} outside`);
-    if (getComputedStyle(e).overflowX === 'visible' && e.scrollWidth > e.clientWidth + 1)
-      problems.push(`${name} cut: ${e.scrollWidth} > ${e.clientWidth} px`);
-    if (e.tagName === 'IMG' && !(e.complete && e.naturalWidth > 0))
-      problems.push('image not loaded');
-  }
-  return {index: Reveal.getIndices(), problems};
-}"""
+# Every slide of a deck against a room's bar (tests/deck_check.js, as in tests/test_slides.py):
+# at 1280 x 720, body text at least 24 px on the screen and code 18 px, every slide on the screen
+# without being shrunk (what it clips scrolls in a box), every image loaded and at the slide's
+# full size, every formula once.
+CHECK_JS = (Path(__file__).parent / "deck_check.js").read_text()
+BODY_PX, CODE_PX = 24, 18
+ROOM = (1280, 720)
 
 
-def _wait_fitted(page, deadline_s=15):
-    """Wait until the template's script has fitted the current slide (data-fit: its images
-    decoded, MathJax done) and the slide's size and scale are the same twice, 0.3 s apart."""
-    probe = """() => { const s = Reveal.getCurrentSlide(), r = s.getBoundingClientRect();
-        return s.dataset.fit === undefined ? null : [s.dataset.fit, s.scrollHeight, r.bottom]; }"""
-    deadline, last = time.monotonic() + deadline_s, None
-    while True:
-        now = page.evaluate(probe)
-        if now is not None and now == last:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"slide {page.evaluate('Reveal.getIndices()')} not fitted within "
-                        f"{deadline_s} s: {now}")
-        last = now
-        time.sleep(0.3)
+def _wait_deck(page, deadline_s=60):
+    """Wait until the deck is fitted (its images decoded, MathJax done) and reveal.js started."""
+    page.wait_for_function("() => document.documentElement.dataset.deck === 'ready'",
+                           timeout=deadline_s * 1000)
 
 
-def test_deck_reuses_the_cache_and_steps_through_ten_slides_that_fit(built, open_page,
-                                                                      artifacts):
+def test_deck_reuses_the_cache_and_every_slide_is_readable_from_the_back(built, open_page,
+                                                                       artifacts):
     assert "executing" not in built["deck_log"], "the deck executed the notebook again"
-    page = open_page(f"slides/{DECK}", viewport=(1280, 800))
-    page.wait_for_function("() => window.Reveal && Reveal.isReady()", timeout=30_000)
+    page = open_page(f"slides/{DECK}", viewport=ROOM)
+    _wait_deck(page)
     bar = page.locator(".reveal .progress").bounding_box()
     assert bar and bar["height"] <= 10 and bar["width"] > 1000, f"progress bar: {bar}"
     seen = []
-    for step in range(10):
-        _wait_fitted(page)
-        state = page.evaluate(SLIDE_JS)
-        shot = artifacts / f"deck01_{step:02d}.png"
-        page.screenshot(path=shot)
-        assert not state["problems"], f"step {step} {state['index']} ({shot}): {state['problems']}"
-        seen.append((state["index"]["h"], state["index"]["v"], state["index"].get("f")))
+    for _ in range(10):  # the presenter's next: fragments, sub-slides, slides
+        seen.append(tuple(page.evaluate("() => Object.values(Reveal.getIndices())")))
         page.evaluate("() => Reveal.next()")
-        time.sleep(0.05)
     assert len(set(seen)) == 10, f"Reveal.next() did not move on every step: {seen}"
+    report = page.evaluate(CHECK_JS, {"body": BODY_PX, "code": CODE_PX})
+    for k, s in enumerate(report):
+        page.evaluate(f"() => Reveal.slide({s['h']}, {s['v']}, 1000)")
+        page.screenshot(path=artifacts / f"deck01_{k:02d}_{s['h']}_{s['v']}.png",
+                        animations="disabled")
+    failing = [f"slide {s['h']}/{s['v']} (deck01_{k:02d}_*.png): {s['problems']}"
+               for k, s in enumerate(report) if s["problems"]]
+    assert not failing, "\n".join(failing)
+    figures = [image for s in report for image in s["images"]]
+    assert len(figures) >= 5, f"the notebook's figures, each loaded at full size: {figures}"
+    assert min(s["body"] for s in report if s["body"]) >= BODY_PX  # measured, not skipped
     assert page.locator(".reveal .slides section .MathJax_CHTML").count() > 0
     assert not page.problems, page.problems
 
 
 def test_a_deck_opened_at_a_later_slide_shows_each_formula_once(built, open_page):
-    """A presenter reloads the deck mid-lecture (its URL keeps the slide) or jumps ahead while
-    MathJax is still typesetting: each formula of that slide is still typeset once."""
-    page = open_page(f"slides/{DECK}", viewport=(1280, 800))
-    page.wait_for_function("() => window.Reveal && Reveal.isReady()", timeout=30_000)
-    page.evaluate("() => Reveal.slide(2, 0)")  # notebook 01's gradient descent: ten formulas
-    _wait_fitted(page)
+    """A presenter reloads the deck mid-lecture (its URL keeps the slide): the deck opens on
+    that slide, and each of its formulas is typeset once."""
+    page = open_page(f"slides/{DECK}#/2/0", viewport=ROOM)  # the gradient: ten formulas
+    _wait_deck(page)
     time.sleep(1)  # anything queued after the slide change has run
-    state = page.evaluate(SLIDE_JS)
-    assert page.locator(".present .MathJax_CHTML").count() >= 5
-    assert not state["problems"], state["problems"]
+    state = page.evaluate("""() => [Reveal.getIndices(), [...Reveal.getCurrentSlide()
+        .querySelectorAll('.MathJax_CHTML')].map(m => m.querySelectorAll(':scope > .mjx-math')
+        .length)]""")
+    assert (state[0]["h"], state[0]["v"]) == (2, 0), state[0]
+    assert len(state[1]) >= 5 and set(state[1]) == {1}, state[1]
+    assert not page.problems, page.problems
