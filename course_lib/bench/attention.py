@@ -40,7 +40,11 @@ from course_lib import costmodel, netem
 from course_lib import sequence_parallel as sp
 from course_lib.bench.common import argtype, memcpy_bandwidth, parse_list, text_table, write_csv
 from course_lib.cluster import start_cluster
-from course_lib.testing.context_parallel import block_split_on_rank, time_attention_on_rank
+from course_lib.testing.context_parallel import (
+    block_split_on_rank,
+    time_attention_on_rank,
+    time_ring_overlap_on_rank,
+)
 
 HELP = "ring attention, Ulysses, TP: balance, time as the link slows, overlap, memory"
 HEADS, DIM, ITEM = 4, 32, 4  # the timed attention: heads, head size, float32
@@ -140,14 +144,24 @@ def measure_links(cluster, length: int, link_list: list, repeats: int) -> list[d
 
 
 def measure_overlap(cluster, lengths: list[int], link: netem.Link, repeats: int) -> list[dict]:
-    """One row per length: ring attention on ``link`` with and without the overlap, and the
-    models."""
+    """One row per length: ring attention on ``link`` with and without the overlap, and with
+    no link (the computation alone), measured in turns within each round (a busy machine
+    slows the three alike), and the models (from the computation's CPU seconds);
+    ``transfer_ms``: the N - 1 blocks' time on the link, and ``hidden``: the share of it the
+    overlap saved, (serial - overlap) / transfer."""
     rows = []
     for length in lengths:
-        row = dict(world_size=cluster.n, length=length, link=str(link))
-        for name, overlap in (("overlap", True), ("serial", False)):
-            seconds, model = timed(cluster, "ring", length, link, repeats, overlap)
-            row.update({f"{name}_ms": 1e3 * seconds, f"{name}_model_ms": 1e3 * model})
+        got = cluster.run(time_ring_overlap_on_rank, length, str(link), repeats)
+        block = 2 * HEADS * (length // cluster.n) * DIM * ITEM  # keys and values of one rank
+        row = dict(world_size=cluster.n, length=length, link=str(link),
+                   transfer_ms=1e3 * (cluster.n - 1) * link.seconds(block))
+        for name, overlap in (("overlap", True), ("serial", False), ("alone", True)):
+            cpu = max(r[f"{name}_cpu_s"] for r in got)
+            on = link if name != "alone" else None
+            row.update({f"{name}_ms": 1e3 * max(r[f"{name}_s"] for r in got),
+                        f"{name}_model_ms": 1e3 * model_seconds("ring", length, cluster.n, on,
+                                                                cpu, overlap)})
+        row["hidden"] = (row["serial_ms"] - row["overlap_ms"]) / row["transfer_ms"]
         rows.append(row)
     return rows
 
@@ -221,12 +235,15 @@ def format_tables(balance, link_rows, overlap_rows, memory_rows, native) -> str:
         [r["world_size"], r["length"], r["link"]]
         + [f"{r[f'{m}{s}']:.1f}" for m in METHODS for s in ("_ms", "_model_ms")]
         for r in link_rows])
-    out.append("# overlap: ring attention, ms, passing the next block on while computing "
-               "and after (serial)")
-    out += text_table(["N", "T", "link", "overlap", "model", "serial", "model"], [
+    out.append("# overlap: ring attention, ms, passing the next block on while computing, "
+               "after it (serial) and with no link (alone); hidden: (serial - overlap) / the "
+               "blocks' time on the link")
+    out += text_table(["N", "T", "link", "overlap", "model", "serial", "model", "alone",
+                       "link time", "hidden"], [
         [r["world_size"], r["length"], r["link"]]
         + [f"{r[k]:.1f}" for k in ("overlap_ms", "overlap_model_ms", "serial_ms",
-                                   "serial_model_ms")] for r in overlap_rows])
+                                   "serial_model_ms", "alone_ms", "transfer_ms")]
+        + [f"{r['hidden']:.0%}"] for r in overlap_rows])
     out.append(f"# memory: KiB one block (d = {MEMORY_D}, float32) keeps per rank, measured "
                "(formula)")
     out += text_table(["N", "T", "one process", *sp.SPLITS], [

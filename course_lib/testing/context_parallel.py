@@ -232,3 +232,30 @@ def time_attention_on_rank(method: str, length: int, layout: str = "zigzag", rep
             busy.append(stats.get("busy_s", 0.0))
     return dict(seconds=float(np.median(times[1:])), cpu_s=float(np.median(cpu[1:])),
                 busy_s=float(np.median(busy[1:])))
+
+
+def time_ring_overlap_on_rank(length: int, link: dict, repeats: int = 3, heads: int = 4,
+                              dim: int = 32, timeout: float = 60.0) -> dict:
+    """Ring attention's forward on ``link`` overlapped and naive, and with no link (the
+    computation alone), one after the other within each of ``repeats`` rounds, so that what
+    else the machine runs slows the three alike; each one's median seconds and CPU seconds."""
+    comms = {"overlap": get_comm("torch", timeout=timeout, link=link),
+             "serial": get_comm("torch", timeout=timeout, link=link),
+             "alone": get_comm("torch", timeout=timeout)}  # the process's link: none here
+    n, r = comms["alone"].world_size, comms["alone"].rank
+    gen = torch.Generator().manual_seed(0)
+    pos = cp.zigzag_positions(length, n)
+    mine = [t[..., pos[r], :].contiguous()
+            for t in (torch.randn(1, heads, length, dim, generator=gen) for _ in range(3))]
+    times, cpu = ({kind: [] for kind in comms} for _ in range(2))
+    with torch.no_grad():
+        for round_ in range(repeats + 1):  # the first round warms up
+            for kind, comm in comms.items():
+                start = netem.start_clock(comm)
+                cpu_start = time.process_time()
+                cp.ring_attention(*mine, comm, pos, {}, overlap=kind != "serial")
+                if round_:
+                    times[kind].append(time.monotonic() - start)
+                    cpu[kind].append(time.process_time() - cpu_start)
+    return {**{f"{k}_s": float(np.median(v)) for k, v in times.items()},
+            **{f"{k}_cpu_s": float(np.median(v)) for k, v in cpu.items()}}
