@@ -282,8 +282,9 @@ BODY_PX, CODE_PX = 24, 18
 ROOM = (1280, 720)
 
 
-def _wait_deck(page, deadline_s=60):
-    """Wait until the deck is fitted (its images decoded, MathJax done) and reveal.js started."""
+def _wait_deck(page, deadline_s=120):
+    """Wait until the deck is fitted (its images decoded, MathJax done) and reveal.js started:
+    a hang guard (seconds normally; a deck starts anyway after 60 s without MathJax done)."""
     page.wait_for_function("() => document.documentElement.dataset.deck === 'ready'",
                            timeout=deadline_s * 1000)
 

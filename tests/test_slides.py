@@ -41,8 +41,9 @@ sync_api = pytest.importorskip(
     "playwright.sync_api", reason="needs Playwright: pip install -c constraints.txt -e '.[dev]'")
 
 
-def open_deck(page, url, deadline_s=60):
-    """Open a deck and wait until it is fitted and reveal.js has started (<html data-deck>)."""
+def open_deck(page, url, deadline_s=120):
+    """Open a deck and wait until it is fitted and reveal.js has started (<html data-deck>): a
+    hang guard (seconds normally; a deck starts anyway after 60 s without MathJax done)."""
     page.goto(url, wait_until="load")
     page.wait_for_function("() => document.documentElement.dataset.deck === 'ready'",
                            timeout=deadline_s * 1000)
