@@ -563,7 +563,7 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
             client.wait_for_engines(n, timeout=ipp_cluster.engine_timeout, interactive=False)
         except TimeoutError:
             raise ClusterError(f"{n} engines were not ready within {ipp_cluster.engine_timeout:g}"
-                               f" s ({len(client.ids)} ready); {_start_logs(ipp_cluster)}"
+                               f" s ({len(client.ids)} ready); {start_logs(ipp_cluster)}"
                                ) from None
         cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link,
                           shared=shared)
@@ -580,8 +580,9 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     return cluster
 
 
-def _start_logs(ipp_cluster, lines=6):
-    """The end of what each launched process of a cluster that did not come up printed."""
+def start_logs(ipp_cluster, lines=6):
+    """The end of what each launched process of ``ipp_cluster`` printed (for a cluster whose
+    engines did not come up). Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     said = []
     launchers = [("controller", ipp_cluster.controller)] + [
         (f"engine {i}", launcher) for engine_set in (ipp_cluster.engines or {}).values()

@@ -323,7 +323,7 @@ def test_engines_that_do_not_come_up_are_named_with_what_they_printed(tmp_path):
     ipp_cluster = SimpleNamespace(
         controller=launcher(10, tmp_path / "missing.log", True),
         engines={"set": SimpleNamespace(launchers={"0": launcher(11, log, False)})})
-    said = C._start_logs(ipp_cluster)
+    said = C.start_logs(ipp_cluster)
     assert "controller (pid 10, running): printed nothing" in said
     assert "engine 0 (pid 11, stopped):" in said and "the template's socket" in said
 

@@ -12,7 +12,7 @@ import psutil
 
 from course_lib import cluster as C
 from course_lib import warm_start
-from course_lib.launch import _ended, cluster_processes
+from course_lib.launch import alive, cluster_processes
 from course_lib.testing.warm_start import parent_and_draw
 
 
@@ -88,18 +88,20 @@ def test_an_older_template_of_a_kept_cluster_leaves_the_new_ones_socket(tmp_path
             " sys.stdin.readline()")  # then this process ends: its template is orphaned, and ends
     kernel = subprocess.Popen([sys.executable, "-c", code, str(profile)], text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    old = psutil.Process(int(kernel.stdout.readline()))
+    old = int(kernel.stdout.readline())
     new = warm_start.start_template(str(profile), "kept")
     try:
         warm_start.wait_ready(new)
         kernel.communicate("\n", timeout=600)
         deadline = time.monotonic() + 120  # a hang guard: it ends within a second when idle
-        while not _ended(old) and time.monotonic() < deadline:
+        while alive(old) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _ended(old), "the orphaned template did not end"
+        assert not alive(old), "the orphaned template did not end"
         assert new.path.exists(), "the older template removed the new template's socket"
         pid = warm_start.fork_engine(new.path, "nothing.to.start", [], dict(os.environ),
                                      str(tmp_path), str(tmp_path / "child.log"))
         assert pid > 0  # (the child refuses the module and exits)
     finally:
-        warm_start._reap(new)
+        new.kill()
+        new.wait()
+        new.stdout.close()
