@@ -455,15 +455,16 @@ def test_case_inputs_are_exact_and_marked():
 
 
 # ---------------------------------------------------------------- the stretch: a two-way ring
-def two_way(buf, comm, mirror=True, second_to="left"):
+def two_way(buf, comm, mirror=True, second_to="left", mirror_gather=None):
     """The first half clockwise, the second counter-clockwise; knobs for the usual mistakes."""
     rank, N, right, left = _ring(comm)
     h = (len(buf) + 1) // 2
     halves = (buf[:h], buf[h:])
     bounds = [[shard_bounds(len(x), c, N) for c in range(N)] for x in halves]
     back, ahead = (left, right) if second_to == "left" else (right, left)
-    sign = 1 if mirror else -1   # the mirrored schedule: chunk indices r + s instead of r - s
     for phase in ("reduce-scatter", "all-gather"):
+        mirrored = mirror if phase == "reduce-scatter" or mirror_gather is None else mirror_gather
+        sign = 1 if mirrored else -1   # the mirrored schedule: chunk indices r + s, not r - s
         shift = 1 if phase == "reduce-scatter" else 0
         for s in range(N - 1):
             a0, a1 = bounds[0][(rank - s - shift) % N]
@@ -572,6 +573,10 @@ def second_half_cut_like_the_buffer(buf, comm):
     return buf
 
 
+def second_allgather_not_mirrored(buf, comm):
+    return two_way(buf, comm, mirror_gather=False)
+
+
 def waits_on_each_request(buf, comm):
     """Waits on every request as soon as it is posted: every rank waits on a receive first."""
     rank, N, right, left = _ring(comm)
@@ -598,10 +603,13 @@ def waits_on_each_request(buf, comm):
     (second_half_cut_like_the_buffer,
      r"Hint: rank \d received \d+ bytes from rank \d into a buffer of \d+ bytes[\s\S]*Each half "
      r"has its own N chunks|a chunk of half the buffer holds at most"),
+    (second_allgather_not_mirrored, r"Hint: (rank \d received \d+ bytes from rank \d into a buffer "
+                                    r"of \d+ bytes|rank 0's first half is right)[\s\S]*mirror"),
     (waits_on_each_request, r"CommTimeout[\s\S]*Hint: a rank waited past its deadline\. .*or every "
                             r"rank waits on a receive before it has posted its sends"),
 ], ids=["averaged", "first half only", "second half without all-gather",
-        "second half cut like the buffer", "waits on each request"])
+        "second half cut like the buffer", "all-gather of the second half not mirrored",
+        "waits on each request"])
 def test_more_two_way_mistakes(cluster, fn, hint):
     with pytest.raises(CheckFailed, match=hint) as info:
         CA.check_bidirectional_ring_allreduce(fn, cluster, timeout=1.0)
