@@ -17,6 +17,14 @@ def check_lr(lr: float) -> float:
     return float(lr)
 
 
+def check_choice(name: str, value: object, allowed: tuple) -> object:
+    """``value``, or a ValueError naming ``name`` unless it is one of ``allowed``.
+    Introduced in notebooks/06_data_parallel_sgd.ipynb."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, not {value!r}")
+    return value
+
+
 def check_count(name: str, value: int, least: int = 1) -> int:
     """``value`` as an int, or a ValueError naming ``name`` unless it is an integer >= ``least``.
     Introduced in notebooks/01_gradient_descent.ipynb."""

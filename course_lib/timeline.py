@@ -80,6 +80,11 @@ class Timeline:
         return f"<Timeline rank {self.rank}: {len(self.events)} events>"
 
 
+# Records nothing (its ``add`` does nothing): the default of whatever fills a timeline when given
+# one, so that it calls ``timeline.add(...)`` either way. Pass ``Timeline(rank)`` to record.
+DISABLED = Timeline(enabled=False)
+
+
 def _events(timelines):
     if isinstance(timelines, Timeline):
         timelines = [timelines]
