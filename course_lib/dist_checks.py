@@ -98,7 +98,7 @@ def checked_gradients(params: Iterable[torch.nn.Parameter],
     missing = [i for i, p in enumerate(params) if p.grad is None]
     if missing:
         raise DDPError(f"rank {dist.get_rank()}: parameters {missing[:8]} have no gradient: "
-                       "call backward first, or use average_gradients, which handles them")
+                       "call backward first, or use horovod.average_gradients, which handles them")
     grads = [p.grad for p in params]
     agree_layouts(grads, "the gradients [count, elements, checksum]", timeout)
     return params, grads

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import data, ddp, models, timeline
+from course_lib import data, ddp, horovod, models, timeline
 from course_lib.sharding import shard_bounds
 
 VARIANTS = ("mlp", "tied", "frozen", "unused", "batchnorm")
@@ -97,7 +97,8 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
 
     ``strategy`` is one of ``ddp.STRATEGIES`` or ``"torch"`` (torch's DDP); ``wrapper`` picks
     ``"ddp"`` (the DDP-like module), ``"optimizer"`` (Horovod style), ``"functional"``
-    (``ddp.average_gradients`` after backward) or ``"naive"`` (``ddp.average_gradients_naive``).
+    (``horovod.average_gradients`` after backward) or ``"naive"``
+    (``ddp.average_gradients_naive``).
     ``accumulate=k`` cuts the rank's slice into k micro-batches, all but the last backward
     inside ``no_sync()`` (gradient accumulation). ``device``: where the model and the data
     live ("cuda": the gradients are CUDA tensors).
@@ -105,7 +106,7 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     X, y, order, model = _setup(batch, steps, hidden, variant, dtype, seed, device)
-    tl = timeline.Timeline(rank) if record else None
+    tl = timeline.Timeline(rank, enabled=record)
     unused = variant == "unused"
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     net = model
@@ -119,9 +120,10 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
                                           broadcast_buffers=broadcast_buffers)
     elif wrapper == "optimizer":
         ddp.broadcast_parameters(model)
-        opt = ddp.DistributedOptimizer(opt, model.named_parameters(), strategy, bucket_cap_mb,
-                                       algorithm, find_unused_parameters=unused, timeline=tl)
-        ddp.broadcast_optimizer_state(opt)
+        opt = horovod.DistributedOptimizer(opt, model.named_parameters(), strategy,
+                                           bucket_cap_mb, algorithm,
+                                           find_unused_parameters=unused, timeline=tl)
+        horovod.broadcast_optimizer_state(opt)
     elif wrapper not in ("functional", "naive"):
         raise ValueError("wrapper must be 'ddp', 'optimizer', 'functional' or 'naive', not "
                          f"{wrapper!r}")
@@ -136,19 +138,18 @@ def train_on_rank(strategy="overlap", algorithm="native", steps=3, batch=64, hid
                 loss = F.cross_entropy(net(X[part]), y[part], reduction="sum")
                 (loss * (world / batch)).backward()
         if wrapper == "functional" and strategy != "torch":
-            ddp.average_gradients(model.parameters(), strategy, bucket_cap_mb, algorithm)
+            horovod.average_gradients(model.parameters(), strategy, bucket_cap_mb, algorithm)
         elif wrapper == "naive":  # one blocking allreduce per gradient, whatever the strategy
             ddp.average_gradients_naive(model.parameters())
-        if tl is not None and wrapper != "optimizer":  # the Horovod-style one records its own
-            with tl.span("step"):
-                opt.step()
-        else:
+        # the Horovod-style optimizer records its own step
+        with tl.span("step") if wrapper != "optimizer" else contextlib.nullcontext():
             opt.step()
         no_grad = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
         opt.zero_grad()
         params.append(_flat(model))
         buffers.append(_flat_buffers(model))
-    return {"params": params, "buffers": buffers, "no_grad": no_grad, "timeline": tl}
+    return {"params": params, "buffers": buffers, "no_grad": no_grad,
+            "timeline": tl if record else None}
 
 
 def single_process(steps=3, batch=64, hidden=(64,), variant="mlp", dtype="float64", lr=0.1,
@@ -209,7 +210,7 @@ def broadcasts_on_rank():
     model(torch.ones(2, 4)).sum().backward()
     opt.step()  # creates momentum buffers, different on every rank
     ddp.broadcast_parameters(model)
-    ddp.broadcast_optimizer_state(opt)
+    horovod.broadcast_optimizer_state(opt)
     mom = [opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()]
     return _flat(model), torch.cat(mom).numpy(), opt.param_groups[0]["lr"]
 
@@ -223,7 +224,7 @@ def mismatched_models(where="wrapper"):
     if where == "wrapper":
         ddp.DistributedDataParallel(model, timeout=5.0)
     model(torch.ones(1, 4)).sum().backward()
-    ddp.average_gradients(model.parameters(), timeout=5.0)
+    horovod.average_gradients(model.parameters(), timeout=5.0)
 
 
 def record_bucket(state, bucket):
