@@ -33,6 +33,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import ipyparallel as ipp
@@ -465,9 +466,21 @@ SHARED_ENV = "COURSE_LIB_SHARED_CLUSTERS"
 MAX_ENGINES_ENV = "COURSE_LIB_MAX_ENGINES"
 
 
-def _reuse(cluster_id, n, *args):
-    """The kept cluster ``cluster_id`` with ``n`` live engines as a new Cluster, else None
-    (a cluster of that id that is not usable is stopped)."""
+def _reuse(kind, n, *args):
+    """A kept cluster of ``kind`` (its id's prefix) with ``n`` live engines as a new Cluster,
+    else None; the kept ones of that kind that are not usable are stopped. Each kept cluster
+    has an id of its own: one that is stopping (its processes killed, its files removed by
+    id) never touches the next one's."""
+    security = Path(get_ipython_dir(), f"profile_{PROFILE}", "security")
+    files = sorted(security.glob(f"cluster-{kind}-*.json"), key=os.path.getmtime, reverse=True)
+    for file in files:
+        cluster = _reuse_one(file.stem[len("cluster-"):], n, *args)
+        if cluster is not None:
+            return cluster
+    return None
+
+
+def _reuse_one(cluster_id, n, *args):
     try:
         ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=cluster_id,
                                             log_level=40)
@@ -521,10 +534,10 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     clean_clusters()  # clusters whose notebook kernel was killed
     owner = os.environ.get(SHARED_ENV, "")
     shared = share and owner.isdigit() and engines in ("local", "mpi")
-    cluster_id = (f"{owner}-shared-{engines}-{n}-{threads}" if shared else
-                  f"{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    kind = f"{owner}-shared-{engines}-{n}-{threads}"  # what a kept cluster's id starts with
+    cluster_id = f"{kind if shared else os.getpid()}-{uuid.uuid4().hex[:6]}"
     if shared:
-        cluster = _reuse(cluster_id, n, backend, timeout, pg_timeout, threads, link)
+        cluster = _reuse(kind, n, backend, timeout, pg_timeout, threads, link)
         if cluster is not None:
             return cluster
     warm = warm_start.enabled() if warm is None else warm
