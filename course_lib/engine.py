@@ -95,7 +95,8 @@ def engine_info() -> dict:
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     import torch  # kept off the module's import (see the module docstring)
     env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return dict(ENGINE, threads=torch.get_num_threads(), env=env)
+    plain = {k: v for k, v in ENGINE.items() if k != "subgroups"}  # process groups: not data
+    return dict(plain, threads=torch.get_num_threads(), env=env)
 
 
 def hello() -> str:

@@ -255,7 +255,7 @@ def test_the_whole_nbgrader_cycle_on_lab_01(tmp_path, capsys):
     # what the student saw in the lab: the stub's notice, the check's hint
     assert "check_minibatch_epoch: not implemented yet" in feedback["bob"]
     assert "✓ check_step_decay" in feedback["bob"]  # checked past the unsolved exercise 1
-    assert "you did not shuffle" in feedback["carol"]
+    assert "your batches are the rows in their stored order" in feedback["carol"]
     assert "✓ check_step_decay" in feedback["carol"]
     assert "not implemented yet" not in feedback["alice"]
     # the cells after the checks still read ok_epoch and ok_schedule

@@ -3,10 +3,13 @@ noticed and repaired, their own NumPy seeds), found and stopped with their clust
 start stays one argument or one environment variable away."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
@@ -78,10 +81,11 @@ def test_the_course_workers_fork_from_a_preloaded_server(monkeypatch):
     assert worker_context().get_start_method() == "spawn"
 
 
-def test_an_older_template_of_a_kept_cluster_leaves_the_new_ones_socket(tmp_path):
+def test_an_older_template_of_a_kept_cluster_leaves_the_new_ones_socket():
     """A kept cluster has the same id at every start: the template of the kernel that started
     it may still be ending when the next kernel's template starts (engines there found no
     socket to fork from: "0 engines ready in 60 s")."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="warm"))  # short: a socket's path has 107 bytes
     profile = tmp_path / "profile_kept"
     code = ("import sys; from course_lib import warm_start as w; "
             "t = w.start_template(sys.argv[1], 'kept'); w.wait_ready(t); print(t.pid, flush=True);"
@@ -105,3 +109,4 @@ def test_an_older_template_of_a_kept_cluster_leaves_the_new_ones_socket(tmp_path
         new.kill()
         new.wait()
         new.stdout.close()
+        shutil.rmtree(tmp_path, ignore_errors=True)
