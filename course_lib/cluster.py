@@ -33,7 +33,6 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import ipyparallel as ipp
@@ -61,6 +60,7 @@ from course_lib.launch import (
     clean_clusters,
     mpiexec_path,
     process_status,
+    security_dir,
     slurm_config,
     start_watchdog,
     stop_and_reap,
@@ -471,8 +471,9 @@ def _reuse(kind, n, *args):
     else None; the kept ones of that kind that are not usable are stopped. Each kept cluster
     has an id of its own: one that is stopping (its processes killed, its files removed by
     id) never touches the next one's."""
-    security = Path(get_ipython_dir(), f"profile_{PROFILE}", "security")
-    files = sorted(security.glob(f"cluster-{kind}-*.json"), key=os.path.getmtime, reverse=True)
+    security = security_dir()
+    files = sorted(security.glob(f"cluster-{kind}-*.json") if security else (),
+                   key=os.path.getmtime, reverse=True)
     for file in files:
         cluster = _reuse_one(file.stem[len("cluster-"):], n, *args)
         if cluster is not None:

@@ -234,7 +234,7 @@ def _kill_leftovers(select):
     found = cluster_processes(select)
     for pids in found.values():
         kill_tree(pids)
-    security = _security_dir()
+    security = security_dir()
     # ipcontroller-{cluster id}-{client|engine}.json, and warm-{cluster id}-{random}.sock where
     # a killed template listened (course_lib.warm_start)
     for file in [*security.glob("ipcontroller-*.json"), *security.glob("warm-*.sock")] \
@@ -325,7 +325,9 @@ def stop_and_reap(ipp_cluster: ipp.Cluster, extra_pids: Iterable[int] = ()) -> N
     ipp_cluster.stop_cluster_sync()
 
 
-def _security_dir():
+def security_dir() -> Path | None:
+    """The course profile's security folder (cluster and connection files), or None before
+    any cluster started. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     from IPython.paths import locate_profile  # standard library only at the top (as above)
     try:
         return Path(locate_profile(PROFILE), "security")
