@@ -46,6 +46,16 @@ def test_ranks_environment_and_threads(cluster):
     assert len({i["pid"] for i in infos}) == 3
 
 
+def test_engine_info_returns_after_a_subgroup_was_made_on_its_engines(cluster):
+    # subgroups made by a lesson or a check are cached in ENGINE (process groups do not pickle):
+    # engine_info, run after them on the same engines, must still return plain data
+    from course_lib.testing.comm import make_subgroup
+    assert cluster.run(make_subgroup, 2) == [True, True, False]
+    infos = cluster.run(C.engine_info)
+    assert [i["rank"] for i in infos] == [0, 1, 2]
+    assert all("subgroups" not in i for i in infos)
+
+
 def test_backend_auto_is_gloo_without_gpus(cluster):
     import torch
     if torch.cuda.is_available():

@@ -71,20 +71,15 @@ def _plain(x):
 def _call_student(fn_bytes, world_size, kind, params, timeout):
     """On every cluster rank: call the student's function on the first ``world_size`` ranks."""
     import cloudpickle
-    import torch.distributed as dist
 
-    from course_lib.comm import TorchComm
-    from course_lib.engine import ENGINE
-    rank = dist.get_rank()
+    from course_lib.comm.subgroups import subgroup_comm
     # one group per size, made once by every rank and kept until the process group is made
     # again (setup_engine empties the cache): making and destroying one per case churns Gloo's
     # connections, and under load a new group's connection can then fail
-    groups = ENGINE.setdefault("subgroups", {})
-    if world_size < dist.get_world_size() and world_size not in groups:
-        groups[world_size] = dist.new_group(list(range(world_size)))
-    if rank >= world_size:
+    comm = subgroup_comm(world_size, timeout=timeout)
+    if comm is None:
         return None
-    comm = TorchComm(group=groups.get(world_size), timeout=timeout)
+    rank = comm.rank
     fn = cloudpickle.loads(fn_bytes)
     args = _rank_inputs(kind, params, rank, world_size)
     got = fn(comm, *args)

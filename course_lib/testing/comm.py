@@ -178,3 +178,13 @@ def p2p_timeout(silent_rank=1, op="recv", transport="torch", timeout=1.0, linger
             raise
         return str(e), time.monotonic() - t
     return "no timeout", time.monotonic() - t
+
+
+def make_subgroup(world_size: int) -> bool:
+    """Make (and cache, as lessons and checks do) the subgroup of the first ``world_size`` ranks;
+    return whether this rank is in it. Every rank calls it (tests/test_cluster.py)."""
+    import torch.distributed as dist
+
+    from course_lib.comm.subgroups import subgroup
+    subgroup(world_size)
+    return dist.get_rank() < world_size
