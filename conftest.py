@@ -1,10 +1,10 @@
 """Every pytest run of this repository: when it executes notebooks (nbval), their clusters are
-kept running from one notebook to the next (``course_lib.cluster.SHARED_ENV``) and stopped at
+kept running from one notebook to the next (``course_lib.runtime.cluster.SHARED_ENV``) and stopped at
 the end. The library's own tests (``tests/``) start real clusters, as a student does."""
 
 import os
 
-from course_lib.cluster import SHARED_ENV
+from course_lib.runtime.cluster import SHARED_ENV
 
 
 def pytest_configure(config):
@@ -14,6 +14,6 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if os.environ.get(SHARED_ENV) == str(os.getpid()):
-        from course_lib.launch import clean_clusters
+        from course_lib.runtime.launch import clean_clusters
         clean_clusters(shared_by=os.getpid())
         del os.environ[SHARED_ENV]

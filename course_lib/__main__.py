@@ -69,7 +69,7 @@ def _images(out_dir):
 
 
 def _labs(action):
-    from course_lib import labs
+    from course_lib.runtime import labs
     if action == "build":
         for path in labs.build_all():
             print(f"wrote {path}")
@@ -107,7 +107,7 @@ def _class(args):
 
 
 def _clean(everything):
-    from course_lib.launch import clean_clusters
+    from course_lib.runtime.launch import clean_clusters
     stopped = clean_clusters(all=everything)
     print(f"stopped {len(stopped)} cluster(s){': ' + ', '.join(stopped) if stopped else ''}")
     return 0
@@ -145,10 +145,10 @@ def main(argv=None):
     images.add_argument("--out", type=Path, default=ROOT / "images")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from course_lib import demo as demo_mod
+        from course_lib.runtime import demo as demo_mod
         return demo_mod.main(n=args.n, out_dir=args.out)
     if args.command == "doctor":
-        from course_lib import doctor
+        from course_lib.runtime import doctor
         return doctor.main()
     if args.command == "gpu-check":
         from course_lib.testing import gpu
@@ -159,7 +159,7 @@ def main(argv=None):
         return fault_suite.main(args)
     if args.command == "cluster":
         if args.action == "stacks":
-            from course_lib import stacks
+            from course_lib.runtime import stacks
             return stacks.main()
         return _clean(args.all)
     if args.command == "labs":

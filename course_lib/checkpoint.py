@@ -41,7 +41,7 @@ import numpy as np
 import psutil
 import torch
 
-from course_lib import fault_points
+from course_lib.runtime import fault_points
 
 if TYPE_CHECKING:
     from course_lib.comm import Comm

@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib import checkpoint, fault_points
-from course_lib.arguments import check_count
+from course_lib import checkpoint
 from course_lib.comm import get_comm, init_torch_from_launcher
+from course_lib.runtime import fault_points
+from course_lib.runtime.arguments import check_count
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 LOG = "train.jsonl"
 
@@ -192,7 +193,7 @@ def supervise(cluster: Cluster, directory: str | Path, steps: int = 40, checkpoi
     Introduced in notebooks/11_fault_tolerance.ipynb."""
     # only the notebook's process supervises: the ranks that import this module (engines, and
     # torchrun's ranks at every restart) need neither the cluster client nor ipyparallel
-    from course_lib.cluster import ClusterTimeout, EngineDied
+    from course_lib.runtime.cluster import ClusterTimeout, EngineDied
     check_count("steps", steps)
     check_count("checkpoint_every", checkpoint_every)
     check_count("max_restarts", max_restarts, least=0)

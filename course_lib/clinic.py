@@ -9,8 +9,8 @@ with the course's ring), with one bug of :data:`BUGS` switched on, or none::
     runs = cluster.run(clinic.train, bug="seeds")          # runs; the ranks silently differ
     clinic.first_divergence(runs)                          # step 0, tensor 0.weight, ranks ...
 
-The tools: where every rank is (:mod:`course_lib.stacks`, in every ``ClusterTimeout``); which
-collective disagreed (the course's agreement check, or :func:`detail_group`'s
+The tools: where every rank is (:mod:`course_lib.runtime.stacks`, in every ``ClusterTimeout``);
+which collective disagreed (the course's agreement check, or :func:`detail_group`'s
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``); when ranks diverged (:func:`first_divergence` on per-step
 checksums); which samples each rank read (:func:`coverage`); where the time went
 (:func:`merged_trace` of every rank's ``torch.profiler`` trace, :func:`straggler`).
@@ -34,8 +34,8 @@ from torch import nn
 
 from course_lib import collectives, data
 from course_lib.comm import get_comm
+from course_lib.runtime.timeline import DISABLED, Timeline
 from course_lib.sharding import shard_bounds
-from course_lib.timeline import Timeline
 
 BUGS = {
     "order": "the last rank reduces its gradients in another order (bias before weight)",
@@ -75,25 +75,24 @@ def _batches(steps, batch, n, seed):
 
 def step(model: nn.Module, X: torch.Tensor, y: torch.Tensor, ids: np.ndarray, comm,
          number: int, lr: float, bug: str | None = None,
-         timeline: Timeline | None = None) -> tuple[list[int], float]:
+         timeline: Timeline = DISABLED) -> tuple[list[int], float]:
     """One step of data-parallel SGD on this rank, with ``bug``'s mistake: its shard of the
     batch ``ids``, the mean loss and its gradients, the gradients averaged over the ranks, the
     update. Returns the samples it read and the loss of the whole batch. Each part is a span of
     ``timeline`` and a ``torch.profiler`` label.
     Introduced in notebooks/17_debugging_clinic.ipynb."""
-    tl = timeline if timeline is not None else Timeline(comm.rank, enabled=False)
-    with tl.span("data", step=number), _label("data"):
+    with timeline.span("data", step=number), _label("data"):
         part = comm.rank % 2 if bug == "shards" else comm.rank
         lo, hi = shard_bounds(len(ids), part, comm.world_size)
         mine = ids[lo:hi]
         xb, yb = X[mine], y[mine]
         if bug == "straggler" and comm.rank == 1:
             time.sleep(STRAGGLER_SECONDS)  # a slow disk, a busy decoder
-    with tl.span("compute", step=number), _label("forward and backward"):
+    with timeline.span("compute", step=number), _label("forward and backward"):
         loss = F.cross_entropy(model(xb), yb)  # the mean over this rank's shard
         model.zero_grad()
         loss.backward()
-    with tl.span("allreduce", step=number), _label("allreduce"):
+    with timeline.span("allreduce", step=number), _label("allreduce"):
         _reduce(model, comm, bug, number)
         total = torch.tensor([loss.item()])
         collectives.allreduce(total, comm, "ring")
@@ -352,11 +351,12 @@ def across_hosts(interface: str | None = None, steps: int = 2, timeout: float = 
     Introduced in notebooks/17_debugging_clinic.ipynb."""
     import subprocess
 
-    from course_lib import hosts, train
-    from course_lib.launch import finish_within
+    from course_lib import train
+    from course_lib.runtime import hosts
+    from course_lib.runtime.launch import finish_within
     out = os.path.join(tempfile.mkdtemp(prefix="course-clinic-"), "result.json")
     argv, env = train.two_hosts_argv(["--steps", steps, "--out", out,
-                                      "--timeout", min(timeout, 15)])
+                                      "--timeout", min(timeout, 60)])
     start = time.perf_counter()
     with hosts.make_hosts() as machines:
         logs = [tempfile.TemporaryFile(mode="w+") for _ in machines]

@@ -16,7 +16,7 @@ Cost for n elements on N ranks (alpha-beta model: course_lib.costmodel)::
     ring   2(N-1) steps, each n/N elements: 2(N-1)n/N < 2n per rank whatever N (bandwidth optimal)
 
 Before any data moves, every collective checks that all ranks called it with the same shape,
-dtype, op and algorithm (:func:`course_lib.agreement.check_agreement`): a mismatch raises
+dtype, op and algorithm (:func:`course_lib.comm.agreement.check_agreement`): a mismatch raises
 ``ValueError`` on every rank instead of a wrong result or a hang. A rank that never calls makes
 the others raise ``comm.CommTimeout`` naming it. ``op="average"`` sums and then divides by the
 world size; for integer dtypes that division rounds down (floor division). Each phase uses its
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
-from course_lib.agreement import OPS, check_agreement
 from course_lib.comm import Comm, is_numpy, wait_all
+from course_lib.comm.agreement import OPS, check_agreement
 from course_lib.sharding import shard_bounds
 
 if TYPE_CHECKING:  # for the annotations only: torch takes seconds to import

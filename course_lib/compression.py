@@ -41,12 +41,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from course_lib import netem
 from course_lib.collectives import ring_allgather, ring_allreduce
 from course_lib.comm import DEFAULT_TIMEOUT, get_comm, wait_work
+from course_lib.runtime import netem
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 # what TopK calls to communicate: (flat_grad, residual, k) -> (mean, new_residual)
 Exchange = Callable[[torch.Tensor, torch.Tensor | None, int], tuple[torch.Tensor, torch.Tensor]]
@@ -321,9 +321,9 @@ def exchange_time_on_rank(name: str, n: int, ratio: float = 0.01, repeats: int =
                           seed: int = 0) -> tuple[float, float]:
     """On every rank: seconds of one exchange of an ``n``-element float32 gradient with scheme
     ``name``, written on the course's collectives, so that it crosses the cluster's emulated
-    link if it has one (``cluster.set_link``; :mod:`course_lib.netem`): "none" a ring allreduce
-    in float32, "fp16" in float16 (with the conversions), "topk" the top-k selection and ring
-    all-gathers of the values and int32 indices, then their sum. Returns ``(seconds, bytes sent
+    link if it has one (``cluster.set_link``; :mod:`course_lib.runtime.netem`): "none" a ring
+    allreduce in float32, "fp16" in float16 (with the conversions), "topk" the top-k selection and
+    ring all-gathers of the values and int32 indices, then their sum. Returns ``(seconds, bytes sent
     by this rank)``: the median over ``repeats`` from a start all ranks share, and the formula.
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     comm = get_comm("torch", check_sizes=False)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from course_lib.collectives import all_to_all
-from course_lib.comm import Comm, CommError
+from course_lib.comm import Comm, during, wait_all
 from course_lib.sharding import shard_bounds
 from course_lib.transformer import causal_attention
 from course_lib.zero import DoesNotFit
@@ -139,23 +139,12 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 # ---------------------------------------------------------------- around the ring
-def _exchange(comm: Comm, send: torch.Tensor, recv: torch.Tensor, tag: int, step: int,
-              what: str) -> list:
+def pass_right(comm: Comm, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
     """Post the receive from the left and the send to the right (receive first, as ``sendrecv``
-    does: a ring of them cannot deadlock)."""
+    does: a ring of them cannot deadlock); wait on both with ``wait_all``.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     left, right = (comm.rank - 1) % comm.world_size, (comm.rank + 1) % comm.world_size
-    try:
-        return [comm.irecv(recv, left, tag=tag), comm.isend(send, right, tag=tag)]
-    except CommError as e:
-        raise CommError(f"ring attention, {what} step {step}: {e}") from e
-
-
-def _wait(requests: list, step: int, what: str) -> None:
-    for req in requests:
-        try:
-            req.wait()
-        except CommError as e:
-            raise type(e)(f"ring attention, {what} step {step}: {e}") from e
+    return [comm.irecv(recv, left, tag=tag), comm.isend(send, right, tag=tag)]
 
 
 class RingAttention(torch.autograd.Function):
@@ -178,7 +167,8 @@ class RingAttention(torch.autograd.Function):
             pending = []
             if step < N - 1 and overlap:  # the next block travels while this one is computed
                 incoming = torch.empty_like(block)
-                pending = _exchange(comm, block, incoming, TAG_KV, step, "forward")
+                with during(f"ring attention, forward step {step}"):
+                    pending = pass_right(comm, block, incoming, TAG_KV)
             t = time.thread_time()  # CPU time: fair even when ranks share cores
             pairs = tiles(positions[r], positions[owner], tile)
             if pairs:  # a block wholly in the future: skip
@@ -189,10 +179,11 @@ class RingAttention(torch.autograd.Function):
                 stats["scores"] = stats.get("scores", 0) + sum(
                     (qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks in pairs)
             stats["busy_s"] = stats.get("busy_s", 0.0) + time.thread_time() - t
-            if step < N - 1 and not overlap:  # the naive ring: compute, then pass the block on
-                incoming = torch.empty_like(block)
-                pending = _exchange(comm, block, incoming, TAG_KV, step, "forward")
-            _wait(pending, step, "forward")
+            with during(f"ring attention, forward step {step}"):
+                if step < N - 1 and not overlap:  # the naive ring: compute, then pass it on
+                    incoming = torch.empty_like(block)
+                    pending = pass_right(comm, block, incoming, TAG_KV)
+                wait_all(pending)
             if pending:
                 block = incoming
         ctx.save_for_backward(q, k, v, out, lse)
@@ -228,16 +219,16 @@ class RingAttention(torch.autograd.Function):
                                                 + (qs.stop - qs.start) * (ks.stop - ks.start))
             if step < N - 1:  # pass the block on (after its gradients were added here)
                 incoming = torch.empty_like(block)
-                _wait(_exchange(comm, block, incoming, TAG_GRAD, step, "backward"), step,
-                      "backward")
+                with during(f"ring attention, backward step {step}"):
+                    wait_all(pass_right(comm, block, incoming, TAG_GRAD))
                 block = incoming
         # now rank r holds the block of rank r + 1: one more hop takes every gradient home
         # (none when N = 1: the block never left)
         home = block[2:]
         if N > 1:
             home = torch.empty_like(block[2:])
-            _wait(_exchange(comm, block[2:].contiguous(), home, TAG_GRAD, N, "backward"), N,
-                  "backward")
+            with during(f"ring attention, backward step {N}"):
+                wait_all(pass_right(comm, block[2:].contiguous(), home, TAG_GRAD))
         return dq, home[0], home[1], None, None, None, None, None
 
 

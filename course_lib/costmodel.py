@@ -1,5 +1,7 @@
 """What an allreduce should cost: the alpha-beta-gamma model (notebooks 05-08 and 12).
 
+Introduced in notebooks/05_allreduce.ipynb.
+
 The model (Hockney 1994; used for MPI collectives by Thakur, Rabenseifner & Gropp 2005 and for
 the ring by Patarasuk & Yuan 2009) prices every message the same way:
 

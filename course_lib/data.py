@@ -10,6 +10,8 @@ generated, and the handwritten digits come inside the scikit-learn wheel.
     X_r, y_r = data.shard(X, y, rank=1, world_size=4)         # this rank's slice
     for idx in data.batches(len(X), batch_size=32, rng=np.random.default_rng(0)):
         ...                                                   # X[idx], y[idx]
+
+Introduced in notebooks/01_gradient_descent.ipynb.
 """
 
 from __future__ import annotations

@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 
-from course_lib.arguments import check_choice
 from course_lib.background_ring import BackgroundRing
 from course_lib.comm import DEFAULT_TIMEOUT
-from course_lib.dist_checks import (
+from course_lib.comm.dist_checks import (
     DDPError,
     agree_layouts,
     all_reduce,
@@ -38,7 +37,8 @@ from course_lib.dist_checks import (
     dist_or_fail,
     wait_work,
 )
-from course_lib.timeline import DISABLED, Timeline
+from course_lib.runtime.arguments import check_choice
+from course_lib.runtime.timeline import DISABLED, Timeline
 
 STRATEGIES = ("per_parameter", "flat", "bucketed", "overlap")
 ALGORITHMS = ("native", "ring")

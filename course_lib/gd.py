@@ -19,6 +19,8 @@ curves of different methods can be drawn on one epoch axis.
 
 It stays one file: the three methods share the History, the schedules and the update rules, and
 notebook 01 reads them top to bottom.
+
+Introduced in notebooks/01_gradient_descent.ipynb.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import ArrayLike
 
-from course_lib.arguments import check_count, check_lr
+from course_lib.runtime.arguments import check_count, check_lr
 
 # A run counts as diverged once the full loss is non-finite or this many times the start.
 DIVERGENCE_FACTOR = 1e10

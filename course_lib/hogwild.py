@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from course_lib.arguments import check_count
 from course_lib.data import load_digits
-from course_lib.launch import supervise, worker_context
 from course_lib.models import mlp
 from course_lib.race import RaceError
+from course_lib.runtime.arguments import check_count
+from course_lib.runtime.launch import supervise, worker_context
 from course_lib.sharding import shard_bounds
 from course_lib.sparse_problem import SparseData, sparse_loss
 

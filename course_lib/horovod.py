@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from course_lib.comm import DEFAULT_TIMEOUT
+from course_lib.comm.dist_checks import dist_or_fail, wait_work
 from course_lib.ddp import Reducer, ReducerConfig, make_reducer
-from course_lib.dist_checks import dist_or_fail, wait_work
-from course_lib.timeline import DISABLED, Timeline
+from course_lib.runtime.timeline import DISABLED, Timeline
 
 
 class DistributedOptimizer:

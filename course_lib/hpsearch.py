@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from course_lib.arguments import check_count
 from course_lib.hpsearch_loop import Job, SearchResult, run
+from course_lib.runtime.arguments import check_count
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 SPACE = {"lr": ("log", 0.003, 3.0), "batch_size": ("choice", (16, 32, 64, 128)),
          "width": ("choice", (8, 16, 32, 64)), "warmup": ("choice", (0, 1, 2))}

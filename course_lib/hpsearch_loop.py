@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import ipyparallel as ipp
 import numpy as np
 
-from course_lib import data, fault_points, models
-from course_lib.engine import ENGINE
+from course_lib import data, models
+from course_lib.runtime import fault_points
+from course_lib.runtime.engine import ENGINE
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 ENGINE_FILE = ".engine"  # a trial's directory: the pid of the engine running it
 

@@ -33,7 +33,7 @@ from course_lib import compression, data, models, sharding
 from course_lib.comm import DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 
 class Replica:

@@ -16,6 +16,8 @@ own shard, one allreduce adds the k partial sums, and dividing by m gives the fu
     from course_lib import models
     problem = models.LinearRegression()
     g = problem.grad(theta, X, y)
+
+Introduced in notebooks/01_gradient_descent.ipynb.
 """
 
 from __future__ import annotations

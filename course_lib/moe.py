@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.collectives import all_to_all, allreduce
-from course_lib.comm import Comm, CommError
+from course_lib.comm import Comm, during
 from course_lib.tensor_parallel import (
     CopyToParallelRegion,
     ReduceFromParallelRegion,
@@ -197,19 +197,15 @@ class ExpertParallelMoE(nn.Module):
         self.routing: Routing | None = None
         self.received: list[int] = []
 
-    def _exchange(self, what: str, fn, *args):
-        try:
-            return fn(*args)
-        except CommError as e:
-            raise type(e)(f"expert parallelism, rank {self.comm.rank}, {what}: {e}") from e
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm, N, E = self.comm, self.comm.world_size, self.router.out_features
         h = x.reshape(-1, x.shape[-1])
         r = route(self.router(h), self.top_k, self.capacity_factor)
         # the balance loss needs the whole batch's load and token count: E + 1 numbers
         totals = torch.cat([r.load, torch.tensor([h.shape[0]])]).double()
-        self._exchange("the load's allreduce", allreduce, totals, comm, "ring", "sum", False)
+        where = f"expert parallelism, rank {comm.rank}"  # what a failed exchange names
+        with during(f"{where}, the load's allreduce"):
+            allreduce(totals, comm, check=False)
         self.routing, self.aux_sum = r, balance_loss_sum(r.probs, totals[:E], totals[E],
                                                          self.top_k)
         # this rank's kept choices, grouped by expert (so by the rank that holds it)
@@ -219,12 +215,12 @@ class ExpertParallelMoE(nn.Module):
         token, slot, expert = token[order], slot[order], expert[order]
         per_expert = torch.bincount(expert, minlength=E).reshape(N, self.per_rank)
         # 1. counts: row q of what comes back = how many rows rank q sends each local expert
-        counts = self._exchange("the counts' all-to-all", all_to_all, per_expert.contiguous(),
-                                torch.empty_like(per_expert), comm)
+        with during(f"{where}, the counts' all-to-all"):
+            counts = all_to_all(per_expert.contiguous(), torch.empty_like(per_expert), comm)
         send_counts, recv_counts = per_expert.sum(1).tolist(), counts.sum(1).tolist()
         # 2. dispatch the tokens to their experts' ranks, 3. compute, 4. send the outputs back
-        rows = self._exchange("dispatch", AllToAll.apply, h[token], comm, send_counts,
-                              recv_counts)
+        with during(f"{where}, dispatch"):
+            rows = AllToAll.apply(h[token], comm, send_counts, recv_counts)
         local = torch.repeat_interleave(torch.arange(self.per_rank).repeat(N), counts.reshape(-1))
         out = torch.zeros_like(rows)
         self.received = []
@@ -232,8 +228,8 @@ class ExpertParallelMoE(nn.Module):
             mine = (local == e).nonzero().squeeze(1)
             out = out.index_copy(0, mine, mlp(rows[mine]))
             self.received.append(len(mine))
-        back_rows = self._exchange("combine", AllToAll.apply, out, comm, recv_counts,
-                                   send_counts)
+        with during(f"{where}, combine"):
+            back_rows = AllToAll.apply(out, comm, recv_counts, send_counts)
         y = torch.zeros_like(h).index_add(0, token, r.gate[token, slot][:, None] * back_rows)
         return y.reshape(x.shape)
 

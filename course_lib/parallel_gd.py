@@ -18,7 +18,7 @@ from course_lib.comm import Comm, get_comm
 from course_lib.models import LinearRegression
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 
 def _problem(n_samples, n_features, seed):

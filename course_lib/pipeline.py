@@ -13,25 +13,23 @@ Introduced in notebooks/09_model_parallelism.ipynb. Three schedules, side by sid
 
 :func:`simulate` predicts a schedule's Gantt chart, bubble and live activations;
 :func:`pipeline_step` runs it for real on the ranks, over ``comm``, with a deadline on every
-receive and a :class:`~course_lib.timeline.Timeline` of what each stage did. It stays one file:
-the simulator predicts what ``pipeline_step`` does, and notebook 09 compares the two side by side.
+receive and a :class:`~course_lib.runtime.timeline.Timeline` of what each stage did. It stays one
+file: the simulator predicts what ``pipeline_step`` does, and notebook 09 compares the two side
+by side.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from course_lib.comm import Comm, CommError, wait_all
+from course_lib.comm import Comm, CommError, during, wait_all
+from course_lib.runtime.timeline import DISABLED, Timeline
 from course_lib.sharding import shard_bounds
-
-if TYPE_CHECKING:
-    from course_lib.timeline import Timeline
 
 SCHEDULES = ("naive", "gpipe", "1f1b")
 TAG_SHAPE, TAG_ACTIVATION, TAG_GRADIENT = 90, 91, 92
@@ -287,7 +285,7 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, num_microbatches: int,
                   x: torch.Tensor | None = None, y: torch.Tensor | None = None,
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                   schedule: str | Callable[[int, int, int], Sequence[tuple[str, int]]] = "1f1b",
-                  timeline: Timeline | None = None, timeout: float | None = None) -> StepResult:
+                  timeline: Timeline = DISABLED, timeout: float | None = None) -> StepResult:
     """Forward and backward of one training step for this rank's stage (stage = ``comm.rank``),
     in the order of ``schedule``: a name of :data:`SCHEDULES`, or a function
     ``(stage, num_stages, num_microbatches) -> [("F", m), ("B", m), ...]``;
@@ -316,25 +314,18 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, num_microbatches: int,
     saved, live_bytes, peak_bytes, live, peak_live = {}, 0, 0, 0, 0
     inputs, outputs, sends, total = {}, {}, [], 0.0
 
-    def span(name, cat):
-        return timeline.span(name, cat) if timeline is not None else nullcontext()
-
     def recv(buf, peer, tag, what, m):
-        try:
-            with span(f"{what} {m}", "recv"):
-                # sizes need no check: the shape header comes first, a gradient has the shape
-                # of the activation it belongs to
-                return comm.recv(buf, peer, tag=tag, timeout=timeout, check_size=False)
-        except CommError as e:
-            raise PipelineError(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} "
-                                f"from stage {peer} failed: {e}") from e
+        with during(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} from stage "
+                    f"{peer} failed", PipelineError), timeline.span(f"{what} {m}", "recv"):
+            # sizes need no check: the shape header comes first, a gradient has the shape of
+            # the activation it belongs to
+            return comm.recv(buf, peer, tag=tag, timeout=timeout, check_size=False)
 
     def send(buf, peer, tag, what, m):
-        try:  # posting fails at once when the peer's process is already gone
+        # posting fails at once when the peer's process is already gone
+        with during(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} to stage "
+                    f"{peer} failed", PipelineError):
             return comm.isend(buf, peer, tag=tag, check_size=False)
-        except CommError as e:
-            raise PipelineError(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} "
-                                f"to stage {peer} failed: {e}") from e
 
     for op, m in order:
         if op == "F":
@@ -353,7 +344,7 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, num_microbatches: int,
             def pack(t, nbytes=nbytes):  # count what autograd keeps for this backward
                 nbytes[0] += t.numel() * t.element_size()
                 return t
-            with span(f"F{m}", "forward"), torch.autograd.graph.saved_tensors_hooks(
+            with timeline.span(f"F{m}", "forward"), torch.autograd.graph.saved_tensors_hooks(
                     pack, lambda t: t):
                 out = stage_module(inp)
                 if last:
@@ -376,7 +367,7 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, num_microbatches: int,
                 grad = None
             else:
                 grad = recv(torch.empty_like(out), stage + 1, TAG_GRADIENT, "gradient", m)
-            with span(f"B{m}", "backward"):
+            with timeline.span(f"B{m}", "backward"):
                 out.backward(grad)
             inp = inputs.pop(m)
             live, live_bytes = live - 1, live_bytes - saved.pop(m)
@@ -384,10 +375,7 @@ def pipeline_step(stage_module: nn.Module, comm: Comm, num_microbatches: int,
                 sends.append(send(inp.grad.contiguous(), stage - 1, TAG_GRADIENT, "gradient", m))
     # every send was posted without waiting (a blocking send to a stage busy sending itself
     # could deadlock): now wait until all were received, their buffers kept alive till then
-    try:
+    with during(f"stage {stage} (rank {comm.rank}): a send was not received", PipelineError):
         wait_all(sends, timeout)
-    except CommError as e:
-        raise PipelineError(f"stage {stage} (rank {comm.rank}): a send was not received: "
-                            f"{e}") from e
     return StepResult(total if last else None, peak_live, peak_bytes)
 

@@ -36,8 +36,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from course_lib import fault_points
-from course_lib.engine import ENGINE
 from course_lib.ps_server import (
     PSError,
     ServerConnections,
@@ -46,10 +44,12 @@ from course_lib.ps_server import (
     serve,
     serve_restarting,
 )
+from course_lib.runtime import fault_points
+from course_lib.runtime.engine import ENGINE
 from course_lib.sharding import shard_bounds
 
 if TYPE_CHECKING:  # for the hints only: the cluster imports ipyparallel
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 __all__ = ["Asynchronous", "PSConfig", "PSError", "PSResult", "Policy", "Shard", "Synchronous",
            "apply_push", "make_spec", "run_role", "simulate_async", "train", "worker_step"]
@@ -208,10 +208,10 @@ class PSConfig:
     every ``checkpoint_every`` updates and when a worker finishes. ``server_restarts=r``
     (async; notebook 11): a server that is killed is started again, at most r times, on the
     same address, from its last checkpoint; the workers resend what went unanswered.
-    ``faults``: fault points (:mod:`course_lib.fault_points` syntax) armed on every rank they name:
-    ``"ps-worker-step:stop@6:rank=2"`` (worker rank 2 goes silent at its 6th step; ``kill``: its
-    process dies), ``"ps-server-update:kill@60"`` (a server dies at its 60th update); with a
-    ``checkpoint_dir`` each fires once in its life. Introduced in
+    ``faults``: fault points (:mod:`course_lib.runtime.fault_points` syntax) armed on every rank
+    they name: ``"ps-worker-step:stop@6:rank=2"`` (worker rank 2 goes silent at its 6th step;
+    ``kill``: its process dies), ``"ps-server-update:kill@60"`` (a server dies at its 60th update);
+    with a ``checkpoint_dir`` each fires once in its life. Introduced in
     notebooks/04_parameter_server.ipynb."""
 
     lr: float

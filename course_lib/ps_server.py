@@ -25,9 +25,10 @@ guide), until the deadline. A push carries its worker's sequence number: a serve
 applied it (its reply came too late for the closed socket) answers the copy without applying
 the gradient twice.
 
-On an emulated network (``start_cluster(link=...)``, :mod:`course_lib.netem`) the header carries
-the sender's stamp and every message pays the link's time: a server's single link carries every
-worker's push, one after another, which is why sharding the parameters over more servers helps.
+On an emulated network (``start_cluster(link=...)``, :mod:`course_lib.runtime.netem`) the header
+carries the sender's stamp and every message pays the link's time: a server's single link carries
+every worker's push, one after another, which is why sharding the parameters over more servers
+helps.
 
 It stays one file: the server and the worker speak one message format over one pair of sockets,
 and each side reads best beside the other.
@@ -55,8 +56,9 @@ import torch
 import zmq
 from numpy.typing import ArrayLike
 
-from course_lib import checkpoint, fault_points, netem
-from course_lib.engine import ENGINE
+from course_lib import checkpoint
+from course_lib.runtime import fault_points, netem
+from course_lib.runtime.engine import ENGINE
 from course_lib.sharding import shard_bounds
 
 

@@ -10,9 +10,9 @@ workers, each step being ``compute_s`` of compute (a sleep) and then the exchang
     ps    the parameter server with S servers, the parameters sharded (S = 4, "N" or "N/4")
     ring  the from-scratch ring allreduce of the gradient (course_lib.collectives)
 
-Measured on the emulated network (:mod:`course_lib.netem`: every message occupies its sender's
-egress and its receiver's ingress for alpha + n/bw; one interface per rank, full duplex), then
-priced by the same alpha-beta model, per step:
+Measured on the emulated network (:mod:`course_lib.runtime.netem`: every message occupies its
+sender's egress and its receiver's ingress for alpha + n/bw; one interface per rank, full duplex),
+then priced by the same alpha-beta model, per step:
 
     ps (S servers)  compute + (N + S) (alpha + B / (S bw))
     ring            compute + 2 (N-1) (alpha + B / (N bw))       (costmodel.allreduce_time)
@@ -50,14 +50,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from course_lib import costmodel, netem, ps
+from course_lib import costmodel, ps
 from course_lib.collectives import allreduce
 from course_lib.comm.subgroups import subgroup_comm
 from course_lib.models import Quadratic
-from course_lib.tables import text_table
+from course_lib.runtime import netem
+from course_lib.runtime.tables import text_table
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 LinkLike = str | costmodel.Link | netem.Link  # what cost_link reads: a preset name, text, a Link
 

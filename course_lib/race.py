@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from course_lib.launch import supervise, worker_context
+from course_lib.runtime.launch import supervise, worker_context
 
 if TYPE_CHECKING:
     import ctypes

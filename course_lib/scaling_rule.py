@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from course_lib.arguments import check_count, check_lr
+from course_lib.runtime.arguments import check_count, check_lr
 
 
 def linear_scaling_warmup(base_lr: float, batch_size: int, base_batch_size: int,

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from course_lib import launch
 from course_lib.comm import get_comm
+from course_lib.runtime import launch
 
 if TYPE_CHECKING:
     from mpi4py import MPI

@@ -10,7 +10,7 @@ copies (a pipeline): :func:`course_lib.costmodel.path_time`.
 
 Here there is no GPU, so the staging copy is a memcpy (``np.copyto``), measured as such, and the
 wire is the course's transport (Gloo between two ranks of a cluster, on loopback or on the
-emulated link of :mod:`course_lib.netem`). Rank 0 sends ``n`` bytes to rank 1 three ways::
+emulated link of :mod:`course_lib.runtime.netem`). Rank 0 sends ``n`` bytes to rank 1 three ways::
 
     direct      send(src)                               recv(dst)
     staged      copy src -> staging; send(staging)      recv(staging); copy staging -> dst
@@ -32,14 +32,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from course_lib import costmodel, netem
+from course_lib import costmodel
 from course_lib.comm import wait_all
 from course_lib.comm.subgroups import subgroup_comm
-from course_lib.tables import format_size, text_table
+from course_lib.runtime import netem
+from course_lib.runtime.tables import format_size, text_table
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
     from course_lib.comm import Comm
+    from course_lib.runtime.cluster import Cluster
 
 WAYS = ("direct", "staged", "pipelined")
 

@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from course_lib import ps
 from course_lib.comm import wait_work
-from course_lib.engine import ENGINE
+from course_lib.runtime.engine import ENGINE
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 
 # ---------------------------------------------------------------- measured on the cluster

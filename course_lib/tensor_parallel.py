@@ -19,8 +19,8 @@ allreduce in forward and one in backward, each of the activations' size (batch x
 
 (The backward allreduce is that of dL/dx: it runs when x needs a gradient, as inside a network.)
 Every allreduce is the course's ring (:mod:`course_lib.collectives`), so an emulated link
-(:mod:`course_lib.netem`) prices it. A size the world size does not divide raises ValueError:
-every rank holds an equal shard, as in Megatron.
+(:mod:`course_lib.runtime.netem`) prices it. A size the world size does not divide raises
+ValueError: every rank holds an equal shard, as in Megatron.
 """
 
 from __future__ import annotations

@@ -40,10 +40,11 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 
-from course_lib import data, hosts, models
+from course_lib import data, models
 from course_lib.comm import init_torch_from_launcher
-from course_lib.engine import ENGINE
-from course_lib.launch import mpiexec_path, run_ranks
+from course_lib.runtime import hosts
+from course_lib.runtime.engine import ENGINE
+from course_lib.runtime.launch import mpiexec_path, run_ranks
 
 LAUNCHERS = ("cluster", "torchrun", "mpiexec", "slurm", "single")
 

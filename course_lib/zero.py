@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from course_lib.arguments import check_count
 from course_lib.collectives import allreduce, ring_allgather, ring_reduce_scatter
 from course_lib.comm import Comm
+from course_lib.runtime.arguments import check_count
 from course_lib.sharding import shard_bounds
 
 STAGES = (0, 1, 2, 3)  # 0: plain data parallelism (an allreduce), for comparison

@@ -37,7 +37,7 @@ from jupyterhub.spawner import LocalProcessSpawner
 from tornado.web import RedirectHandler
 
 from course_lib.classroom import grading
-from course_lib.launch import clean_stores
+from course_lib.runtime.launch import clean_stores
 
 COURSE = Path(__file__).resolve().parent.parent  # this checkout: the shared install
 VENV = Path(sys.prefix)  # the environment that runs the hub runs every user's server too
@@ -168,7 +168,7 @@ c.Spawner.cmd = [str(VENV / "bin" / "jupyterhub-singleuser")]
 c.Spawner.notebook_dir = "~"
 c.Spawner.default_url = "/lab/tree/course/notebooks/00_welcome_and_cluster.ipynb"
 c.Spawner.environment = {
-    "COURSE_LIB_MAX_ENGINES": ENGINES,  # start_cluster refuses more (course_lib.cluster)
+    "COURSE_LIB_MAX_ENGINES": ENGINES,  # start_cluster refuses more (course_lib.runtime.cluster)
     "JUPYTER_CONFIG_PATH": str(SHARED / "jupyter"),  # nbgrader's course and exchange
     "PATH": f"{VENV / 'bin'}:/usr/local/bin:/usr/bin:/bin",
 }

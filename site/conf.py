@@ -77,15 +77,26 @@ def toc(patterns, srcdir=ROOT):
     return "\n\n" + "\n".join(blocks)
 
 
+def api_modules() -> list[str]:
+    """The modules of the API page: the lessons (the top level), then the packages a notebook
+    calls like them (comm, runtime, k8s), each module by its dotted name below course_lib."""
+    package = ROOT / "course_lib"
+    names = [p.stem for p in sorted(package.glob("*.py")) if p.stem[0] != "_"]
+    for sub in ("comm", "runtime", "k8s"):
+        names += [sub if p.stem == "__init__" else f"{sub}.{p.stem}"
+                  for p in sorted((package / sub).glob("*.py"))
+                  if p.stem == "__init__" and sub == "k8s" or p.stem[0] != "_"]
+    return names
+
+
 def _generated(app, docname, source):
     """The sidebar's tables of contents on the landing page; the API reference and the figures
     page listed from the files, so that they never go stale."""
     if docname == root_doc:
         source[0] += toc(app.config.include_patterns, Path(app.srcdir))
     elif docname == "site/api":
-        modules = sorted(p.stem for p in (ROOT / "course_lib").glob("*.py") if p.stem[0] != "_")
         source[0] += "".join(f"\n## `course_lib.{m}`\n\n```{{eval-rst}}\n.. automodule:: "
-                             f"course_lib.{m}\n```\n" for m in modules)  # docstrings are RST
+                             f"course_lib.{m}\n```\n" for m in api_modules())  # docstrings are RST
     elif docname == "site/figures":
         source[0] += "".join(f"\n```{{figure}} ../images/{p.name}\n:alt: {p.stem}\n\n"
                              f"`images/{p.name}`\n```\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.cluster import start_cluster
+from course_lib.runtime.cluster import start_cluster
 
 _CLUSTERS = {}
 

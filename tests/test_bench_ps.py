@@ -52,7 +52,7 @@ def test_servers_count_bytes_both_ways():
 
 
 def test_the_model_of_a_sync_step_on_an_emulated_link():
-    from course_lib import netem
+    from course_lib.runtime import netem
     link = netem.make_link("1Gbit/s,50us")
     t = link.seconds(8 * 250_000)  # one 2 MB message
     assert bench_ps.predicted_sync_steps(250_000, 1, 1, link) == pytest.approx(1 / (2 * t))

@@ -82,7 +82,7 @@ def _stop(proc, timeout=30):
     for p in alive:
         p.kill()
     psutil.wait_procs(alive, timeout=10)
-    from course_lib.launch import clean_clusters
+    from course_lib.runtime.launch import clean_clusters
     clean_clusters()  # only clusters whose kernel is gone
 
 
@@ -244,8 +244,9 @@ def test_kernel_interrupt_stops_a_cluster_call_and_the_next_call_works(pages, ar
     the next call repairs the process group and answers within its 10 s deadline."""
     page = pages(WELCOME)
     _add_cell_and_run(page, "import time\n"
-                            "from course_lib.cluster import allreduce_ranks, start_cluster\n"
-                            "from course_lib.engine import sleep_on\n"
+                            "from course_lib import start_cluster\n"
+                            "from course_lib.runtime.cluster import allreduce_ranks\n"
+                            "from course_lib.runtime.engine import sleep_on\n"
                             "cluster = start_cluster(n=2, timeout=60)")
     _wait_idle(page, WELCOME, deadline_s=90)
     _add_cell_and_run(page, "cluster.run(sleep_on, [0, 1], 40)")

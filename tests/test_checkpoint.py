@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from course_lib import checkpoint as C
-from course_lib import fault_points
+from course_lib.runtime import fault_points
 from course_lib.testing.checkpoint import save_killed_mid_write
 
 CLUSTER_SIZE = 2
@@ -124,7 +124,7 @@ def test_a_sharded_checkpoint_counts_only_once_committed(cluster, tmp_path):
 
 def test_fault_points_fire_at_the_count_once_and_for_their_rank(tmp_path):
     out = _run("""
-        from course_lib import fault_points
+        from course_lib.runtime import fault_points
         fault_points.arm_from_environment()
         for step in range(1, 10):
             print(step, flush=True)
@@ -132,7 +132,7 @@ def test_fault_points_fire_at_the_count_once_and_for_their_rank(tmp_path):
     """, COURSE_LIB_FAULTS=f"train-step:kill@4:rank=1:once={tmp_path / 'fired'}", RANK="1")
     assert out.returncode == -signal.SIGKILL and out.stdout.split() == ["1", "2", "3", "4"]
     again = _run("""
-        from course_lib import fault_points
+        from course_lib.runtime import fault_points
         fault_points.arm_from_environment()
         for step in range(1, 10):
             fault_points.point("train-step")

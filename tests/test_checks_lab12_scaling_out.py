@@ -14,7 +14,7 @@ import pytest
 from course_lib import k8s
 from course_lib.checks import lab12_scaling_out as checks
 from course_lib.checks.framework import CheckFailed
-from course_lib.launch import mpiexec_path
+from course_lib.runtime.launch import mpiexec_path
 
 MPI = (("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"))

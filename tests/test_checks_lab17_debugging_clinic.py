@@ -93,7 +93,7 @@ def test_run_job_prints_how_a_broken_job_ends(cluster, capsys):
     assert checks.run_job(no_biases, cluster) is not None
     assert "the job finished: 6 steps on 4 ranks" in capsys.readouterr().out
     assert checks.run_job(waits_for_rank_0, cluster, deadline=3) is None
-    assert "Where they were (course_lib.stacks)" in capsys.readouterr().out
+    assert "Where they were (course_lib.runtime.stacks)" in capsys.readouterr().out
 
 
 def test_a_wrong_diagnosis_names_the_tool_not_the_fix(cluster):

@@ -34,7 +34,7 @@ def test_a_killed_worker_is_restarted_and_the_result_is_bit_exact(cluster, tmp_p
 def test_the_chief_logs_for_tensorboard_and_a_restart_shows_each_step_once(cluster, tmp_path):
     """The chief's event files hold the loss of every step; after a kill, the steps computed
     twice appear once (purge_step), with the resumed attempt's values: the JSONL log's last."""
-    from course_lib import tensorboard_view
+    from course_lib.runtime import tensorboard_view
     run = chief.supervise(cluster, tmp_path / "ckpt", STEPS, K,
                           faults=["train-step:kill@13:rank=1"])
     assert run.restarts == 1
@@ -80,7 +80,7 @@ def test_torchrun_elastic_restart_resumes_and_matches(cluster, tmp_path):
     import os
 
     from course_lib import checkpoint
-    from course_lib.launch import run_ranks
+    from course_lib.runtime.launch import run_ranks
     reference = _uninterrupted(cluster, tmp_path)
     env = {**os.environ, "COURSE_LIB_FAULTS": "train-step:kill@13:rank=1"}
     output = run_ranks("torchrun", 2, ["--max-restarts", "2", "-m", "course_lib.chief",

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from course_lib import clinic, stacks
-from course_lib.cluster import ClusterTimeout, RemoteError
+from course_lib import clinic
+from course_lib.runtime import stacks
+from course_lib.runtime.cluster import ClusterTimeout, RemoteError
 from course_lib.testing.timing import assert_no_hang
 
 CLUSTER_SIZE = 4
@@ -113,7 +114,7 @@ def test_unknown_bug_is_refused():
 
 
 def test_the_wrong_interface_on_two_hosts_is_named_by_its_address():
-    from course_lib import hosts
+    from course_lib.runtime import hosts
     reason = hosts.unavailable_reason()
     if reason:
         pytest.skip(f"two hosts: {reason}")
@@ -121,4 +122,5 @@ def test_the_wrong_interface_on_two_hosts_is_named_by_its_address():
     assert not wrong["ok"] and "connectFullMesh failed" in wrong["error"], wrong
     assert wrong["remote"] == "127.0.0.1"
     assert_no_hang(wrong["seconds"], 10, instead=60)  # Gloo's connect, not the 60 s deadline
-    assert clinic.across_hosts(None, timeout=60)["ok"]
+    right = clinic.across_hosts(None, timeout=600)  # a hang guard: torch's imports under load
+    assert right["ok"], right

@@ -13,9 +13,9 @@ import ipyparallel as ipp
 import psutil
 import pytest
 
-from course_lib import cluster as C
-from course_lib.launch import alive, slurm_batch_script, slurm_config
 from course_lib.parallel_gd import check_full_gradient
+from course_lib.runtime import cluster as C
+from course_lib.runtime.launch import alive, slurm_batch_script, slurm_config
 from course_lib.testing.timing import assert_no_hang
 
 CLUSTER_SIZE = 3  # the shared cluster of tests/conftest.py
@@ -187,14 +187,14 @@ def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
     engines, with a fresh process group; the session's clean stops them, nothing is left (even
     once their cluster file is gone), and the session's other clusters ("{pid}-{hex}") live on."""
     script = ("import json\n"
-              "from course_lib.cluster import start_cluster, engine_info, allreduce_ranks\n"
+              "from course_lib.runtime.cluster import start_cluster, engine_info, allreduce_ranks\n"
               "c = start_cluster(n=2)\n"
               "print(json.dumps([c.shared, c.run(allreduce_ranks),"
               " [i['pid'] for i in c.run(engine_info)]]))\n"
               "c.stop()\n")
     with _notebook_session() as (owner, kernel):
         runs = [kernel(script) for _ in range(2)]
-        from course_lib.launch import clean_clusters, cluster_processes
+        from course_lib.runtime.launch import clean_clusters, cluster_processes
         kept = next(found for found in cluster_processes()
                     if found.startswith(f"{owner}-shared-local-2-1-"))
         # a kept cluster whose file went away while it ran is still found, by its processes
@@ -204,7 +204,7 @@ def test_a_notebook_session_keeps_its_cluster_for_the_next_kernel(cluster):
     first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert first == second and first[:2] == [True, [1.0, 1.0]], (first, second)
     assert stopped == [kept]
-    from course_lib.launch import alive
+    from course_lib.runtime.launch import alive
     assert [p for p in first[2] if alive(p)] == [] and cluster_processes(
         lambda found: found == kept) == {}
     from IPython.paths import locate_profile  # the killed controller's connection files too
@@ -219,14 +219,14 @@ def test_a_kept_cluster_busy_with_a_dead_kernels_work_is_not_reused():
     until the deadline. The next start_cluster gets idle engines, and its first call does not
     wait for the old work."""
     leave = ("import time\n"
-             "from course_lib.cluster import start_cluster, engine_info\n"
+             "from course_lib.runtime.cluster import start_cluster, engine_info\n"
              "c = start_cluster(n=2)\n"
              "print([i['pid'] for i in c.run(engine_info)])\n"
              "trials = [c.balanced_view().apply_async(time.sleep, 120) for _ in range(4)]\n"
              "time.sleep(0.5)\n")  # ends without stop(), as a kernel that was shut down
     # the set-up must not have waited for the old work (it used to: up to SETUP_TIMEOUT for
     # the engines to answer, then a fresh start); its failures are recorded, its wait shortened
-    use = ("import course_lib.cluster as C\n"
+    use = ("import course_lib.runtime.cluster as C\n"
            "C.SETUP_TIMEOUT, failed, setup = 5, [], C.Cluster._setup\n"
            "def spy(self):\n"
            "    try:\n"
@@ -241,7 +241,7 @@ def test_a_kept_cluster_busy_with_a_dead_kernels_work_is_not_reused():
            "c.stop()\n")
     with _notebook_session() as (owner, kernel):
         left, used = kernel(leave), kernel(use)
-        from course_lib.launch import clean_clusters
+        from course_lib.runtime.launch import clean_clusters
         clean_clusters(shared_by=owner)
     assert used.returncode == 0, used.stderr[-2000:]
     old_pids = eval(left.stdout.strip().splitlines()[-1])
@@ -274,7 +274,9 @@ def test_slurm_script_and_config():
     cfg = slurm_config(4, partition="cpu")
     assert cfg["engines"] == "slurm" and cfg["controller_ip"] == "*"
     assert "#SBATCH --ntasks=4" in cfg["config"].SlurmEngineSetLauncher.batch_template
-    from course_lib.launch import SLURM_FILES  # the job's files stay out of the notebook folder
+    from course_lib.runtime.launch import (
+        SLURM_FILES,  # the job's files stay out of the notebook folder
+    )
     assert cfg["config"].SlurmEngineSetLauncher.batch_file_name.startswith(SLURM_FILES)
     assert f"--output={SLURM_FILES}/" in cfg["config"].SlurmEngineSetLauncher.batch_template
 
@@ -344,7 +346,7 @@ def test_a_kernel_that_ends_without_stop_leaves_no_process_of_its_cluster():
     template) are gone once the kernel is. (ipyparallel's own exit handler asked them to end,
     and the engines lingered until they missed the controller's heartbeats: 30 s.)"""
     script = ("import json, psutil\n"
-              "from course_lib.cluster import start_cluster\n"
+              "from course_lib.runtime.cluster import start_cluster\n"
               "c = start_cluster(n=2, share=False)\n"
               "print(json.dumps([p.pid for p in psutil.Process().children(recursive=True)"
               " if p.pid != c.watchdog]), flush=True)\n")  # then ends, as a kernel does

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib import cluster as CL
 from course_lib import collectives as C
-from course_lib.launch import mpiexec_path
+from course_lib.runtime import cluster as CL
+from course_lib.runtime.launch import mpiexec_path
 from course_lib.testing import collectives as K
 from course_lib.testing.timing import assert_no_hang
 

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from course_lib import cluster as CL
 from course_lib.comm import CommTimeout, describe, get_comm
-from course_lib.launch import mpiexec_path
+from course_lib.runtime import cluster as CL
+from course_lib.runtime.launch import mpiexec_path
 from course_lib.testing import comm as K
 from course_lib.testing.timing import assert_no_hang
 
@@ -178,3 +178,17 @@ def test_an_mpi4py_of_another_mpi_is_named_not_run_alone():
                          capture_output=True, text=True, timeout=600).stdout
     assert out.startswith("CommError mpiexec started 3 processes but MPI sees a world of 1"), out
     assert "another MPI" in out
+
+
+def test_during_puts_who_and_what_first_and_keeps_the_kind_of_error():
+    from course_lib.comm import CommError, CommTimeout, during
+    from course_lib.pipeline import PipelineError
+    with pytest.raises(CommTimeout, match=r"^ring attention, forward step 2: rank 1: recv "):
+        with during("ring attention, forward step 2"):
+            raise CommTimeout("rank 1: recv from rank 0 did not complete within 1s")
+    with pytest.raises(PipelineError, match=r"^stage 1 \(rank 1\): a send was not received: x$"):
+        with during("stage 1 (rank 1): a send was not received", PipelineError):
+            raise CommError("x")
+    with pytest.raises(ValueError, match="^not a comm error$"):  # anything else passes through
+        with during("ring attention"):
+            raise ValueError("not a comm error")

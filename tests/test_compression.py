@@ -9,7 +9,7 @@ import torch
 
 from course_lib import compression
 from course_lib.checks import lab08_local_sgd_and_compression as checks_compression
-from course_lib.cluster import RemoteError
+from course_lib.runtime.cluster import RemoteError
 
 CLUSTER_SIZE = 2  # the shared cluster of tests/conftest.py
 CLUSTER_BACKEND = "gloo"
@@ -125,7 +125,7 @@ def test_wire_bytes_measured_on_loopback(cluster):
 
 
 def test_an_exchange_pays_the_emulated_link_and_counts_its_bytes(cluster):
-    from course_lib import netem
+    from course_lib.runtime import netem
     n, link = 2**16, cluster.set_link("200Mbit/s,1ms")
     try:
         timed = {name: cluster.run(compression.exchange_time_on_rank, name, n, 0.01, 1)

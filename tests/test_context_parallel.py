@@ -220,7 +220,7 @@ def test_ring_attention_on_the_cluster_over_gloo(cluster):
 
 
 def test_a_sequence_over_one_process_budget_trains_split_over_the_ranks(cluster):
-    from course_lib.cluster import RemoteError
+    from course_lib.runtime.cluster import RemoteError
     from course_lib.testing.context_parallel import long_sequence_training_on_rank
     one = tf.activation_bytes(tf.GPT(tf.GPTConfig(context=256)),
                               torch.from_numpy(tf.encode(tf.load_text()[:300]))[None, :257])

@@ -5,9 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from course_lib import ddp, timeline
-from course_lib.cluster import RemoteError
+from course_lib import ddp
 from course_lib.ddp import assign_buckets, bucket_groups
+from course_lib.runtime import timeline
+from course_lib.runtime.cluster import RemoteError
 from course_lib.testing import ddp as ddp_check
 
 WRAPPED = [(s, w, a) for s in ddp.STRATEGIES for w in ("ddp", "optimizer", "functional")

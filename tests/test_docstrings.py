@@ -1,7 +1,8 @@
 """The README's promise: every public function's docstring names the notebook that introduces it.
 
-Checked on the top-level modules ``course_lib/*.py`` (not ``__init__``/``__main__``, not the
-subpackages) and on the ``comm`` package (infrastructure a notebook calls, like the top level):
+Checked on the lessons, the top-level modules ``course_lib/*.py`` (not ``__init__``/``__main__``),
+and on the packages a notebook calls like them: ``comm``, ``runtime`` and ``k8s`` (not the
+scaffolding: checks, testing, bench, figures):
 each public module-level function and class must name a notebook as
 ``notebooks/NN_name.ipynb``, and that notebook must exist. Pure ``ast``: nothing is imported.
 """
@@ -16,7 +17,9 @@ NOTEBOOK = re.compile(r"notebooks/\d\d_\w+\.ipynb")
 def _public_definitions():
     top = [p for p in sorted((ROOT / "course_lib").glob("*.py"))
            if p.name not in ("__init__.py", "__main__.py")]
-    for path in top + sorted((ROOT / "course_lib" / "comm").glob("*.py")):
+    packages = [p for sub in ("comm", "runtime", "k8s")
+                for p in sorted((ROOT / "course_lib" / sub).glob("*.py"))]
+    for path in top + packages:
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) \
                     and not node.name.startswith("_"):

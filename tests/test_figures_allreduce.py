@@ -118,7 +118,7 @@ def test_save_all_writes_the_three_pngs(tmp_path):
 
 
 def test_emulated_link_figure_puts_measured_dots_over_model_lines(tmp_path):
-    from course_lib import netem
+    from course_lib.runtime import netem
     link = netem.make_link("1Gbit/s,50us")
     rows = [dict(world_size=p, algorithm=a, size=n, link=link.text,
                  time_us=1.1e6 * netem.predict_allreduce(a, n, p, link),

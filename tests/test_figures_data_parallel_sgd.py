@@ -14,7 +14,7 @@ def test_figures_draw_and_check_their_input():
 
 
 def test_last_step_figure_has_one_panel_per_strategy_from_the_last_forward():
-    from course_lib import timeline
+    from course_lib.runtime import timeline
     tls = {}
     for strategy, shift in (("bucketed", 0.0), ("overlap", 0.5)):
         ranks = []

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 from course_lib import costmodel, ps_vs_ring  # noqa: E402
 from course_lib.figures import scaling_out as figures  # noqa: E402
-from course_lib.k8s_watch import JobRun, PodRun  # noqa: E402
+from course_lib.k8s.watch import JobRun, PodRun  # noqa: E402
 
 
 def _rows():

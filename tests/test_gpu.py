@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from course_lib import gpu, planner
-from course_lib.engine import engine_info
+from course_lib.runtime.engine import engine_info
 from course_lib.testing import gpu as testing
 from tests.conftest import shared_cluster
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from course_lib import labs
 from course_lib.__main__ import main
 from course_lib.classroom import grading
+from course_lib.runtime import labs
 
 nbgrader = pytest.importorskip("nbgrader", reason="nbgrader is not installed")
 from nbgrader.api import Gradebook  # noqa: E402 - only once nbgrader is known to be there
@@ -30,7 +30,7 @@ from nbgrader.preprocessors import (  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted((ROOT / "labs" / "solutions").glob(labs.PATTERN))
-STEP_TIMEOUT = 120  # seconds for one nbgrader command: a stuck step fails with its name
+STEP_TIMEOUT = 600  # a hang guard for one nbgrader command: a stuck step fails with its name
 
 
 def nbgrader_meta(cell):

@@ -8,8 +8,9 @@ import subprocess
 
 import pytest
 
-from course_lib import hosts, train
+from course_lib import train
 from course_lib.bench import allreduce as bench_allreduce
+from course_lib.runtime import hosts
 
 CLUSTER_SIZE = 2
 STEPS = 6

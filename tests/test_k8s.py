@@ -11,7 +11,10 @@ from importlib import resources
 import pytest
 import yaml
 
-from course_lib import k8s, k8s_pods, k8s_rules, k8s_validate
+from course_lib import k8s
+from course_lib.k8s import pods as k8s_pods
+from course_lib.k8s import rules as k8s_rules
+from course_lib.k8s import validate as k8s_validate
 
 TORCH = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
 DDP = k8s.JobSpec("ddp", image=TORCH, command=["-m", "course_lib.train", "--steps", "20"],
@@ -348,7 +351,7 @@ def test_world_size():
 
 
 def test_stored_crd_schemas_name_their_source():
-    readme = (resources.files("course_lib") / "k8s_schemas" / "README.md").read_text()
+    readme = (resources.files("course_lib.k8s") / "schemas" / "README.md").read_text()
     assert "Apache" in readme
     for kind in k8s.KINDS:
         source = k8s_validate.crd(kind)["source"]
@@ -374,13 +377,13 @@ def test_kubectl_step_is_skipped_without_kubectl(monkeypatch, tmp_path):
 
 
 def test_a_pytorchjob_s_pods_train_here_with_the_operator_s_environment():
-    from course_lib import hosts
+    from course_lib.runtime import hosts
     reason = hosts.unavailable_reason()
     if reason:
         pytest.skip(f"two hosts: {reason}")
     spec = k8s.JobSpec("digits", image="pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime",
                        command=["-m", "course_lib.train", "--steps", "4"], nodes=2)
-    from course_lib import k8s_watch
+    from course_lib.k8s import watch as k8s_watch
     outputs = k8s_watch.run_locally(k8s.pytorch_job(spec), timeout=120)
     result = json.loads(outputs["digits-master-0"].strip().splitlines()[-1])
     assert result["hosts"] == ["digits-master-0", "digits-worker-0"]

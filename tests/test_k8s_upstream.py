@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import k8s, k8s_validate
+from course_lib import k8s
+from course_lib.k8s import validate as k8s_validate
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = Path(os.environ.get("COURSE_LIB_K8S_EXAMPLES")

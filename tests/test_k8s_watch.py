@@ -6,8 +6,10 @@ import json
 
 import pytest
 
-from course_lib import hosts, k8s, k8s_watch
-from course_lib.k8s_watch import JobRun, PodRun
+from course_lib import k8s
+from course_lib.k8s import watch as k8s_watch
+from course_lib.k8s.watch import JobRun, PodRun
+from course_lib.runtime import hosts
 
 IMAGE = "pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime"
 

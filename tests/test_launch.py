@@ -1,4 +1,4 @@
-"""course_lib.launch's command line from a notebook: run_cli and bench_rows run
+"""course_lib.runtime.launch's command line from a notebook: run_cli and bench_rows run
 ``python -m course_lib ...`` in a subprocess, return its output or rows, and fail with the
 command and its stderr's tail, or within their deadline, never hanging; the clean-up removes the
 rendezvous folders of clusters whose owner is gone."""
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from course_lib import launch
+from course_lib.runtime import launch
 from course_lib.testing.timing import assert_no_hang
 
 

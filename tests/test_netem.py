@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from course_lib import costmodel, netem
+from course_lib import costmodel
+from course_lib.runtime import netem
 from course_lib.testing.netem import timed
 
 CLUSTER_SIZE = 4
@@ -147,7 +148,7 @@ def test_bench_refuses_native_on_the_link():
 
 
 def test_bad_link_text_fails_before_any_engine_starts():
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     with pytest.raises(ValueError, match="1Gbit/s"):
         start_cluster(n=2, link="fast")
     out = _bench("--link", "fast")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from course_lib import data, gd, ps
-from course_lib.cluster import RemoteError
 from course_lib.models import LinearRegression, SoftmaxRegression
+from course_lib.runtime.cluster import RemoteError
 from course_lib.testing.timing import assert_no_hang
 
 CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
@@ -249,8 +249,8 @@ def test_a_done_answered_late_is_heard_though_the_server_exits_at_once(monkeypat
     import json
     import threading
 
-    from course_lib.engine import ENGINE
     from course_lib.ps_server import ServerConnections
+    from course_lib.runtime.engine import ENGINE
     monkeypatch.setitem(ENGINE, "rank", 1)
     server, address = _raw_server()
 
@@ -282,7 +282,7 @@ def test_the_server_applies_a_push_sent_twice_once(monkeypatch):
     import zmq
 
     from course_lib import ps_server
-    from course_lib.engine import ENGINE
+    from course_lib.runtime.engine import ENGINE
     monkeypatch.setitem(ENGINE, "rank", 0)
     sock, address = _raw_server()
     cfg = ps.PSConfig(lr=1.0, mode="async", timeout=5, time_limit=20)

@@ -16,8 +16,9 @@ matplotlib.use("Agg")
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from course_lib import costmodel, netem, ps_vs_ring  # noqa: E402
+from course_lib import costmodel, ps_vs_ring  # noqa: E402
 from course_lib.bench import ps as bench_ps  # noqa: E402
+from course_lib.runtime import netem
 
 CLUSTER_SIZE = 6  # the PS with 4 workers and 2 servers (tests/conftest.py's shared cluster)
 B = 8 * 2**17     # 1 MiB: the measured model

@@ -86,7 +86,7 @@ def test_bad_arguments():
 
 
 def test_ring_over_course_comm_on_a_cluster(cluster):
-    from course_lib.cluster import RemoteError
+    from course_lib.runtime.cluster import RemoteError
     reports = cluster.run(S.ring_exchange, MIB, "sendrecv")
     assert [(r["rank"], r["from"], r["got"]) for r in reports] == [(0, 1, 1.0), (1, 0, 0.0)]
     with pytest.raises(RemoteError, match="CommTimeout") as info:

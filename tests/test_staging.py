@@ -4,7 +4,8 @@ the emulation guarantees); the model's times for the same paths by hand."""
 
 import pytest
 
-from course_lib import costmodel, netem, staging
+from course_lib import costmodel, staging
+from course_lib.runtime import netem
 
 CLUSTER_SIZE = 2
 LINK = "200Mbit/s,50us"  # 25 MB/s: every transfer below takes tens of ms on the link

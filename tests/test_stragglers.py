@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from course_lib import data, gd, ps, stragglers
-from course_lib.cluster import RemoteError
 from course_lib.models import SoftmaxRegression
+from course_lib.runtime.cluster import RemoteError
 from course_lib.testing.timing import assert_no_hang
 
 CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py

@@ -1,9 +1,11 @@
-"""The shape of the code a student reads: lessons at the bottom of the import graph, the
-scaffolding (bench/, figures/, checks/, testing/, classroom/) above them, no circle, and no
-private name (``_name``) used outside the module that defines it."""
+"""The shape of the code a student reads: lessons at the top level, each importing only earlier
+lessons (and comm, runtime, k8s, models); the scaffolding (bench/, figures/, checks/, testing/,
+classroom/) above them; no circle, and no private name (``_name``) used outside the module that
+defines it."""
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ PACKAGE = ROOT / "course_lib"
 SCAFFOLDING = ("course_lib.bench", "course_lib.figures", "course_lib.checks", "course_lib.testing",
                "course_lib.classroom")
 # above everything, as a command line is: the CLI and the headless tour run scaffolding on purpose
-ENTRY_POINTS = {"course_lib.__main__", "course_lib.demo"}
+ENTRY_POINTS = {"course_lib.__main__", "course_lib.runtime.demo"}
 
 
 def module_name(path):
@@ -106,6 +108,69 @@ def test_the_import_graph_has_no_circle():
     assert not circles, f"modules that import each other: {circles}"
 
 
+# ---------------------------------------------------------------- lessons in course order
+FOUNDATIONS = {"course_lib.models", "course_lib.data"}  # every notebook's models and data sets
+LESSONS = {name: path for name, path in MODULES.items()
+           if name.count(".") == 1 and path.name != "__init__.py" and is_lesson(name)
+           and name != "course_lib.__main__" and name not in FOUNDATIONS}
+
+
+def notebook_of(path):
+    """The number of the notebook a module's docstring says introduces it (None: it names none)."""
+    found = re.search(r"notebooks/(\d\d)_", ast.get_docstring(ast.parse(path.read_text())) or "")
+    return int(found.group(1)) if found else None
+
+
+# Where an earlier lesson uses a later one on purpose, and why (each a candidate to undo)
+LATER_ON_PURPOSE = {
+    ("course_lib.ps_server", "course_lib.checkpoint"):
+        "notebook 11 restarts notebook 04's servers: a server saves its shard with checkpoint.save",
+    ("course_lib.transformer", "course_lib.moe"):
+        "GPTConfig(experts=E) builds the mixture-of-experts blocks notebook 15 trains",
+}
+
+
+def test_the_top_level_holds_lessons_each_naming_its_notebook():
+    unnamed = sorted(name for name, path in LESSONS.items() if notebook_of(path) is None)
+    assert not unnamed, ("top-level modules whose docstring names no notebook "
+                         f"(a lesson says 'Introduced in notebooks/NN_name.ipynb'): {unnamed}")
+
+
+def test_a_lesson_imports_only_earlier_lessons():
+    later = sorted(f"{a} (notebook {notebook_of(LESSONS[a])}) -> {b} (notebook "
+                   f"{notebook_of(LESSONS[b])})" for a in LESSONS for b in GRAPH[a] - {a}
+                   if b in LESSONS and (a, b) not in LATER_ON_PURPOSE
+                   and (notebook_of(LESSONS[b]) or 0) > (notebook_of(LESSONS[a]) or 0))
+    assert not later, "lessons importing a later lesson:\n" + "\n".join(later)
+    stale = [pair for pair in LATER_ON_PURPOSE if pair[1] not in GRAPH.get(pair[0], set())]
+    assert not stale, f"LATER_ON_PURPOSE names imports that are gone: {stale}"
+
+
+def test_the_lessons_leave_the_plumbing_to_comm_and_the_runtime():
+    """A lesson's lines are the idea: errors get their context from ``comm.during``, timelines
+    record through ``timeline.DISABLED`` by default, options travel by name (a wrapped module's
+    ``forward`` aside, which passes its inputs on as torch's DDP does)."""
+    found = []
+    for name, path in LESSONS.items():
+        source = path.read_text()
+        if "timeline is not None" in source:
+            found.append(f"{name}: branches on 'timeline is not None'")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ExceptHandler) and node.type is not None and any(
+                    isinstance(n, ast.Name) and n.id in ("CommError", "CommTimeout")
+                    for n in ast.walk(node.type)):
+                found.append(f"{name}:{node.lineno}: catches {ast.unparse(node.type)} (use "
+                             f"comm.during to add context)")
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and not node.name.startswith("_") and node.name != "forward"
+                    and node.args.vararg and node.args.kwarg):
+                found.append(f"{name}:{node.lineno}: {node.name}(*{node.args.vararg.arg}, "
+                             f"**{node.args.kwarg.arg}) passes options on unnamed")
+    assert not found, "\n".join(found)
+    lines = len((PACKAGE / "ddp.py").read_text().splitlines())
+    assert lines <= 400, f"ddp.py has {lines} lines: a lesson read in one sitting keeps to 400"
+
+
 FILES = sorted([*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py"),
                 *(ROOT / "notebooks").glob("*.ipynb"), *(ROOT / "labs").rglob("*.ipynb")])
 
@@ -122,11 +187,12 @@ def test_no_private_name_crosses_a_module(path):
 
 def test_the_checker_sees_what_it_must():
     source = ("from course_lib import race\nfrom course_lib.bench.ps import _ints\n"
-              "import course_lib.cluster as cl\nrace._run(); cl._dead_ranks(); race.run()\n")
+              "import course_lib.runtime.cluster as cl\n"
+              "race._run(); cl._dead_ranks(); race.run()\n")
     imported, private = uses(source, None)
-    assert imported == {"course_lib.race", "course_lib.bench.ps", "course_lib.cluster"}
-    assert sorted(private) == ["course_lib.bench.ps._ints", "course_lib.cluster._dead_ranks",
-                               "course_lib.race._run"]
+    assert imported == {"course_lib.race", "course_lib.bench.ps", "course_lib.runtime.cluster"}
+    assert sorted(private) == ["course_lib.bench.ps._ints", "course_lib.race._run",
+                               "course_lib.runtime.cluster._dead_ranks"]
 
 
 # ---------------------------------------------------------------- time in tests
@@ -183,10 +249,23 @@ SUBPROCESS_GUARD = 300  # seconds: a Python that imports PyTorch took over 30 be
 RUNS = {"run", "check_output", "check_call", "call", "communicate"}
 
 
-def _const_timeout(call):
-    return next((k.value.value for k in call.keywords if k.arg == "timeout"
-                 and isinstance(k.value, ast.Constant) and isinstance(k.value.value, int | float)),
-                None)
+def _constants(tree):
+    """The module's ``NAME = number`` assignments (``STEP_TIMEOUT = 120``)."""
+    return {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+            and isinstance(n.value, ast.Constant) and isinstance(n.value.value, int | float)
+            for t in n.targets if isinstance(t, ast.Name)}
+
+
+def _number(node, constants):
+    """A literal number, or a module constant's, else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return node.value
+    return constants.get(node.id) if isinstance(node, ast.Name) else None
+
+
+def _const_timeout(call, constants=None):
+    return next((n for k in call.keywords if k.arg == "timeout"
+                 and (n := _number(k.value, constants or {})) is not None), None)
 
 
 def short_subprocess_guards(source):
@@ -195,7 +274,7 @@ def short_subprocess_guards(source):
     or a call of this file's own function that passes its ``timeout`` to one (its default
     too). Such a timeout is a hang guard: its process waits for a core like any other."""
     tree, found = ast.parse(source), set()
-    wrappers = set()
+    constants, wrappers = _constants(tree), set()
     for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
         for call in (c for c in ast.walk(fn) if isinstance(c, ast.Call)):
             if isinstance(call.func, ast.Attribute) and call.func.attr in RUNS and any(
@@ -206,8 +285,8 @@ def short_subprocess_guards(source):
                 defaults.update({a.arg: d for a, d in zip(fn.args.kwonlyargs,
                                                           fn.args.kw_defaults, strict=True)})
                 d = defaults.get("timeout")
-                if isinstance(d, ast.Constant) and isinstance(d.value, int | float) \
-                        and d.value < SUBPROCESS_GUARD:
+                d = _number(d, constants) if d is not None else None
+                if d is not None and d < SUBPROCESS_GUARD:
                     found.add(fn.lineno)
     for call in (c for c in ast.walk(tree) if isinstance(c, ast.Call)):
         name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(
@@ -215,7 +294,7 @@ def short_subprocess_guards(source):
         subprocess_call = isinstance(call.func, ast.Attribute) and (
             call.func.attr == "communicate" or isinstance(call.func.value, ast.Name)
             and call.func.value.id == "subprocess" and call.func.attr in RUNS)
-        timeout = _const_timeout(call)
+        timeout = _const_timeout(call, constants)
         if (subprocess_call or name in wrappers) and timeout is not None \
                 and timeout < SUBPROCESS_GUARD:
             found.add(call.lineno)
@@ -256,5 +335,10 @@ def test_the_timing_checker_sees_what_it_must():
               "    _cli('--help', timeout=20)\n"                      # 6: through the wrapper
               "    proc.communicate(timeout=10)\n"                    # 7
               "    subprocess.run(['x'], timeout=600)\n"             # a hang guard: fine
-              "    cluster.run(f, timeout=2)\n")                      # a deadline under test
-    assert short_subprocess_guards(source) == [2, 5, 6, 7]
+              "    cluster.run(f, timeout=2)\n"                      # a deadline under test
+              "STEP = 120\n"
+              "def _step(args, timeout=STEP):\n"                    # 11: a constant's default
+              "    return subprocess.run(args, timeout=timeout)\n"
+              "def test_z():\n"
+              "    subprocess.run(['x'], timeout=STEP)\n")           # 14: a constant
+    assert short_subprocess_guards(source) == [2, 5, 6, 7, 11, 14]

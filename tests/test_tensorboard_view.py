@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from course_lib import chief, tensorboard_view
+from course_lib import chief
+from course_lib.runtime import tensorboard_view
 
 CLUSTER_SIZE = 2
 STEPS = 12
@@ -44,7 +45,7 @@ def test_tensorboard_dies_with_the_process_that_started_it(run_dir):
     import sys
 
     import psutil
-    code = ("import sys; from course_lib import tensorboard_view\n"
+    code = ("import sys; from course_lib.runtime import tensorboard_view\n"
             f"board = tensorboard_view.serve({str(run_dir / tensorboard_view.SUBDIR)!r})\n"
             "print(board.process.pid, flush=True)\n"
             "import os; os.kill(os.getpid(), 9)")

@@ -7,7 +7,7 @@ import threading
 import matplotlib
 import pytest
 
-from course_lib import timeline
+from course_lib.runtime import timeline
 
 matplotlib.use("Agg")
 

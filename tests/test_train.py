@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from course_lib import hosts, train
-from course_lib.launch import mpiexec_path
+from course_lib import train
+from course_lib.runtime import hosts
+from course_lib.runtime.launch import mpiexec_path
 
 STEPS = 6
 
@@ -108,7 +109,7 @@ def test_srun_and_slurm_engines_give_the_same_run(reference):
     result = train.launch("srun", 2, STEPS, timeout=120)
     assert result["launcher"] == "slurm" and result["params_sha256"] == \
         reference["params_sha256"]
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     with start_cluster(n=2, engines="slurm", partition="debug", time_limit="00:10:00") as c:
         jobs = c.run(os.getenv, "SLURM_JOB_ID")
         assert jobs[0] and len(set(jobs)) == 1  # both engines in one sbatch job

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import psutil
 
-from course_lib import cluster as C
-from course_lib import warm_start
-from course_lib.launch import alive, cluster_processes
+from course_lib.runtime import cluster as C
+from course_lib.runtime import warm_start
+from course_lib.runtime.launch import alive, cluster_processes
 from course_lib.testing.warm_start import parent_and_draw
 
 
@@ -63,12 +63,12 @@ def test_the_plain_start_is_one_variable_away(monkeypatch):
     with C.start_cluster(n=2) as c:
         assert c._ipp.cluster_id not in warm_start.TEMPLATES
         parents = [psutil.Process(p) for p, _ in c.run(parent_and_draw)]
-        assert all("course_lib.warm_start" not in " ".join(p.cmdline()) for p in parents)
+        assert all("course_lib.runtime.warm_start" not in " ".join(p.cmdline()) for p in parents)
         assert c.run(C.allreduce_ranks) == [1.0, 1.0]
 
 
 def test_the_course_workers_fork_from_a_preloaded_server(monkeypatch):
-    from course_lib.launch import worker_context
+    from course_lib.runtime.launch import worker_context
     from course_lib.testing.warm_start import torch_was_loaded
     ctx = worker_context()
     assert ctx.get_start_method() == "forkserver"
@@ -87,7 +87,7 @@ def test_an_older_template_of_a_kept_cluster_leaves_the_new_ones_socket():
     socket to fork from: "0 engines ready in 60 s")."""
     tmp_path = Path(tempfile.mkdtemp(prefix="warm"))  # short: a socket's path has 107 bytes
     profile = tmp_path / "profile_kept"
-    code = ("import sys; from course_lib import warm_start as w; "
+    code = ("import sys; from course_lib.runtime import warm_start as w; "
             "t = w.start_template(sys.argv[1], 'kept'); w.wait_ready(t); print(t.pid, flush=True);"
             " sys.stdin.readline()")  # then this process ends: its template is orphaned, and ends
     kernel = subprocess.Popen([sys.executable, "-c", code, str(profile)], text=True,

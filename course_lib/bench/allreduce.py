@@ -24,10 +24,10 @@ second in a bandwidth-optimal allreduce, comparable across N (nccl-tests' defini
 machine the links are memory copies, so the ceiling printed is single-core memcpy bandwidth
 (a large numpy copy, bytes copied per second). "vs native" = native time / this time.
 
-With ``--link`` every message crosses an emulated network (:mod:`course_lib.netem`): the ceiling
-is then the link's bandwidth, and each row carries the time the alpha-beta model predicts for it
-(``predicted_us``; ``netem.predict_allreduce``) and measured / predicted. The native allreduce
-runs inside Gloo or MPI, off the emulated link, and is left out.
+With ``--link`` every message crosses an emulated network (:mod:`course_lib.runtime.netem`): the
+ceiling is then the link's bandwidth, and each row carries the time the alpha-beta model predicts
+for it (``predicted_us``; ``netem.predict_allreduce``) and measured / predicted. The native
+allreduce runs inside Gloo or MPI, off the emulated link, and is left out.
 """
 
 import argparse
@@ -39,7 +39,6 @@ import time
 
 import numpy as np
 
-from course_lib import hosts, netem
 from course_lib.bench import common
 from course_lib.bench.common import (
     BenchError,
@@ -52,7 +51,8 @@ from course_lib.bench.common import (
     text_table,
 )
 from course_lib.costmodel import algbw, busbw
-from course_lib.launch import launched_rank, run_ranks
+from course_lib.runtime import hosts, netem
+from course_lib.runtime.launch import launched_rank, run_ranks
 
 HELP = "every allreduce algorithm against the native one"
 
@@ -185,8 +185,8 @@ def tc_versus_emulated(machines, cluster, local, rate="200Mbit/s", size=2 << 20,
     """The same allreduces of ``size`` bytes timed three ways: on ``cluster``, whose ranks live
     on ``machines`` (one each) with their cables slowed by tc to ``rate`` (the real kernel: TCP,
     queues, Gloo); on ``local``, one machine's cluster, on the emulated link of that rate
-    (:mod:`course_lib.netem`); and by the alpha-beta model of that link. Returns one dict per
-    world size and algorithm: seconds "tc", "emulated" and "model". ``progress=True`` shows a
+    (:mod:`course_lib.runtime.netem`); and by the alpha-beta model of that link. Returns one dict
+    per world size and algorithm: seconds "tc", "emulated" and "model". ``progress=True`` shows a
     bar (``tqdm.auto``) naming the run under way, removed when done.
     Introduced in notebooks/12_scaling_out.ipynb."""
     from tqdm.auto import tqdm  # only when timing: a progress bar
@@ -419,7 +419,7 @@ def _bench_args(args):
 
 
 def _on_cluster(args, world_size, memcpy):
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     with start_cluster(n=world_size, backend=args.backend, timeout=args.time_limit,
                        engines="mpi" if args.transport == "mpi" else "local",
                        pg_timeout=args.timeout) as cluster:

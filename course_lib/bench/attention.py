@@ -36,10 +36,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from course_lib import costmodel, netem
+from course_lib import costmodel
 from course_lib import sequence_parallel as sp
 from course_lib.bench.common import argtype, memcpy_bandwidth, parse_list, text_table, write_csv
-from course_lib.cluster import start_cluster
+from course_lib.runtime import netem
+from course_lib.runtime.cluster import start_cluster
 from course_lib.testing.context_parallel import (
     block_split_on_rank,
     time_attention_on_rank,

@@ -1,8 +1,8 @@
 """``python -m course_lib bench cluster``: how long a cluster takes to start, engines forked from
 a warm template against fresh Pythons, and bare ipyparallel beside them.
 
-Introduced in notebooks/00_welcome_and_cluster.ipynb (:mod:`course_lib.warm_start`). For each
-number of engines, ``--repeats`` times, interleaved: the seconds from ``start_cluster(n)`` to
+Introduced in notebooks/00_welcome_and_cluster.ipynb (:mod:`course_lib.runtime.warm_start`). For
+each number of engines, ``--repeats`` times, interleaved: the seconds from ``start_cluster(n)`` to
 its first ``run`` returning, with ``warm=True`` (engines forked from a template that imported
 PyTorch), with ``warm=False`` (each engine a fresh Python), and bare ipyparallel
 (``ipp.Cluster(n).start_and_connect_sync()`` to its first ``apply``: no process group, no
@@ -49,7 +49,7 @@ def start_seconds(way: str, n: int) -> float:
             return time.perf_counter() - start
         finally:
             cluster.stop_cluster_sync()
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     with start_cluster(n=n, warm=way == "warm") as cluster:
         cluster.run(os.getpid)
         return time.perf_counter() - start
@@ -65,7 +65,7 @@ def python_ceiling() -> tuple[float, float]:
 
 
 def main(args):
-    from course_lib.cluster import SHARED_ENV
+    from course_lib.runtime.cluster import SHARED_ENV
     os.environ.pop(SHARED_ENV, None)  # a fresh cluster each time, never a kept one
     try:
         sizes = [int(x) for x in args.engines.split(",")]

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from course_lib.tables import UNITS, format_size, text_table  # noqa: F401  (the benchmarks' too)
+from course_lib.runtime.tables import UNITS, format_size, text_table  # noqa: F401  (the benchmarks' too)
 
 
 class BenchError(RuntimeError):

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from course_lib.bench.common import parse_list, text_table, write_csv
-from course_lib.dist_checks import wait_work
+from course_lib.comm.dist_checks import wait_work
 
 HELP = "data-parallel step time: each strategy vs torch DDP"
 
@@ -261,7 +261,7 @@ def arguments(parser):
 def main(args):
     """Run ``bench ddp`` with parsed ``args``; 0 when it ran."""
     from course_lib import ddp
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     try:
         hidden, buckets = parse_hidden(args.hidden), parse_buckets(args.buckets)
         if args.world_size < 2:

@@ -266,7 +266,7 @@ def _searches(text):
 
 def main(args):
     """Run ``bench hpsearch`` with parsed ``args``."""
-    from course_lib.cluster import ClusterError, start_cluster
+    from course_lib.runtime.cluster import ClusterError, start_cluster
     if min(args.seeds, args.speedup_seeds, args.search_engines, args.configs,
            args.max_epochs) < 1 or args.epoch_ms <= 0 or args.eta < 2:
         print("bench hpsearch: --seeds, --speedup-seeds, --search-engines, --epoch-ms, "

@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-from course_lib import costmodel, netem
+from course_lib import costmodel
 from course_lib import transformer as tf
 from course_lib.bench.attention import cores, links
 from course_lib.bench.common import (
@@ -38,7 +38,8 @@ from course_lib.bench.common import (
     text_table,
     write_csv,
 )
-from course_lib.cluster import start_cluster
+from course_lib.runtime import netem
+from course_lib.runtime.cluster import start_cluster
 from course_lib.testing.moe import all_to_all_time_on_rank, moe_step_on_rank
 
 HELP = "mixture of experts: load with and without the balance loss, capacity, all-to-all, EP vs TP"

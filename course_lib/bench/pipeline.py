@@ -16,8 +16,9 @@ message between stages plus Python), (measured - simulated step) / (M + N - 1).
 
 import sys
 
-from course_lib import netem, pipeline
+from course_lib import pipeline
 from course_lib.bench.common import BenchError, argtype, parse_list, text_table, write_csv
+from course_lib.runtime import netem
 
 HELP = "pipeline bubble and live activations vs micro-batches, GPipe vs 1F1B"
 
@@ -114,7 +115,7 @@ def arguments(parser):
 
 def main(args):
     """Run ``bench pipeline`` with parsed ``args``."""
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     bad = [s for s in schedules if s not in pipeline.SCHEDULES]
     if bad or not schedules or min(args.microbatches) < 1 or min(args.stages) < 2:

@@ -12,8 +12,8 @@ goes into moving parameters and gradients, not into computing them::
 Columns: pushes/s (worker steps per second, all workers together), samples/s, and the bytes
 each server moved per second (in + out). With one server every byte passes through one
 process: adding workers stops adding throughput; a second server splits that traffic. On an
-emulated network (``--link``, :mod:`course_lib.netem`) each sync row also carries the steps per
-second the servers applied and what the alpha-beta model predicts (``predicted_sync_steps``).
+emulated network (``--link``, :mod:`course_lib.runtime.netem`) each sync row also carries the steps
+per second the servers applied and what the alpha-beta model predicts (``predicted_sync_steps``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import sys
 
 import numpy as np
 
-from course_lib import netem
 from course_lib.bench.common import argtype, parse_list, parse_size, text_table, write_csv
 from course_lib.models import Quadratic
+from course_lib.runtime import netem
 
 HELP = "parameter-server throughput vs servers, workers, sync/async"
 
@@ -135,7 +135,7 @@ def arguments(parser):
 
 
 def main(args):
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     try:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         if not modes or set(modes) - {"sync", "async"}:

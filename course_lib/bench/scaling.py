@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from course_lib import netem, ps_vs_ring
+from course_lib import ps_vs_ring
 from course_lib.bench.common import (
     argtype,
     memcpy_bandwidth,
@@ -33,6 +33,7 @@ from course_lib.bench.common import (
     parse_size,
     write_csv,
 )
+from course_lib.runtime import netem
 
 HELP = "PS (1 and S servers) vs ring-allreduce: measured on an emulated link, modelled to 4096"
 
@@ -70,7 +71,7 @@ def _model_table():
 
 
 def main(args):
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     if args.model_only:
         print(_model_table())
         return 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from course_lib import costmodel, netem, staging
+from course_lib import costmodel, staging
 from course_lib.bench.common import (
     argtype,
     format_size,
@@ -31,6 +31,7 @@ from course_lib.bench.common import (
     text_table,
     write_csv,
 )
+from course_lib.runtime import netem
 
 HELP = "a transfer staged through host memory vs direct (GPUDirect), measured and modelled"
 
@@ -65,7 +66,7 @@ def model_table(sizes=(1 << 20, 16 << 20, 256 << 20, 1 << 30), chunk_bytes=4 << 
 
 
 def main(args):
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     if args.model_only:
         print(model_table())
         return 0

@@ -26,8 +26,9 @@ import sys
 import threading
 import time
 
-from course_lib import netem, zero
+from course_lib import zero
 from course_lib.bench.common import BenchError, argtype, parse_list, text_table, write_csv
+from course_lib.runtime import netem
 
 HELP = "ZeRO stages 1-3: memory per rank, bytes sent, step time vs DDP and FSDP2"
 
@@ -294,7 +295,7 @@ def arguments(parser):
 
 def main(args):
     """Run ``bench zero`` with parsed ``args``."""
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     names = [s.strip() for s in args.implementations.split(",") if s.strip()]
     bad = [s for s in names if s not in IMPLEMENTATIONS]
     if bad or not names or args.layers < 1 or args.width < 1 or args.steps < 2:

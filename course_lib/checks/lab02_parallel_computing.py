@@ -121,7 +121,7 @@ def _train_on_rank(fn_bytes, n_samples, n_features, lr, num_epochs, seed, timeou
 def _run_case(name, where, fn_bytes, cluster, case, timeout, hint):
     """One case on the cluster; returns the per-rank results, or None if not implemented."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.cluster import ClusterError, ClusterTimeout, RemoteError
+    from course_lib.runtime.cluster import ClusterError, ClusterTimeout, RemoteError
     try:
         results = cluster.run(_call_student, fn_bytes, case.world_size, case.kind, case.params,
                               timeout, timeout=timeout + 30)

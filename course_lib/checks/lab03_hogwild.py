@@ -50,7 +50,7 @@ from course_lib.checks.framework import (
     pack_function,
     run_check,
 )
-from course_lib.launch import supervise, worker_context
+from course_lib.runtime.launch import supervise, worker_context
 from course_lib.sharding import shard_bounds
 from course_lib.sparse_problem import (
     SparseData,

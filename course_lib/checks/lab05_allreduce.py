@@ -200,7 +200,7 @@ def _cases(world_size):
 def _remote_failure(name, where, err, schedule, world_size, two_way=False, dtype=None):
     """Turn a failure on the engines into False (not implemented) or a CheckFailed with a hint."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.cluster import ClusterTimeout, RemoteError
+    from course_lib.runtime.cluster import ClusterTimeout, RemoteError
     if isinstance(err, RemoteError):
         errors = err.errors
         if any(text.startswith("NotImplementedError") for text in errors.values()):
@@ -604,7 +604,7 @@ def time_against_ring(student_fn, cluster, sizes=(1 << 22, 1 << 24), repeats=3):
     Returns one dict per size: size (bytes), yours_us and ring_us (median over ``repeats``
     rounds of the slowest rank) and, on an emulated link, model_us: the one-way ring on it by
     the alpha-beta model. A timing, not a check: it asserts nothing."""
-    from course_lib import netem
+    from course_lib.runtime import netem
     medians = cluster.run(run_timed, pack_function(student_fn), list(sizes), repeats,
                           against="ring")[0]
     link = getattr(cluster, "link", None)

@@ -223,7 +223,8 @@ def run_averager(payload, steps=STEPS, cap_bytes=CAP_BYTES, hidden=HIDDEN, batch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from course_lib import data, ddp, models, sharding, timeline
+    from course_lib import data, ddp, models, sharding
+    from course_lib.runtime import timeline
     cls = cloudpickle.loads(payload)
     rank, world = dist.get_rank(), dist.get_world_size()
     X, y, _, _ = data.load_digits()
@@ -423,7 +424,7 @@ def check_overlapped_averager(student_cls, cluster, steps: int = STEPS):
     ``cluster`` beside torch DDP. Returns ``(ok, timelines)``: ``(False, None)`` while not
     implemented; raises CheckFailed with a hint when something is wrong."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.cluster import ClusterTimeout, RemoteError
+    from course_lib.runtime.cluster import ClusterTimeout, RemoteError
     name = "check_overlapped_averager"
     try:
         results = cluster.run(run_averager, pack_function(student_cls), steps, timeout=60)
@@ -506,8 +507,9 @@ def time_averager_on_rank(payload, caps, steps=3, hidden=(256,) * 6, batch=512, 
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from course_lib import models, netem
+    from course_lib import models
     from course_lib.comm import get_comm
+    from course_lib.runtime import netem
     cls, comm = cloudpickle.loads(payload), get_comm("torch", check_sizes=False)
     gen = torch.Generator().manual_seed(seed + dist.get_rank())
     x, y = torch.randn(batch, 64, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
@@ -546,8 +548,9 @@ def sweep_bucket_caps(student_cls, cluster, caps_mb=(0.0625, 0.25, 1, 4), link="
     Introduced in labs/06_data_parallel_sgd.ipynb."""
     from IPython.display import display
 
-    from course_lib import models, netem
+    from course_lib import models
     from course_lib.figures import data_parallel_sgd as figures
+    from course_lib.runtime import netem
     spec = cluster.set_link(link)
     try:
         step_ms, compute_ms, buckets = cluster.run(

@@ -225,7 +225,7 @@ def exchange_on_rank(payload, n, k, seed, with_residual, shared, timeout=10.0):
 
 def _remote(name, where, err):
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.cluster import ClusterTimeout, RemoteError
+    from course_lib.runtime.cluster import ClusterTimeout, RemoteError
     if isinstance(err, RemoteError):
         if any("NotImplementedError" in text for text in err.errors.values()):
             return not_implemented(name)

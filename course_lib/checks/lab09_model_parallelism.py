@@ -351,7 +351,7 @@ def check_stage_step(stage_step: Callable, schedule: Callable, cluster,
     num_microbatches)`` (exercise 1's 1F1B), with real messages on the ranks of ``cluster``;
     every stage's gradients and the loss must equal one process's on the whole batch."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.cluster import ClusterTimeout, RemoteError
+    from course_lib.runtime.cluster import ClusterTimeout, RemoteError
     name = "check_stage_step"
     try:
         ready = all(_order(schedule, s, cluster.n, M) == pipeline.schedule_order(
@@ -685,7 +685,7 @@ def check_f_and_g(f: type, g: type, parallel_mlp: Callable, cluster,
     on every rank of ``cluster`` against the whole MLP in one process: its output, dL/dx and
     the gradient of every weight's slice."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.cluster import ClusterTimeout, RemoteError
+    from course_lib.runtime.cluster import ClusterTimeout, RemoteError
     name = "check_f_and_g"
     try:
         payload = [pack_function(fn) for fn in (f, g, parallel_mlp)]

@@ -319,7 +319,7 @@ def _calls_hint(rank, calls):
 def _cluster_failure(where, err):
     """A failure of the run itself (not of a step: those come back in the reports)."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.cluster import ClusterTimeout, RemoteError
+    from course_lib.runtime.cluster import ClusterTimeout, RemoteError
     if isinstance(err, RemoteError):
         first = min(err.errors)
         hint = ("your functions run on the engines: define or import everything they use "
@@ -337,7 +337,7 @@ def _step_failure(name, where, errors, fns, n, N):
     NotImplementedError (naming exercise 1 if it came from the ring), else a CheckFailed that
     shows the exception of the first rank that raised one of its own."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.cluster import RemoteError
+    from course_lib.runtime.cluster import RemoteError
     unfinished = [e for e in errors.values() if e["type"] == "NotImplementedError"]
     if unfinished:
         ring = {getattr(fns[1], "__name__", None), getattr(fns[2], "__name__", None)}

@@ -42,8 +42,8 @@ from pathlib import Path
 
 from course_lib import k8s, train
 from course_lib.checks.framework import CheckFailed, not_implemented, pack_function
-from course_lib.k8s_validate import validate
-from course_lib.launch import mpiexec_path, run_ranks
+from course_lib.k8s.validate import validate
+from course_lib.runtime.launch import mpiexec_path, run_ranks
 
 FIELDS = ("launcher", "rank", "world_size", "local_rank", "master_addr", "master_port")
 LOCALHOST = "127.0.0.1"

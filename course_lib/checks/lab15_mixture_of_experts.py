@@ -519,7 +519,7 @@ def check_all_to_all(student_fn: Callable, cluster: Any,
     hint. Prints a pass line and returns True, returns False while the function raises
     NotImplementedError, raises ``CheckFailed`` otherwise."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    from course_lib.cluster import ClusterError, ClusterTimeout, RemoteError
+    from course_lib.runtime.cluster import ClusterError, ClusterTimeout, RemoteError
     if cluster.n < 2:
         raise ValueError(f"check_all_to_all needs a cluster of at least 2 engines, this one has "
                          f"{cluster.n}")

@@ -49,7 +49,7 @@ TOOLS = {
     1: "run the broken job and read the error every rank raised: which collective, which "
        "shapes, which ranks (the course's agreement check)",
     2: "run the broken job with a deadline and read where every rank waited in the "
-       "ClusterTimeout (course_lib.stacks)",
+       "ClusterTimeout (course_lib.runtime.stacks)",
     3: "run the broken job and give the runs to clinic.first_divergence: at which step and "
        "tensor do the ranks' checksums first differ?",
     4: "run the broken job and give the runs to clinic.coverage: who read which samples?",
@@ -220,7 +220,7 @@ def run_job(step_fn: Callable, cluster, steps: int = STEPS, deadline: float = RU
     None after printing how it failed (its error, or where each rank waited), never raising.
     A call past ``deadline`` is stopped before any wait of its comm gives up (twice as long),
     so a hang shows where every rank waits."""
-    from course_lib.cluster import ClusterError
+    from course_lib.runtime.cluster import ClusterError
     try:
         runs = cluster.run(run_student_job, pack_function(step_fn), steps, 2 * deadline,
                            timeout=deadline)
@@ -245,7 +245,7 @@ def check_job(number: int, kind: str | Callable[[], str], fixed_step: Callable,
     deadlines. Prints ✓ and returns True; raises CheckFailed with a hint otherwise (False while
     a template raises NotImplementedError)."""
     __tracebackhide__ = True
-    from course_lib.cluster import ClusterTimeout
+    from course_lib.runtime.cluster import ClusterTimeout
     name = f"check_job({number})"
     if number not in ANSWERS:
         raise ValueError(f"number must be one of {sorted(ANSWERS)}, not {number!r}")
@@ -264,7 +264,7 @@ def check_job(number: int, kind: str | Callable[[], str], fixed_step: Callable,
         runs = cluster.run(run_student_job, pack_function(fixed_step), STEPS, STUDENT_TIMEOUT,
                            timeout=RUN_TIMEOUT)
     except ClusterTimeout as e:
-        where = str(e).split("Where they were (course_lib.stacks):\n")[-1]
+        where = str(e).split("Where they were (course_lib.runtime.stacks):\n")[-1]
         raise CheckFailed(f"{name}: your fixed job did not finish within {RUN_TIMEOUT:g}s. "
                           f"Where each rank waited:\n{where}\nHint: every collective and every "
                           "send must be met by its partners; read what each rank waits for."

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import nbformat
 
-from course_lib.labs import BEGIN, PATTERN, RAISES_TAG, default_root
+from course_lib.runtime.labs import BEGIN, PATTERN, RAISES_TAG, default_root
 
 COURSE_ID = "distributed-deep-learning"
 EXCHANGE_ENV = "COURSE_LIB_NBGRADER_EXCHANGE"  # where release/fetch/submit meet, unless given

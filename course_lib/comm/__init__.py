@@ -15,7 +15,8 @@ process group ``start_cluster`` made), under ``torchrun`` and under ``mpiexec``.
 
 The package, one module per part:
 
-* ``base``: the deadline, the errors, :class:`Request` and the :class:`Comm` base class, whose
+* ``base``: the deadline, the errors (and :func:`during`, which puts a lesson's "who, what,
+  which step" in front of one), :class:`Request` and the :class:`Comm` base class, whose
   docstring writes down the protocol a transport implements;
 * ``torch_transport``: :class:`TorchComm` (and :func:`init_torch_from_launcher`);
 * ``mpi_transport``: :class:`MpiComm`;
@@ -40,6 +41,7 @@ from course_lib.comm.base import (
     CommTimeout,
     Request,
     describe,
+    during,
     is_numpy,
     nbytes,
     to_numpy,
@@ -52,7 +54,7 @@ from course_lib.comm.torch_transport import TorchComm, init_torch_from_launcher
 
 __all__ = ["DEFAULT_TIMEOUT", "HEADER_TAG", "STAMP_TAG", "Comm", "CommError", "CommTimeout",
            "Message", "MpiComm", "RecordingComm", "Request", "TorchComm", "describe",
-           "get_comm", "init_torch_from_launcher", "is_numpy", "nbytes", "run_ranks",
+           "during", "get_comm", "init_torch_from_launcher", "is_numpy", "nbytes", "run_ranks",
            "to_numpy", "wait_all", "wait_work"]
 
 

@@ -13,14 +13,15 @@ One file a little over a lesson's length: the protocol's pieces (errors, :class:
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
-from course_lib import netem
-from course_lib.engine import mark_group_broken
+from course_lib.runtime import netem
+from course_lib.runtime.engine import mark_group_broken
 
 # The course's one deadline policy: every distributed wait (a message, a collective, a gradient
 # bucket, a compressor's exchange) defaults to this many seconds, and every function that waits
@@ -138,6 +139,22 @@ class Request:
         return CommError(f"{self.what()}: rank {self.peer} sent {sent} bytes ({elements}) but "
                          f"the receive buffer holds {mine} bytes: a send and its receive must "
                          f"have the same size (the message was received and dropped)")
+
+
+@contextmanager
+def during(what: str, error: type[CommError] | None = None) -> Iterator[None]:
+    """Put who, what and which step in front of a :class:`CommError` raised inside::
+
+        with during(f"ring attention, forward step {step}"):
+            request.wait()
+
+    re-raises it as ``error`` (default: the same class, so a timeout stays a
+    :class:`CommTimeout`) with ``what`` first and the transport's own message after it.
+    Introduced in notebooks/02_parallel_computing.ipynb."""
+    try:
+        yield
+    except CommError as e:
+        raise (error or type(e))(f"{what}: {e}") from e
 
 
 def wait_work(work: Any, timeout: float, what: str, error: type[Exception] | None = None) -> None:
@@ -269,7 +286,7 @@ class Comm:
 
     def emulate(self, request: Request) -> None:
         """On an emulated link, a completed request waits until the link would have carried
-        its message (see :mod:`course_lib.netem`)."""
+        its message (see :mod:`course_lib.runtime.netem`)."""
         if self.link is None:
             return
         if request.kind == "send":

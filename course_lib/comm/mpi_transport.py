@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from course_lib import netem
 from course_lib.comm.base import (
     DEFAULT_TIMEOUT,
     STAMP_TAG,
@@ -24,6 +23,7 @@ from course_lib.comm.base import (
     Request,
     nbytes,
 )
+from course_lib.runtime import netem
 
 LAUNCHED_SIZE = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")  # MPICH's (Hydra, PMI) and Open MPI's
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from course_lib.comm import DEFAULT_TIMEOUT, TorchComm, get_comm
-from course_lib.engine import ENGINE
+from course_lib.runtime.engine import ENGINE
 
 if TYPE_CHECKING:  # for the annotations only (see the module docstring)
     from torch.distributed import ProcessGroup

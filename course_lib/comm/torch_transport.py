@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from course_lib import netem
 from course_lib.comm.base import (
     DEFAULT_TIMEOUT,
     HEADER_TAG,
@@ -29,6 +28,7 @@ from course_lib.comm.base import (
     nbytes,
     wait_all,
 )
+from course_lib.runtime import netem
 
 
 def init_torch_from_launcher(backend: str = "gloo", timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -86,8 +86,8 @@ class TorchComm(Comm):
                          link)
         self.backend = dist.get_backend(group)
         if self.link is not None and self.backend == "nccl":
-            raise CommError("the emulated link (course_lib.netem) runs over gloo and mpi, not "
-                            "nccl: a GPU has a real interconnect to measure")
+            raise CommError("the emulated link (course_lib.runtime.netem) runs over gloo and mpi, "
+                            "not nccl: a GPU has a real interconnect to measure")
 
     @staticmethod
     def _tensor(buf):

@@ -341,7 +341,7 @@ def emulated_link_figure(rows, loopback_rows=(), path=None):
     number of ranks at the largest size, time against size at the largest world size (with
     the same runs on bare loopback, the machine's own floor, dashed), and the ring's busbw
     against the link's bandwidth (notebook 05)."""
-    from course_lib import netem
+    from course_lib.runtime import netem
     link = netem.make_link(rows[0]["link"])
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
     ns = sorted({r["world_size"] for r in rows})

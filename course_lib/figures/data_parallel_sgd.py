@@ -138,7 +138,7 @@ def last_step_figure(timelines, title="", path=None):
     """The last recorded step of each strategy, every rank's compute and communication rows, on
     one time axis: ``timelines`` maps a strategy name to its ranks' Timelines (``record=True``).
     Introduced in notebooks/06_data_parallel_sgd.ipynb."""
-    from course_lib import timeline
+    from course_lib.runtime import timeline
     fig = Figure(figsize=(10, 2.2 + 1.6 * len(timelines)), layout="constrained")
     axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False)[:, 0]
     longest = 0.0

@@ -107,7 +107,7 @@ def measured_vs_simulated(reports, schedule, num_microbatches, t_forward, t_back
     Introduced in notebooks/09_model_parallelism.ipynb."""
     import matplotlib.pyplot as plt
 
-    from course_lib import timeline
+    from course_lib.runtime import timeline
     reports = [r for r in reports if r is not None]
     N = len(reports)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 2 + 1.3 * N))

@@ -33,7 +33,7 @@ def measured_throughput(rows, ax=None):
     worker alone) dotted. Introduced in notebooks/12_scaling_out.ipynb."""
     import matplotlib.pyplot as plt
 
-    from course_lib import netem
+    from course_lib.runtime import netem
     if ax is None:
         ax = plt.subplots(figsize=(7, 4))[1]
     one = [r for r in rows if r["method"] == "one"]
@@ -242,7 +242,7 @@ def gpu_transfer(rows=None, sizes=SIZES, chunk_bytes=4 << 20, axes=None):
 
 
 def job_timeline(run, ax=None):
-    """The phases of each pod of a :class:`course_lib.k8s_watch.JobRun` as they were observed
+    """The phases of each pod of a :class:`course_lib.k8s.watch.JobRun` as they were observed
     (Pending, Running, Succeeded or Failed) and, on top, the job's state (its last condition,
     what ``kubectl get pytorchjob`` shows) over the same time.
     Introduced in notebooks/12_scaling_out.ipynb."""

@@ -85,7 +85,7 @@ def step_times(rows, link, ax=None):
     bytes the rank sent (counted). Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
     import matplotlib.pyplot as plt
 
-    from course_lib import netem
+    from course_lib.runtime import netem
     if ax is None:
         ax = plt.subplots(figsize=(7, 3.5))[1]
     bandwidth = netem.make_link(link).bandwidth

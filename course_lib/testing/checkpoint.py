@@ -30,7 +30,8 @@ def save_killed_mid_write(path, naive=False, step=2, numbers=100_000):
     save = (f"checkpoint.naive_save(state, {str(path)!r})" if naive
             else f"checkpoint.save(state, {str(path)!r}, step={step})")
     code = ("import torch\n"
-            "from course_lib import checkpoint, fault_points\n"
+            "from course_lib import checkpoint\n"
+            "from course_lib.runtime import fault_points\n"
             "fault_points.arm('checkpoint-mid-write', 'kill')\n"
             f"state = {{'w': torch.arange({numbers}, dtype=torch.float64), 'step': {step}}}\n"
             f"{save}\n")

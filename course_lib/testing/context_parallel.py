@@ -10,11 +10,12 @@ import time
 import numpy as np
 import torch
 
-from course_lib import collectives, netem
+from course_lib import collectives
 from course_lib import context_parallel as cp
 from course_lib import sequence_parallel as sp
 from course_lib import transformer as tf
 from course_lib.comm import get_comm
+from course_lib.runtime import netem
 from course_lib.tensor_parallel import TensorParallel
 
 

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import data, ddp, horovod, models, timeline
+from course_lib import data, ddp, horovod, models
+from course_lib.runtime import timeline
 from course_lib.sharding import shard_bounds
 
 VARIANTS = ("mlp", "tied", "frozen", "unused", "batchnorm")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from course_lib import launch
+from course_lib.runtime import launch
 from course_lib.testing.timing import hang_bound
 
 SHORT = 2.0  # the deadline of the scenarios' distributed waits, in seconds
@@ -116,7 +116,7 @@ def stop_self_on(rank, seconds=30.0):
 @scenario("collective-mismatch", "a length, dtype or op that differs across ranks is named on "
           "every rank, nobody dies", SHORT)
 def collective_mismatch(ctx):
-    from course_lib.cluster import RemoteError
+    from course_lib.runtime.cluster import RemoteError
     from course_lib.testing.collectives import mismatched_allreduce
     cluster, worst, said = ctx.cluster, 0.0, ""
     pids = list(cluster.pids)
@@ -134,7 +134,7 @@ def collective_mismatch(ctx):
 @scenario("ddp-different-model", "DDP refuses ranks whose models differ before any gradient "
           "moves, listing both layouts", SHORT)
 def ddp_different_model(ctx):
-    from course_lib.cluster import RemoteError
+    from course_lib.runtime.cluster import RemoteError
     from course_lib.testing.ddp import mismatched_models
     return expect_error(ctx.cluster.run, mismatched_models, "wrapper", timeout=30,
                         error=RemoteError, names=["disagree on the tensors to broadcast",
@@ -144,7 +144,7 @@ def ddp_different_model(ctx):
 @scenario("rank-never-calls", "a rank that never joins a collective is named by the others "
           "within the deadline", SHORT)
 def rank_never_calls(ctx):
-    from course_lib.cluster import RemoteError
+    from course_lib.runtime.cluster import RemoteError
     from course_lib.testing.collectives import allreduce_without
     return expect_error(ctx.cluster.run, allreduce_without, 1, "ring", timeout=30,
                         error=RemoteError, names=["CommTimeout", "from rank 1",
@@ -154,7 +154,7 @@ def rank_never_calls(ctx):
 @scenario("rank-calls-another", "ranks calling different collectives fail within the "
           "deadline, naming the operation", SHORT)
 def rank_calls_another(ctx):
-    from course_lib.cluster import RemoteError
+    from course_lib.runtime.cluster import RemoteError
     return expect_error(ctx.cluster.run, mixed_collectives, timeout=30, error=RemoteError,
                         names=["rank 0", "rank 1"])
 
@@ -207,7 +207,7 @@ def send_cycle_mpi(ctx):
 @scenario("send-cycle-gloo", "the same cycle over Gloo ends at the deadline, naming rank, "
           "operation, peer and size", SHORT)
 def send_cycle_gloo(ctx):
-    from course_lib.cluster import RemoteError
+    from course_lib.runtime.cluster import RemoteError
     return expect_error(ctx.cluster.run, send_cycle, 4 << 20, timeout=30, error=RemoteError,
                         names=["CommTimeout", "send", "rank 0"])
 
@@ -216,8 +216,8 @@ def send_cycle_gloo(ctx):
 @scenario("engine-killed", "an engine SIGKILLed mid-call is named with its pid within "
           "seconds; the next call restarts it", 5.0)
 def engine_killed(ctx):
-    from course_lib.cluster import EngineDied
-    from course_lib.engine import exit_on
+    from course_lib.runtime.cluster import EngineDied
+    from course_lib.runtime.engine import exit_on
     pid = ctx.cluster.pids[1]
     return expect_error(ctx.cluster.run, exit_on, 1, error=EngineDied,
                         names=[f"rank 1 (pid {pid}) died"])
@@ -226,14 +226,14 @@ def engine_killed(ctx):
 @scenario("engine-stopped", "an engine SIGSTOPped mid-call (alive, silent) is named at the "
           "call's deadline; the next call replaces it", 3.0)
 def engine_stopped(ctx):
-    from course_lib.cluster import ClusterTimeout
+    from course_lib.runtime.cluster import ClusterTimeout
     return expect_error(ctx.cluster.run, stop_self_on, 1, timeout=3, error=ClusterTimeout,
                         names=["rank(s) [", "1"])
 
 
 def _interrupt(ctx, fn, *args):
     """Kernel > Interrupt: SIGINT to this process 1 s into ``cluster.run(fn, *args)``."""
-    from course_lib.engine import allreduce_ranks
+    from course_lib.runtime.engine import allreduce_ranks
     cluster = ctx.cluster
     cluster.run(allreduce_ranks)  # started and healthy before the clock starts
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -262,14 +262,14 @@ def _interrupt(ctx, fn, *args):
 @scenario("interrupt-python-call", "Kernel > Interrupt during a Python call stops the engines "
           "too; the next call works within seconds", 5.0)
 def interrupt_python_call(ctx):
-    from course_lib.engine import sleep_on
+    from course_lib.runtime.engine import sleep_on
     return _interrupt(ctx, sleep_on, list(range(ctx.cluster.n)), 40)
 
 
 @scenario("interrupt-native-collective", "Kernel > Interrupt while ranks wait inside Gloo's "
           "allreduce; the next call works within seconds", 5.0)
 def interrupt_native_collective(ctx):
-    from course_lib.engine import skip_collective
+    from course_lib.runtime.engine import skip_collective
     return _interrupt(ctx, skip_collective, ctx.cluster.n - 1)
 
 
@@ -277,7 +277,7 @@ def _killed_kernel(kill_watchdog):
     """A process that starts a cluster and is SIGKILLed (with its watchdog, if asked), as a
     notebook kernel killed by the OS or by nbval; returns its cluster's pids."""
     script = ("import os, signal, json, psutil\n"
-              "from course_lib.cluster import start_cluster\n"
+              "from course_lib.runtime.cluster import start_cluster\n"
               "c = start_cluster(n=2)\n"
               "print(json.dumps([p.pid for p in psutil.Process().children(recursive=True)"
               " if p.pid != c.watchdog]), flush=True)\n"
@@ -336,7 +336,7 @@ def kernel_and_watchdog_killed(ctx):
 
 NOTEBOOK = {"cells": [
     {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [], "source":
-     "from course_lib.cluster import start_cluster\nfrom course_lib.engine import sleep_on\n"
+     "from course_lib import start_cluster\nfrom course_lib.runtime.engine import sleep_on\n"
      "cluster = start_cluster(n=2)"},
     {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
      "source": "cluster.run(sleep_on, [0, 1], 120, timeout=300)"}],
@@ -381,7 +381,7 @@ def _ps_train(ctx, **kwargs):
 @scenario("ps-sync-worker-killed", "a worker killed under the synchronous parameter server is "
           "named within the deadline", SHORT)
 def ps_sync_worker_killed(ctx):
-    from course_lib.cluster import EngineDied, RemoteError
+    from course_lib.runtime.cluster import EngineDied, RemoteError
     return expect_error(_ps_train, ctx, mode="sync", faults=["ps-worker-step:kill@4:rank=2"],
                         timeout=SHORT, error=(RemoteError, EngineDied), names=["rank"])
 
@@ -401,7 +401,7 @@ def ps_async_worker_killed(ctx):
           "deadline (2 x timeout + 5 s: longer than the server's own step deadline, so that in "
           "sync mode the server names a missing worker first)", 2 * 1 + 5)
 def ps_server_killed(ctx):
-    from course_lib.cluster import RemoteError
+    from course_lib.runtime.cluster import RemoteError
     _, said = expect_error(_ps_train, ctx, mode="async", checkpoint_dir=ctx.tmp,
                            faults=["ps-server-update:kill@10"], timeout=1, error=RemoteError,
                            names=["[0] died", "to server 0"])
@@ -533,12 +533,12 @@ def _bad_calls():
         hpsearch,
         large_batch,
         local_sgd,
-        netem,
         pipeline,
         ps,
         zero,
     )
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime import netem
+    from course_lib.runtime.cluster import start_cluster
     return [
         (lambda: start_cluster(n=0), "n"),
         (lambda: start_cluster(n=2, engines="gpu"), "engines"),

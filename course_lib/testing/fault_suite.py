@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course_lib import warm_start
+from course_lib.runtime import warm_start
 from course_lib.testing.fault_scenarios import SCENARIOS, Broken, Scenario  # noqa: F401
 from course_lib.testing.timing import hang_bound
 
@@ -51,7 +51,7 @@ class Context:
 
     @property
     def cluster(self):
-        from course_lib.cluster import start_cluster
+        from course_lib.runtime.cluster import start_cluster
         self.used_cluster = True
         if self._cluster is None or self._cluster.stopped:
             self._cluster = start_cluster(n=CLUSTER_SIZE, timeout=20, pg_timeout=10)
@@ -204,7 +204,7 @@ def run_one(sc, ctx):
 
 
 def _usable(ctx):
-    from course_lib.engine import allreduce_ranks
+    from course_lib.runtime.engine import allreduce_ranks
     try:
         expected = float(sum(range(CLUSTER_SIZE)))
         return ctx.cluster.run(allreduce_ranks, timeout=30) == [expected] * CLUSTER_SIZE
@@ -252,7 +252,7 @@ def _left_behind(token, ctx, settle=GRACE):
 def available(sc):
     """None when scenario ``sc`` can run here, else why not."""
     if sc.needs == "mpi":
-        from course_lib.launch import MPIEXEC_MISSING, mpiexec_path
+        from course_lib.runtime.launch import MPIEXEC_MISSING, mpiexec_path
         return None if mpiexec_path() else MPIEXEC_MISSING
     if sc.needs == "root" and os.geteuid() != 0:
         return "needs root"

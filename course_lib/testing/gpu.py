@@ -122,8 +122,8 @@ def cluster_report(sizes: tuple[int, ...] = (1, 2, 4), device: str = "cuda",
     collectives' mismatches, each parallelism's differences per rank and (on 2 ranks) ZeRO's
     memory per stage (``parallelism``, ``zero``: whether to run those; ``zero_sizes``: keyword
     arguments of :func:`zero_memory_on_rank`)."""
-    from course_lib.cluster import start_cluster
-    from course_lib.engine import engine_info
+    from course_lib.runtime.cluster import start_cluster
+    from course_lib.runtime.engine import engine_info
     report = {}
     for n in sizes:
         with start_cluster(n=n, timeout=120) as cluster:

@@ -129,8 +129,8 @@ def optimize_on_engine(directory, budget_epochs, max_epochs, settings, trial_fn,
     ``ranks`` return at once. Introduced in notebooks/13_hyperparameter_search.ipynb."""
     import optuna
 
-    from course_lib import fault_points
-    from course_lib.engine import ENGINE
+    from course_lib.runtime import fault_points
+    from course_lib.runtime.engine import ENGINE
     rank = ENGINE.get("rank", 0)
     if ranks is not None and rank not in ranks:
         return None
@@ -231,7 +231,7 @@ def optuna_search(cluster, budget_epochs=63, min_epochs=1, max_epochs=9, eta=3, 
     Introduced in notebooks/13_hyperparameter_search.ipynb."""
     import optuna
 
-    from course_lib.cluster import EngineDied
+    from course_lib.runtime.cluster import EngineDied
     make_pruner(pruner)  # bad names fail here, before any engine starts
     make_sampler(sampler)
     directory = Path(directory or tempfile.mkdtemp(prefix="course-optuna-"))

@@ -26,7 +26,7 @@ from course_lib import compression, models
 from course_lib.local_sgd import Replica, powersgd_elements, rank0_result, record_point, run_result
 
 if TYPE_CHECKING:
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 HOOKS = ("none", "fp16", "powersgd")
 

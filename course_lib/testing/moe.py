@@ -8,9 +8,10 @@ import time
 import numpy as np
 import torch
 
-from course_lib import collectives, netem
+from course_lib import collectives
 from course_lib import moe as M
 from course_lib.comm import get_comm
+from course_lib.runtime import netem
 from course_lib.tensor_parallel import TensorParallel
 
 

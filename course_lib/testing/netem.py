@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from course_lib import netem
 from course_lib.collectives import allreduce
 from course_lib.comm import get_comm, wait_all
+from course_lib.runtime import netem
 
 
 def timed(pattern, n_bytes):

@@ -13,7 +13,7 @@ from torch import nn
 from course_lib import pipeline
 from course_lib.comm import get_comm
 from course_lib.comm.subgroups import subgroup_comm
-from course_lib.timeline import Timeline
+from course_lib.runtime.timeline import DISABLED, Timeline
 
 
 def make_mlp(num_layers=6, width=8, seed=0, dtype=torch.float64):
@@ -35,7 +35,7 @@ def make_batch(batch=16, width=8, seed=1, dtype=torch.float64):
             torch.randn(batch, width, generator=g, dtype=dtype))
 
 
-def run_stage(stage, comm, num_microbatches, x, y, schedule="1f1b", timeline=None):
+def run_stage(stage, comm, num_microbatches, x, y, schedule="1f1b", timeline=DISABLED):
     """``pipeline.pipeline_step`` of this rank's ``stage`` with MSE: the batch ``x`` goes to
     the first stage, the targets ``y`` to the last. Introduced in
     notebooks/09_model_parallelism.ipynb."""
@@ -84,7 +84,7 @@ def timed_step(schedule="1f1b", num_microbatches=8, forward_s=0.02, backward_s=0
     the last step, its common start, the step's seconds, peak live micro-batches and peak bytes
     of saved activations; None outside ``world_size``.
     Introduced in notebooks/09_model_parallelism.ipynb."""
-    from course_lib import netem
+    from course_lib.runtime import netem
     comm = subgroup_comm(world_size, timeout)
     if comm is None:
         return None
@@ -117,7 +117,7 @@ def split_step_seconds(counts, forward_ms=(2, 2, 2, 2, 4, 4, 8, 8), batch=16,
     """Median seconds of a 1F1B step of :func:`sleeping_model` cut into stages of ``counts``
     layers, and this stage's busy seconds per step. Introduced in
     notebooks/09_model_parallelism.ipynb."""
-    from course_lib import netem
+    from course_lib.runtime import netem
     comm = get_comm("torch")
     rank = comm.rank
     stage = pipeline.split_model(sleeping_model(forward_ms), counts)[rank]
@@ -153,7 +153,7 @@ def tp_and_pp_on_link(link=None, batch=32, d_model=256, num_microbatches=4, step
     block) and pipeline parallel (block s on rank s, 1F1B, ``num_microbatches``: point to point
     between stages). Returns the median seconds of each (``steps`` after one warm-up).
     Introduced in notebooks/09_model_parallelism.ipynb."""
-    from course_lib import netem
+    from course_lib.runtime import netem
     from course_lib.tensor_parallel import ParallelMLP, TensorParallel
     comm = get_comm("torch", timeout=timeout)
     comm.link = netem.make_link(link) if link else None

@@ -12,12 +12,13 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from course_lib import costmodel, netem, planner
+from course_lib import costmodel, planner
 from course_lib import mesh as M
 from course_lib import scale_plan as S
 from course_lib import transformer as tf
 from course_lib.collectives import allreduce
 from course_lib.comm import get_comm
+from course_lib.runtime import netem
 
 
 def best_of(fn: Callable[[], object], repeats: int = 5) -> float:

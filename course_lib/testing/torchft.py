@@ -173,7 +173,7 @@ class _Run:
         self.procs[(r, life)] = self._spawn(f"replica-{r}-{life}", args)
 
     def go(self):
-        from course_lib.launch import kill_tree
+        from course_lib.runtime.launch import kill_tree
         start = self.start = time.monotonic()
         lighthouse = None
         kill_time = None
@@ -387,7 +387,8 @@ def _replica_main(args):
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
     from torchft.checkpointing import HTTPTransport
 
-    from course_lib import chief, fault_points
+    from course_lib import chief
+    from course_lib.runtime import fault_points
 
     torch.set_num_threads(1)
     log = _Log(Path(args.dir) / f"replica-{args.replica}-{args.life}.jsonl")

@@ -1,4 +1,4 @@
-"""What a test runs on the engines of a warm cluster (:mod:`course_lib.warm_start`)."""
+"""What a test runs on the engines of a warm cluster (:mod:`course_lib.runtime.warm_start`)."""
 
 from __future__ import annotations
 

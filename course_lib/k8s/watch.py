@@ -5,12 +5,12 @@ pods -w`` (each pod Pending, then Running, then Succeeded or Failed), ``kubectl 
 pytorchjob <job>`` (the conditions the operator sets: Created, Running, Succeeded or Failed, each
 with a reason, a message and when it last changed) and ``kubectl logs <pod>``. No API server runs
 here: :func:`run_watched` starts the job's two pods as processes on two hosts named like the
-pods (:mod:`course_lib.hosts`), each with the environment the operator would give it
-(:func:`course_lib.k8s_pods.pod_environments`), polls them while they run and records every
+pods (:mod:`course_lib.runtime.hosts`), each with the environment the operator would give it
+(:func:`course_lib.k8s.pods.pod_environments`), polls them while they run and records every
 phase it sees; the conditions follow from those phases as the training-operator's controller
 derives them. The ``kubectl_*`` functions print what was observed in kubectl's formats::
 
-    from course_lib import k8s_watch
+    from course_lib.k8s import watch as k8s_watch
     run = k8s_watch.run_watched(job)              # job: a checked two-pod PyTorchJob
     print(k8s_watch.kubectl_get_pods_watch(run))
     print(k8s_watch.kubectl_describe_job(run))
@@ -31,9 +31,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from course_lib import hosts
-from course_lib.k8s_pods import pod_environments
-from course_lib.launch import kill_tree
+from course_lib.k8s.pods import pod_environments
+from course_lib.runtime import hosts
+from course_lib.runtime.launch import kill_tree
 
 # --------------------------------------------------------------------------- a job's life
 # The training-operator's condition reasons and messages for a PyTorchJob (kubeflow/training-
@@ -196,9 +196,9 @@ NOT_A_CLUSTER = ("# no Kubernetes API server runs here: these are the job's loca
 
 def run_locally(manifest: dict, timeout: float = 180.0) -> dict[str, str]:
     """Run a two-pod PyTorchJob here as the cluster would: each pod a host of its own named like
-    the pod (:func:`course_lib.hosts.make_hosts`, so ``MASTER_ADDR=<job>-master-0`` resolves),
-    its container's command, and exactly the environment :func:`pod_environments` gives it.
-    Returns each pod's output (rank 0's last line is the script's JSON result); raises
+    the pod (:func:`course_lib.runtime.hosts.make_hosts`, so ``MASTER_ADDR=<job>-master-0``
+    resolves), its container's command, and exactly the environment :func:`pod_environments` gives
+    it. Returns each pod's output (rank 0's last line is the script's JSON result); raises
     RuntimeError naming the first pod that failed or ran late. Needs root.
     Introduced in notebooks/12_scaling_out.ipynb."""
     run = run_watched(manifest, timeout)

@@ -2,7 +2,7 @@
 
 Introduced in notebooks/00_welcome_and_cluster.ipynb. Usage::
 
-    from course_lib.cluster import start_cluster
+    from course_lib.runtime.cluster import start_cluster
     with start_cluster(n=4) as cluster:          # 4 engines, Gloo on CPU, NCCL on GPUs
         print(cluster.run(engine_info))          # one result per rank, in rank order
 
@@ -14,8 +14,8 @@ raises :class:`ClusterTimeout` naming the ranks that did not finish; an engine t
 
 One file, longer than a lesson: starting, running, repairing and stopping a cluster share the
 state of one :class:`Cluster` (engine ids, pids, what is broken), and splitting it would scatter
-that state; what runs on the engines is in :mod:`course_lib.engine`, the processes' launch and
-reaping in :mod:`course_lib.launch`.
+that state; what runs on the engines is in :mod:`course_lib.runtime.engine`, the processes' launch
+and reaping in :mod:`course_lib.runtime.launch`.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import ipyparallel as ipp
 from IPython.paths import get_ipython_dir
 from traitlets.config import Config
 
-from course_lib import netem, warm_start
-from course_lib.engine import (  # noqa: F401 - re-exported: the rank demos sit beside the cluster
+from course_lib.runtime import netem, warm_start
+from course_lib.runtime.engine import (  # noqa: F401 - re-exported: the rank demos sit beside the cluster
     allreduce_ranks,
     call_and_report,
     choose_backend,
@@ -54,7 +54,7 @@ from course_lib.engine import (  # noqa: F401 - re-exported: the rank demos sit 
     skip_collective,
     sleep_on,
 )
-from course_lib.launch import (
+from course_lib.runtime.launch import (
     MPI_LOOPBACK,
     PROFILE,
     clean_clusters,
@@ -108,7 +108,7 @@ class Cluster:
                  shared: bool = False) -> None:
         self._ipp, self.client, self.n = ipp_cluster, client, n
         self.shared = shared  # kept running for the next start_cluster (see SHARED_ENV)
-        self.link = link  # the emulated network of every rank (course_lib.netem), or None
+        self.link = link  # the emulated network of every rank (course_lib.runtime.netem), or None
         self.requested_backend, self.timeout = backend, timeout
         self.pg_timeout, self.threads = pg_timeout, threads
         self._store_dir = tempfile.mkdtemp(prefix=f"course_lib-pg-{os.getpid()}-")
@@ -231,11 +231,11 @@ class Cluster:
         return self.client.load_balanced_view([self.engine_ids[r] for r in live])
 
     def stacks(self, timeout: float = 2.0) -> list[dict]:
-        """Every rank's stack and what it waits for, now (:mod:`course_lib.stacks`; print
+        """Every rank's stack and what it waits for, now (:mod:`course_lib.runtime.stacks`; print
         ``stacks.summary(cluster.stacks())``), even while a call hangs. Engines on other hosts
         answer with an error (their sockets are there). Introduced in
         notebooks/17_debugging_clinic.ipynb."""
-        from course_lib import stacks
+        from course_lib.runtime import stacks
         here, dead = socket.gethostname(), set(self._dead_ranks())
         local = [r for r in range(self.n) if self.probes[r]["host"] == here and r not in dead]
         snaps = dict(zip(local, stacks.gather([self.pids[r] for r in local], timeout),
@@ -326,12 +326,13 @@ class Cluster:
     def _where(self, late):
         """Where the late ranks are, as a paragraph of the timeout's message ("" if the stacks
         could not be had)."""
-        from course_lib import stacks
+        from course_lib.runtime import stacks
         try:
             snaps = [s for s in self.stacks(timeout=1.0) if s.get("rank") in late]
         except Exception:  # the message matters more than the stacks
             return ""
-        return "\nWhere they were (course_lib.stacks):\n" + stacks.summary(snaps) if snaps else ""
+        where = "\nWhere they were (course_lib.runtime.stacks):\n"
+        return where + stacks.summary(snaps) if snaps else ""
 
     def _died(self, dead, name):
         pids = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in dead)
@@ -416,7 +417,7 @@ class Cluster:
 
     def set_link(self, link: str | netem.Link | None = None,
                  latency: str | float | None = None) -> netem.Link | None:
-        """Switch every rank's emulated network (:mod:`course_lib.netem`) on, e.g.
+        """Switch every rank's emulated network (:mod:`course_lib.runtime.netem`) on, e.g.
         ``set_link("1Gbit/s,50us")``, or off with ``set_link(None)``; returns the link."""
         spec = netem.make_link(link, latency)
         if spec is not None and (len({p["host"] for p in self.probes}) > 1
@@ -515,10 +516,10 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     engines: "local" (processes on this machine), "mpi" (under ``mpiexec``, so mpi4py works on
     them and rank == MPI rank) or "slurm" (an sbatch job; see :func:`slurm_config`).
     timeout: default deadline of ``Cluster.run`` in seconds; pg_timeout: the process group's.
-    link, latency: an emulated network for every rank's messages (:mod:`course_lib.netem`),
+    link, latency: an emulated network for every rank's messages (:mod:`course_lib.runtime.netem`),
     e.g. ``link="1Gbit/s", latency="50us"``, ``link="1Gbit/s,50us"`` or ``link="10GbE"``.
     warm: local engines forked from a template that has imported PyTorch
-    (:mod:`course_lib.warm_start`; default: yes, unless ``COURSE_LIB_WARM=0``); False starts
+    (:mod:`course_lib.runtime.warm_start`; default: yes, unless ``COURSE_LIB_WARM=0``); False starts
     each engine as a fresh Python. share=False: engines of its own even where a test run
     shares clusters between notebooks (``SHARED_ENV``), for a notebook that kills engines on
     purpose. Introduced in notebooks/00_welcome_and_cluster.ipynb.

@@ -4,7 +4,7 @@ Introduced in notebooks/06_data_parallel_sgd.ipynb. Overlap of gradient allreduc
 backward pass is the whole point of bucketed data parallelism, and it can only be seen on a
 timeline, one row per rank and lane, like Horovod's timeline or the PyTorch profiler's::
 
-    from course_lib import timeline
+    from course_lib.runtime import timeline
     tl = timeline.Timeline(rank=0)
     with tl.span("forward", "forward"):
         out = model(x)

@@ -21,12 +21,12 @@ from course_lib import chief, data, gd, hpsearch, hpsearch_loop, ps, sparse_prob
 from course_lib import hogwild as hw
 from course_lib.bench import ddp as bench_ddp
 from course_lib.bench.allreduce import allreduce_rank_bench, format_size
-from course_lib.cluster import Cluster, start_cluster
 from course_lib.figures import hyperparameter_search as hpsearch_figures
 from course_lib.figures import save_figure
 from course_lib.models import LinearRegression
 from course_lib.parallel_gd import check_full_gradient
 from course_lib.pipeline import bubble_fraction
+from course_lib.runtime.cluster import Cluster, start_cluster
 from course_lib.testing import context_parallel as context_runs
 from course_lib.testing import ddp as ddp_check
 from course_lib.testing import mesh as mesh_runs

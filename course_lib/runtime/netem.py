@@ -30,7 +30,7 @@ run inside Gloo or MPI and are not slowed down.
 
 One file a little over a lesson's length: the link's text, one rank's interface and what to
 expect of it are one model, read top to bottom. It imports no torch (``course_lib.comm`` and
-``course_lib.engine`` import it, and must import without torch: it takes seconds).
+``course_lib.runtime.engine`` import it, and must import without torch: it takes seconds).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from traitlets import Float
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 PRELOAD = ("numpy", "torch", "zmq", "ipyparallel.engine.app", "ipyparallel.engine.nanny",
-           "ipyparallel.controller.app", "course_lib.engine", "course_lib.comm",
+           "ipyparallel.controller.app", "course_lib.runtime.engine", "course_lib.comm",
            "course_lib.collectives", "sklearn.datasets", "sklearn.model_selection")
 # (scikit-learn: the digits most notebooks train on; an engine restarted after a hang loads
 # them in milliseconds, not seconds)
@@ -190,7 +190,7 @@ def start_template(profile_dir: str, cluster_id: str, timeout: float = 60.0
     path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **dict.fromkeys(THREAD_VARS, "1"), "IPP_CLUSTER_ID": cluster_id,
            "IPP_PROFILE_DIR": str(profile_dir)}
-    proc = subprocess.Popen([sys.executable, "-m", "course_lib.warm_start", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "course_lib.runtime.warm_start", str(path)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
                             start_new_session=True, text=True)
     proc.path, proc.deadline = path, time.monotonic() + timeout
@@ -320,7 +320,7 @@ class WarmControllerLauncher(LocalControllerLauncher):
     """ipyparallel's controller, forked from its cluster's template.
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
-    entrypoint_name = "course_lib.warm_start.WarmControllerLauncher"
+    entrypoint_name = "course_lib.runtime.warm_start.WarmControllerLauncher"
 
     def start(self) -> None:
         if not forked_start(self):
@@ -333,7 +333,7 @@ class WarmEngineSetLauncher(LocalEngineSetLauncher):
 
     launcher_class = WarmEngineLauncher
     # how the cluster's file names it: a dotted path the file's next reader can import
-    entrypoint_name = "course_lib.warm_start.WarmEngineSetLauncher"
+    entrypoint_name = "course_lib.runtime.warm_start.WarmEngineSetLauncher"
     delay = Float(0.0, config=True, help="seconds between engines: none, a fork is cheap")
 
 

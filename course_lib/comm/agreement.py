@@ -8,9 +8,10 @@ rank that never calls is named by the others' ``CommTimeout``. It costs one mess
 
 Why two agreement checks in the course: this one travels over :mod:`course_lib.comm`
 (point-to-point, torch or MPI, numpy or torch buffers) and guards the from-scratch collectives,
-which may run where no process group exists (under mpiexec). :func:`course_lib.dist_checks.agree`
-uses one native ``all_gather`` of a few integers and guards torch.distributed's own collectives
-(DDP's broadcasts and gradient buckets, on the buffers' device, so it works on NCCL too).
+which may run where no process group exists (under mpiexec).
+:func:`course_lib.comm.dist_checks.agree` uses one native ``all_gather`` of a few integers and
+guards torch.distributed's own collectives (DDP's broadcasts and gradient buckets, on the
+buffers' device, so it works on NCCL too).
 
 Like the collectives it guards, this module imports no torch at the top: they run under
 mpiexec on numpy buffers, where torch need not be loaded (it takes seconds).

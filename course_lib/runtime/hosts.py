@@ -11,7 +11,7 @@ can tell; this machine itself sits on the bridge too (``.254``), like a login no
         a.run(["hostname", "-I"])                      # hostA 10.23.0.1
         hosts.shape(a, rate="200Mbit/s")               # tc: the kernel's own slow link
 
-``tc`` on those interfaces is the real kernel's counterpart of :mod:`course_lib.netem`.
+``tc`` on those interfaces is the real kernel's counterpart of :mod:`course_lib.runtime.netem`.
 
 ipyparallel and the cluster are imported by :func:`start_cluster` alone, not at the top: every
 rank of ``python -m course_lib.train`` imports this module, and ipyparallel takes a second.
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from course_lib.launch import finish_within, stop_and_reap
-from course_lib.netem import parse_rate, parse_time
+from course_lib.runtime.launch import finish_within, stop_and_reap
+from course_lib.runtime.netem import parse_rate, parse_time
 
 if TYPE_CHECKING:  # for the annotations only (see the module docstring)
-    from course_lib.cluster import Cluster
+    from course_lib.runtime.cluster import Cluster
 
 SUBNET = "10.23.0"  # the first free one of 10.23.0-255 is used: two sets of hosts never share
 _COUNT = itertools.count()
@@ -208,10 +208,10 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $host && exec sh -c \\"\\
 
 def shape(host: Host, rate: str | None = None, delay: str | None = None) -> None:
     """Slow ``host``'s cable in both directions with ``tc``: at most ``rate`` each way (e.g.
-    "200Mbit/s", as :mod:`course_lib.netem` writes it) and ``delay`` more latency each way (e.g.
-    "1ms"); neither: back to a bare cable. A rate alone uses the token-bucket filter (tbf), a
-    delay needs netem (the kernel module sch_netem; some kernels lack it: a RuntimeError then
-    says so). Introduced in notebooks/12_scaling_out.ipynb."""
+    "200Mbit/s", as :mod:`course_lib.runtime.netem` writes it) and ``delay`` more latency each
+    way (e.g. "1ms"); neither: back to a bare cable. A rate alone uses the token-bucket filter
+    (tbf), a delay needs netem (the kernel module sch_netem; some kernels lack it: a RuntimeError
+    then says so). Introduced in notebooks/12_scaling_out.ipynb."""
     bits = f"{parse_rate(rate) * 8:.0f}bit" if rate else None
     if delay:
         qdisc = ["netem", "delay", f"{parse_time(delay) * 1e6:.0f}us"]
@@ -239,7 +239,7 @@ def start_cluster(machines: Sequence[Host], per_host: int = 1, timeout: float = 
     Introduced in notebooks/12_scaling_out.ipynb."""
     import ipyparallel as ipp  # not at the top (see the module docstring)
 
-    from course_lib.cluster import CONTROLLER_ARGS, PROFILE, Cluster, ClusterError
+    from course_lib.runtime.cluster import CONTROLLER_ARGS, PROFILE, Cluster, ClusterError
     cluster_id = f"{os.getpid()}-hosts-{uuid.uuid4().hex[:6]}"
     ipp_cluster = ipp.Cluster(n=0, profile=PROFILE, cluster_id=cluster_id, log_level=40,
                               controller_ip=machines[0].gateway, controller_args=CONTROLLER_ARGS)

@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Iterable
 from pathlib import Path
 
-from course_lib.launch import private_dir
+from course_lib.runtime.launch import private_dir
 
 ENTRY = "call_and_report"  # engine.call_and_report: what a cluster call runs; frames below it
 

@@ -2,7 +2,7 @@
 
 Introduced in notebooks/12_scaling_out.ipynb. The operators' Go source decides each pod's name and
 environment (the file and function are named in comments): :func:`pod_environments` computes
-them for a checked manifest of :mod:`course_lib.k8s` (:mod:`course_lib.k8s_watch` runs a two-pod
+them for a checked manifest of :mod:`course_lib.k8s` (:mod:`course_lib.k8s.watch` runs a two-pod
 PyTorchJob with them on two network namespaces named like its pods, watched as ``kubectl``
 would), and :func:`kubectl_dry_run` asks a real cluster when one answers. It stays one file:
 one function per operator, each a transcription of that operator's Go source, read side by side.
@@ -31,7 +31,7 @@ from course_lib.k8s import (
     lookup,
     replica_count,
 )
-from course_lib.k8s_validate import check
+from course_lib.k8s.validate import check
 
 # --------------------------------------------------------------------------- pod environments
 

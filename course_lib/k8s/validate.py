@@ -9,7 +9,7 @@ manifest (a dict from :mod:`course_lib.k8s`, or YAML text) and :func:`check` rai
    ``v1/PodTemplateSpec``, as shipped by the ``kubernetes-validate`` package;
 3. :func:`crd_problems`: the whole job against its operator's CRD schema, unknown fields
    rejected as ``kubectl apply``'s strict field validation does (the schemas and their sources
-   are in ``course_lib/k8s_schemas/``);
+   are in ``course_lib/k8s/schemas/``);
 4. ``k8s_rules.rule_problems``: what the operators' webhooks and controllers require and no
    schema says.
 
@@ -43,7 +43,7 @@ from course_lib.k8s import (
     lookup,
     to_yaml,
 )
-from course_lib.k8s_rules import rule_problems
+from course_lib.k8s.rules import rule_problems
 
 # Kubernetes' quantity grammar (apimachinery resource.Quantity), as controller-gen writes it into
 # every CRD. Kubernetes' own OpenAPI document says only "string or number" and leaves the grammar
@@ -268,7 +268,7 @@ def crd(kind: str) -> dict:
     commit) and ``openAPIV3Schema``. Introduced in notebooks/12_scaling_out.ipynb."""
     if kind not in SCHEMA_FILES:
         raise ValueError(f"no CRD schema stored for kind {kind!r}: one of {', '.join(KINDS)}")
-    text = (resources.files("course_lib") / "k8s_schemas" / SCHEMA_FILES[kind]).read_text()
+    text = (resources.files("course_lib.k8s") / "schemas" / SCHEMA_FILES[kind]).read_text()
     return yaml.safe_load(text)
 
 
@@ -306,7 +306,7 @@ def _crd_schema(kind):
 
 def crd_problems(manifest: dict, k8s_version: str = K8S_VERSION) -> list[Problem]:
     """Layer 3: the whole job against its operator's CRD ``openAPIV3Schema`` (from
-    ``course_lib/k8s_schemas/``), unknown fields rejected, ``metadata`` as an ObjectMeta.
+    ``course_lib/k8s/schemas/``), unknown fields rejected, ``metadata`` as an ObjectMeta.
     The CEL rules (``x-kubernetes-validations``) are not evaluated here. Introduced in
     notebooks/12_scaling_out.ipynb."""
     label, kind = label_of(manifest), kind_of(manifest)

@@ -18,8 +18,8 @@ and the same in one call each, as :mod:`course_lib.ddp` uses them:
 A native collective given different sizes on two ranks may abort Gloo or return a wrong sum,
 so :func:`agree` compares a small fixed-size record first, with one ``all_gather`` of a few
 integers on the tensors' device (so it works on NCCL too). The from-scratch collectives use
-:func:`course_lib.agreement.check_agreement` instead: it travels over :mod:`course_lib.comm` and
-needs no process group (see that module).
+:func:`course_lib.comm.agreement.check_agreement` instead: it travels over :mod:`course_lib.comm`
+and needs no process group (see that module).
 """
 
 from __future__ import annotations

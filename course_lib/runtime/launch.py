@@ -236,7 +236,7 @@ def _kill_leftovers(select):
         kill_tree(pids)
     security = security_dir()
     # ipcontroller-{cluster id}-{client|engine}.json, and warm-{cluster id}-{random}.sock where
-    # a killed template listened (course_lib.warm_start)
+    # a killed template listened (course_lib.runtime.warm_start)
     for file in [*security.glob("ipcontroller-*.json"), *security.glob("warm-*.sock")] \
             if security else ():
         if select(file.stem.split("-", 1)[1].rsplit("-", 1)[0]):
@@ -249,7 +249,7 @@ def start_watchdog(owner: int, cluster_file: str, poll: float = 0.5) -> subproce
     pid that started it: a notebook kernel, a test session) is gone without stopping it:
     killed, or timed out by nbval. It ends by itself when the cluster stops normally.
     Returns its Popen. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    code = ("from course_lib.launch import watch_owner; "
+    code = ("from course_lib.runtime.launch import watch_owner; "
             f"watch_owner({int(owner)}, {str(cluster_file)!r}, {float(poll)})")
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -23,7 +23,7 @@ TrainJob    Kubeflow Trainer v2                ``<job>-node-0-<i>``             
 :class:`JobSpec` is one description of a job; :func:`pytorch_job`, :func:`tf_job`,
 :func:`mpi_job` and :func:`train_job` write it for each operator. A mistake in a manifest is
 found by the cluster only when the job is submitted, or worse when its pods start; here it is
-found before, in four layers (:mod:`course_lib.k8s_validate`: ``validate`` lists the problems,
+found before, in four layers (:mod:`course_lib.k8s.validate`: ``validate`` lists the problems,
 ``check`` raises them):
 
 1. the YAML text reads back as the same plain JSON-like data (``yaml_problems``);
@@ -31,14 +31,15 @@ found before, in four layers (:mod:`course_lib.k8s_validate`: ``validate`` lists
    shipped by the ``kubernetes-validate`` package (``pod_problems``);
 3. the whole job against the operator's CRD schema, unknown fields rejected as
    ``kubectl apply``'s strict field validation does (``crd_problems``; the schemas and their
-   sources are in ``course_lib/k8s_schemas/``);
+   sources are in ``course_lib/k8s/schemas/``);
 4. what the operators' webhooks and controllers require and no schema says: restart policies,
    container names and images, replica counts, replicas x processes = world size, the MPI
-   flavour (:mod:`course_lib.k8s_rules`).
+   flavour (:mod:`course_lib.k8s.rules`).
 
-:mod:`course_lib.k8s_pods` shows what the operator would write into each pod::
+:mod:`course_lib.k8s.pods` shows what the operator would write into each pod::
 
-    from course_lib import k8s, k8s_pods, k8s_validate
+    from course_lib import k8s
+    from course_lib.k8s import pods as k8s_pods, validate as k8s_validate
     spec = k8s.JobSpec("ddp", image="pytorch/pytorch:2.7.1-cuda12.6-cudnn9-runtime",
                        command=["-m", "course_lib.train"], nodes=2, processes_per_node=2)
     job = k8s_validate.check(k8s.pytorch_job(spec))  # ManifestError listing every problem
@@ -77,7 +78,7 @@ MPI_HOSTFILE = "/etc/mpi/hostfile"        # mpi-operator configMountPath + hostf
 _API = {"PyTorchJob": "kubeflow.org/v1", "TFJob": "kubeflow.org/v1",
         "MPIJob": "kubeflow.org/v2beta1", "TrainJob": "trainer.kubeflow.org/v1alpha1"}
 # Where each kind keeps its replicas, the replica types its operator knows, the container it
-# looks for, and the stored CRD schema it is checked against (course_lib/k8s_schemas/).
+# looks for, and the stored CRD schema it is checked against (course_lib/k8s/schemas/).
 REPLICA_SPECS = {"PyTorchJob": "pytorchReplicaSpecs", "TFJob": "tfReplicaSpecs",
                  "MPIJob": "mpiReplicaSpecs"}
 REPLICA_TYPES = {"PyTorchJob": ("Master", "Worker"),

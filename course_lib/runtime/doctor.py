@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from importlib import metadata
 
-from course_lib.launch import mpiexec_path
+from course_lib.runtime.launch import mpiexec_path
 
 
 def _version(name):
@@ -67,7 +67,10 @@ def checks() -> Iterator[tuple[str, str, str]]:
 
 
 def _live_cluster():
-    from course_lib.cluster import allreduce_ranks, start_cluster  # see the module docstring
+    from course_lib.runtime.cluster import (  # see the module docstring
+        allreduce_ranks,
+        start_cluster,
+    )
     t = time.perf_counter()
     try:
         with start_cluster(n=2, backend="gloo", timeout=30) as cluster:

@@ -81,7 +81,7 @@ def exercise_name(markdown: str, current: str | None = None) -> str | None:
 def default_root(root: str | Path | None) -> Path:
     """The repository root: ``root`` if given, else the folder that holds ``course_lib``.
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    return Path(root) if root is not None else Path(__file__).resolve().parents[1]
+    return Path(root) if root is not None else Path(__file__).resolve().parents[2]
 
 
 def strip_solutions(source: str, stub: str | Callable[[str | None], str],

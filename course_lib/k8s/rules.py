@@ -1,5 +1,5 @@
 """What the Kubernetes operators require of a training job and no schema says (layer 4 of
-:mod:`course_lib.k8s_validate`).
+:mod:`course_lib.k8s.validate`).
 
 Introduced in notebooks/12_scaling_out.ipynb. A manifest can match its CRD's schema and still be
 turned down by the operator's webhook, or start pods that never find each other: a container

@@ -1,11 +1,11 @@
 """What runs on each engine of a cluster: its rank, its process group, and small rank demos.
 
-Introduced in notebooks/00_welcome_and_cluster.ipynb. ``course_lib.cluster`` calls
+Introduced in notebooks/00_welcome_and_cluster.ipynb. ``course_lib.runtime.cluster`` calls
 ``probe_engine`` and ``setup_engine`` on every engine; the rest are functions a notebook sends
 to the ranks with ``cluster.run(...)`` to see ranks, backends and deadlines at work.
 
-This module stays free of torch at import: ``course_lib.cluster`` (the notebook's kernel) and
-``course_lib.comm`` (which must import without torch under mpiexec) import it, and torch takes
+This module stays free of torch at import: ``course_lib.runtime.cluster`` (the notebook's kernel)
+and ``course_lib.comm`` (which must import without torch under mpiexec) import it, and torch takes
 seconds; the functions that run on a rank import torch themselves.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from course_lib import netem, stacks
+from course_lib.runtime import netem, stacks
 
 ENGINE: dict = {}  # on an engine: this rank's identity, filled in by setup_engine
 
@@ -43,7 +43,7 @@ def setup_engine(rank: int, world_size: int, local_rank: int, backend: str, init
                  timeout_s: float, threads: int, loopback: bool,
                  link: netem.Link | None = None) -> int:
     """Give this engine its rank and (re)create its process group; switch its emulated link
-    (``course_lib.netem``) on or off. Runs on every engine.
+    (``course_lib.runtime.netem``) on or off. Runs on every engine.
 
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     import torch  # kept off the module's import (see the module docstring)
@@ -65,7 +65,7 @@ def setup_engine(rank: int, world_size: int, local_rank: int, backend: str, init
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     ENGINE.update(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend,
                   device=device, host=socket.gethostname(), pid=os.getpid(), group=init_method)
-    stacks.serve(ENGINE)  # where this rank is, asked while a call hangs (course_lib.stacks)
+    stacks.serve(ENGINE)  # where this rank is, asked while a call hangs (course_lib.runtime.stacks)
     ENGINE.pop("broken", None)  # a fresh process group
     ENGINE.pop("subgroups", None)  # groups of the old one (checks/lab02_parallel_computing.py)
     return rank
