@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -181,7 +183,9 @@ def test_bench_measures_saves_and_redoes_at_most_k_steps_per_failure(tmp_path):
                                       state_bytes=1 << 16, directory=tmp_path / f"k{K}")
         assert run["failures"] > 0 and run["redone"] <= run["failures"] * K
         assert run["saves"] >= 40 // K
+    left = set(Path(tempfile.gettempdir()).glob("bench-ckpt-*"))
     rows = bench.interval_rows([2, 8], work=20, step_s=0.002, mtbf_steps=10,
                                state_bytes=1 << 16, restart_s=0.0, repeats=1)
+    assert set(Path(tempfile.gettempdir()).glob("bench-ckpt-*")) <= left  # none left behind
     text = bench.format_tables(saves, rows, 0.002, 10)
     assert "ceiling" in text and "Young's sqrt(2CM)" in text

@@ -89,10 +89,15 @@ def run_with_failures(interval, work=200, step_s=0.01, mtbf_steps=100, state_byt
     checkpointing every ``interval`` steps, with failures at random times (exponential, mean
     ``mtbf_steps`` steps of time): each costs ``restart_s``, a load of the last checkpoint and
     the steps since. Returns the measured seconds, counts, and the mean save and step times.
-    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    Without a ``directory``, a temporary one is made and removed. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
     import torch
+    if directory is None:
+        with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as temporary:
+            return run_with_failures(interval, work, step_s, mtbf_steps, state_bytes, restart_s,
+                                     temporary, seed)
     rng = np.random.default_rng(seed)
-    directory = Path(directory or tempfile.mkdtemp(prefix="bench-ckpt-"))
+    directory = Path(directory)
     mtbf_s = mtbf_steps * step_s
     state = {"w": torch.zeros(state_bytes // 4), "step": 0}
     checkpoint.save(state, directory, 0, keep=1)
