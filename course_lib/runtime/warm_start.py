@@ -69,9 +69,8 @@ def enabled() -> bool:
 
 def socket_path(profile_dir: str, cluster_id: str) -> Path:
     """Where a new template of cluster ``cluster_id`` listens: the profile's private security
-    directory, under a name of its own. (A kept cluster's id is the same at each start: an
-    older template of it, ending as its kernel does, removes its own socket, never the new
-    one's.) Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    directory, under a name of its own: a template that ends removes its own socket, never a
+    newer one's. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     return Path(profile_dir) / "security" / f"warm-{cluster_id}-{uuid.uuid4().hex[:6]}.sock"
 
 
