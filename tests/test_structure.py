@@ -130,17 +130,20 @@ LATER_ON_PURPOSE = {
 }
 
 
+NOTEBOOK_OF = {name: notebook_of(path) for name, path in LESSONS.items()}  # read once
+
+
 def test_the_top_level_holds_lessons_each_naming_its_notebook():
-    unnamed = sorted(name for name, path in LESSONS.items() if notebook_of(path) is None)
+    unnamed = sorted(name for name, number in NOTEBOOK_OF.items() if number is None)
     assert not unnamed, ("top-level modules whose docstring names no notebook "
                          f"(a lesson says 'Introduced in notebooks/NN_name.ipynb'): {unnamed}")
 
 
 def test_a_lesson_imports_only_earlier_lessons():
-    later = sorted(f"{a} (notebook {notebook_of(LESSONS[a])}) -> {b} (notebook "
-                   f"{notebook_of(LESSONS[b])})" for a in LESSONS for b in GRAPH[a] - {a}
+    later = sorted(f"{a} (notebook {NOTEBOOK_OF[a]}) -> {b} (notebook {NOTEBOOK_OF[b]})"
+                   for a in LESSONS for b in GRAPH[a] - {a}
                    if b in LESSONS and (a, b) not in LATER_ON_PURPOSE
-                   and (notebook_of(LESSONS[b]) or 0) > (notebook_of(LESSONS[a]) or 0))
+                   and (NOTEBOOK_OF[b] or 0) > (NOTEBOOK_OF[a] or 0))
     assert not later, "lessons importing a later lesson:\n" + "\n".join(later)
     stale = [pair for pair in LATER_ON_PURPOSE if pair[1] not in GRAPH.get(pair[0], set())]
     assert not stale, f"LATER_ON_PURPOSE names imports that are gone: {stale}"
