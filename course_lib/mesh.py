@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from course_lib.collectives import allreduce
 from course_lib.comm import DEFAULT_TIMEOUT, Comm, MpiComm, TorchComm, get_comm
+from course_lib.comm.subgroups import group_of
 from course_lib.context_parallel import ring_attention, zigzag_positions
 from course_lib.moe import ExpertParallelMoE, parallelize_experts
 from course_lib.sequence_parallel import ParallelBlock
@@ -100,7 +101,7 @@ def make_mesh(shape: dict[str, int], transport: str = "torch",
     for name, groups in mesh_groups(shape).items():
         mine = next(i for i, g in enumerate(groups) if world.rank in g)
         if transport == "torch":
-            made = [world.dist.new_group(g) for g in groups]  # every rank, every group, in order
+            made = [group_of(g) for g in groups]  # every rank, every group, in order
             comms[name] = TorchComm(made[mine], timeout=timeout)
         else:  # ranks of one colour form a group, ordered by key
             comms[name] = MpiComm(world.mpi.Split(mine, world.rank), timeout=timeout)

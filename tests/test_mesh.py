@@ -11,7 +11,12 @@ import torch
 from course_lib import mesh as M
 from course_lib import planner
 from course_lib import transformer as tf
-from course_lib.testing.mesh import groups_beside_torch, mesh_training_on_rank, plan_differences
+from course_lib.testing.mesh import (
+    groups_beside_torch,
+    mesh_training_on_rank,
+    plan_differences,
+    threads_after_meshes,
+)
 from course_lib.zero_optimizer import partition
 
 CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
@@ -37,6 +42,14 @@ def test_the_groups_are_torchs_and_collectives_run_on_them(cluster, shape):
         for name, g in out.items():
             assert g["ours"] == g["torch"] == g["group"] and rank in g["group"], (rank, name)
             assert g["total"] == sum(g["group"])  # the sum over its group, not the world
+
+
+def test_a_mesh_made_again_makes_no_new_process_group(cluster):
+    # each Gloo group keeps threads and sockets for the engine's life: a kept engine that makes
+    # a mesh per cell (notebook 16) must reuse the groups of the same ranks
+    shapes = [{"dp": 2, "tp": 2}, {"tp": 2, "dp": 2}, {"dp": 2, "tp": 2}, {"dp": 4}]
+    for rank, counts in enumerate(cluster.run(threads_after_meshes, shapes)):
+        assert counts[1:] == [counts[0]] * 3, (rank, counts)
 
 
 @pytest.mark.parametrize("shape, experts", [

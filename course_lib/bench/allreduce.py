@@ -127,13 +127,14 @@ def allreduce_rank_bench(transport, algorithms, sizes, dtype="float32", iters=10
     """
     from course_lib.collectives import allreduce
     from course_lib.comm import TorchComm, get_comm
+    from course_lib.comm.subgroups import subgroup
     comm = get_comm(transport, timeout=timeout, link=link,
                     check_sizes="always" if check == "messages" else True)
     if world_size is not None and world_size != comm.world_size:
         if transport != "torch" or not 1 < world_size <= comm.world_size:
             raise BenchError(f"world_size={world_size}: a torch subgroup of 2 to "
                              f"{comm.world_size} ranks")
-        group = comm.dist.new_group(list(range(world_size)))  # every rank must call this
+        group = subgroup(world_size)  # every rank must call this
         if comm.rank >= world_size:
             return None
         comm = TorchComm(group, timeout=timeout, link=link, check_sizes=comm.check_sizes)

@@ -232,6 +232,19 @@ def groups_beside_torch(shape: dict[str, int], timeout: float = 10.0) -> dict:
     return out
 
 
+def threads_after_meshes(shapes: list[dict[str, int]], timeout: float = 10.0) -> list[int]:
+    """On every rank: this process's thread count (Gloo's loop threads included) after making
+    each mesh of ``shapes`` in turn, with an allreduce over each group of each."""
+    import os
+    counts = []
+    for shape in shapes:
+        mesh = M.make_mesh(shape, timeout=timeout)
+        for name in shape:
+            allreduce(torch.ones(1), mesh[name], check=False)
+        counts.append(len(os.listdir("/proc/self/task")))
+    return counts
+
+
 def matching_parameters(model: tf.GPT | M.PipelineStage, one: tf.GPT,
                         grads: bool = False) -> list[tuple]:
     """Each parameter of the split ``model`` (a GPT or a pipeline stage), in its order, beside
