@@ -47,6 +47,7 @@ from course_lib.tensor_parallel import (
     ReduceFromParallelRegion,
     TensorParallel,
 )
+from course_lib.transformer import GPTConfig, mlp
 
 
 # ---------------------------------------------------------------- routing
@@ -125,10 +126,25 @@ def balance_loss_sum(probs: torch.Tensor, load: torch.Tensor, tokens: int | torc
 
 
 # ---------------------------------------------------------------- one process
-def expert_mlp(d_model: int, hidden: int) -> nn.Sequential:
-    """One expert: the transformer's MLP (a dense block's too).
+@dataclass(frozen=True)
+class MoEConfig(GPTConfig):
+    """A transformer (:class:`course_lib.transformer.GPT`) whose every block's MLP is a mixture
+    of ``experts`` MLPs, ``top_k`` of them per token.
     Introduced in notebooks/15_mixture_of_experts.ipynb."""
-    return nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
+
+    experts: int = 4
+    top_k: int = 1            # experts per token
+    capacity_factor: float | None = None  # None: no expert ever full, no token dropped
+    aux_weight: float = 0.01  # the load-balancing loss's weight in the training loss
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..experts={self.experts}")
+
+    def feed_forward(self) -> nn.Module:
+        return MoE(self.d_model, self.experts, self.top_k, self.capacity_factor,
+                   self.hidden or 4 * self.d_model)
 
 
 class MoE(nn.Module):
@@ -142,7 +158,7 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k, self.capacity_factor, self.groups = top_k, capacity_factor, 1
         self.router = nn.Linear(d_model, experts, bias=False)
-        self.experts = nn.ModuleList(expert_mlp(d_model, hidden or 4 * d_model)
+        self.experts = nn.ModuleList(mlp(d_model, hidden or 4 * d_model)
                                      for _ in range(experts))
         self.aux_sum: torch.Tensor | None = None
         self.routing: Routing | None = None
@@ -224,9 +240,9 @@ class ExpertParallelMoE(nn.Module):
         local = torch.repeat_interleave(torch.arange(self.per_rank).repeat(N), counts.reshape(-1))
         out = torch.zeros_like(rows)
         self.received = []
-        for e, mlp in enumerate(self.experts):
+        for e, expert in enumerate(self.experts):
             mine = (local == e).nonzero().squeeze(1)
-            out = out.index_copy(0, mine, mlp(rows[mine]))
+            out = out.index_copy(0, mine, expert(rows[mine]))
             self.received.append(len(mine))
         with during(f"{where}, combine"):
             back_rows = AllToAll.apply(out, comm, recv_counts, send_counts)

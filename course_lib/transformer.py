@@ -21,14 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from course_lib.moe import MoE, expert_mlp
 
 
 @dataclass(frozen=True)
@@ -42,17 +41,18 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 2
     hidden: int | None = None  # the MLP's hidden units (each expert's): 4 d_model by default
-    experts: int = 0          # > 0: each block's MLP is a mixture of this many experts
-    top_k: int = 1            # experts per token
-    capacity_factor: float | None = None  # None: no expert ever full, no token dropped
-    aux_weight: float = 0.01  # the load-balancing loss's weight in the training loss
     recompute: str | None = None  # "full": each block again in backward; "attention": its core
+    experts: ClassVar[int] = 0  # dense; notebook 15's moe.MoEConfig has a mixture of experts
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute={self.recompute!r}: one of {RECOMPUTE}")
+
+    def feed_forward(self) -> nn.Module:
+        """Each block's MLP (notebook 15's ``moe.MoEConfig`` makes it a mixture of experts)."""
+        return mlp(self.d_model, self.hidden or 4 * self.d_model)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -99,6 +99,12 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y)
 
 
+def mlp(d_model: int, hidden: int) -> nn.Sequential:
+    """The block's MLP: up to ``hidden`` units, GELU, back down to ``d_model``.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    return nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
+
+
 class Block(nn.Module):
     """``x + attention(LN(x))``, then ``x + MLP(LN(x))``: the residual stream, pre-LayerNorm.
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
@@ -107,9 +113,7 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
-        hidden = cfg.hidden or 4 * cfg.d_model
-        self.mlp = (MoE(cfg.d_model, cfg.experts, cfg.top_k, cfg.capacity_factor, hidden)
-                    if cfg.experts else expert_mlp(cfg.d_model, hidden))
+        self.mlp = cfg.feed_forward()
 
     def forward(self, x: torch.Tensor, attention: Callable = causal_attention) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), attention)
@@ -163,7 +167,7 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                reduction="sum")
-        if self.cfg.experts:  # the load-balancing losses, a sum over the tokens too
+        if self.cfg.experts:  # notebook 15: the load-balancing losses, a sum over the tokens too
             self.balance_loss = self.cfg.aux_weight * sum(b.mlp.aux_sum for b in self.blocks)
             loss = loss + self.balance_loss
         return logits, loss

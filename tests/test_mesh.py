@@ -11,6 +11,7 @@ import torch
 from course_lib import mesh as M
 from course_lib import planner
 from course_lib import transformer as tf
+from course_lib.moe import MoEConfig
 from course_lib.testing.mesh import (
     groups_beside_torch,
     mesh_training_on_rank,
@@ -72,7 +73,7 @@ def test_zero_divides_the_state_over_dp_and_experts_count_on_their_rank():
         plan = planner.memory_per_rank(cfg, planner.Layout(dp=4, zero=stage), 8, 16)
         for kind in ("parameters", "gradients"):
             assert plan[kind] == whole[kind] / (4 if kind in divided else 1)
-    moe = tf.GPTConfig(context=16, d_model=16, n_heads=4, experts=4)
+    moe = MoEConfig(context=16, d_model=16, n_heads=4, experts=4)
     one = planner.parameters_per_rank(moe, planner.Layout())
     split = planner.parameters_per_rank(moe, planner.Layout(ep=4))
     assert one - split == 2 * 3 * (2 * 16 * 64 + 64 + 16)  # 3 of 4 experts elsewhere, 2 blocks
@@ -121,7 +122,8 @@ def test_pipeline_stages_chained_are_the_model_and_the_planner_counts_each():
             batch // 2)
     assert kept(16, 4, 0) == 2 * kept(4, 1, 0) and kept(16, 4, 1) == kept(4, 1, 1)
     with pytest.raises(ValueError, match="expert blocks"):
-        M.pipeline_stage(tf.GPT(replace(cfg, experts=4)), M.Mesh({"pp": 1}, 0, {"pp": 0}, {}))
+        moe = tf.GPT(MoEConfig(**vars(cfg), experts=4))
+        M.pipeline_stage(moe, M.Mesh({"pp": 1}, 0, {"pp": 0}, {}))
 
 
 def test_the_zero_shares_are_the_course_optimizers():

@@ -13,6 +13,7 @@ from course_lib import moe as M
 from course_lib import transformer as tf
 from course_lib.collectives import allreduce
 from course_lib.comm import CommTimeout, run_ranks
+from course_lib.moe import MoEConfig
 from course_lib.tensor_parallel import TensorParallel
 from course_lib.testing import moe as on_ranks
 from course_lib.testing.timing import assert_no_hang
@@ -212,8 +213,7 @@ def test_the_transformer_with_experts_splits_over_ranks_as_one_process():
     """The MoE transformer: each rank its own sequences, experts split; summed over the ranks,
     the loss and every gradient equal one process on the whole batch."""
     N = 2
-    cfg = tf.GPTConfig(context=16, d_model=16, n_heads=2, experts=4, top_k=2,
-                       capacity_factor=1.0)
+    cfg = MoEConfig(context=16, d_model=16, n_heads=2, experts=4, top_k=2, capacity_factor=1.0)
     one = tf.GPT(cfg).double()
     M.count_groups(one, N)
     idx = torch.randint(0, 256, (2 * N, 17), generator=torch.Generator().manual_seed(0))

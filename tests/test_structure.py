@@ -125,8 +125,6 @@ def notebook_of(path):
 LATER_ON_PURPOSE = {
     ("course_lib.ps_server", "course_lib.checkpoint"):
         "notebook 11 restarts notebook 04's servers: a server saves its shard with checkpoint.save",
-    ("course_lib.transformer", "course_lib.moe"):
-        "GPTConfig(experts=E) builds the mixture-of-experts blocks notebook 15 trains",
 }
 
 

@@ -38,6 +38,7 @@ from course_lib.bench.common import (
     text_table,
     write_csv,
 )
+from course_lib.moe import MoEConfig
 from course_lib.runtime import netem
 from course_lib.runtime.cluster import start_cluster
 from course_lib.testing.moe import all_to_all_time_on_rank, moe_step_on_rank
@@ -75,8 +76,8 @@ def train_runs(steps: int, seed: int = 0, progress: bool = False) -> dict:
     data = tf.encode(tf.load_text())
     configs = {"dense": tf.GPTConfig(),
                "dense, as many parameters in all": tf.GPTConfig(hidden=4 * 64 * EXPERTS),
-               "experts, balance loss": tf.GPTConfig(experts=EXPERTS),
-               "experts, no balance loss": tf.GPTConfig(experts=EXPERTS, aux_weight=0.0)}
+               "experts, balance loss": MoEConfig(experts=EXPERTS),
+               "experts, no balance loss": MoEConfig(experts=EXPERTS, aux_weight=0.0)}
     runs = {}
     bar = tqdm(total=steps * len(configs), desc="training", disable=not progress, leave=False)
     try:

@@ -15,13 +15,21 @@ from course_lib import mesh as M
 from course_lib import planner
 from course_lib import transformer as tf
 from course_lib.collectives import allreduce
-from course_lib.moe import ExpertParallelMoE
+from course_lib.moe import ExpertParallelMoE, MoEConfig
 from course_lib.pipeline import pipeline_step, schedule_order
 from course_lib.sequence_parallel import SHARD_NAMES, ParallelBlock, shard_of
 from course_lib.zero import ZeroDataParallel
 from course_lib.zero_optimizer import ShardedOptimizer
 
 UNSHARDED = {attribute: name for name, attribute in SHARD_NAMES.items()}  # qkv_weight -> ...
+
+
+def model_config(length: int, experts: int, recompute: str | None = None) -> tf.GPTConfig:
+    """The meshes' small transformer: dense, or ``experts`` experts, top-2, no balance loss."""
+    if experts:
+        return MoEConfig(context=length, d_model=16, n_heads=4, recompute=recompute,
+                         experts=experts, top_k=2, aux_weight=0.0)
+    return tf.GPTConfig(context=length, d_model=16, n_heads=4, recompute=recompute)
 
 
 def mesh_training_on_rank(shape: dict[str, int], steps: int = 3, experts: int = 0,
@@ -41,8 +49,7 @@ def mesh_training_on_rank(shape: dict[str, int], steps: int = 3, experts: int = 
     the first step by kind (``memory``: parameters, gradients, optimizer, activations) and
     the bytes it sent in the first step along each dimension (``sent``)."""
     mesh = M.make_mesh(shape, timeout=timeout)
-    cfg = tf.GPTConfig(context=length, d_model=16, n_heads=4, experts=experts,
-                       top_k=2 if experts else 1, aux_weight=0.0)
+    cfg = model_config(length, experts)
     pp, dp = M.size(mesh, "pp"), M.size(mesh, "dp")
     if zero not in (0, 1, 3) or zero == 3 and pp > 1:
         raise ValueError(f"zero={zero}: 0, 1 or 3 (ZeRO-3 without pp)")
@@ -281,8 +288,7 @@ def plan_differences(rows: list[dict], shape: dict[str, int], experts: int = 0,
     the ranks of :func:`mesh_training_on_rank` held, kind by kind, and its bytes sent per
     dimension (:func:`planner.bytes_per_step`) from what they sent (activations and bytes
     sent: dense blocks only); [] when every count is exact."""
-    cfg = tf.GPTConfig(context=length, d_model=16, n_heads=4, experts=experts,
-                       top_k=2 if experts else 1, recompute=recompute)
+    cfg = model_config(length, experts, recompute=recompute)
     layout = planner.Layout.from_shape(shape, zero=zero,
                                        microbatches=microbatches if "pp" in shape else 1)
     wrong = []
