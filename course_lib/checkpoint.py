@@ -34,6 +34,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -205,6 +206,27 @@ def load_latest(directory: str | Path,
         except CheckpointError as e:
             report(f"skipping a damaged checkpoint: {e}")
     return None, None
+
+
+@dataclass(frozen=True)
+class Store:
+    """A folder of numbered checkpoints (:func:`save`, :func:`load_latest`), for code that
+    checkpoints without knowing how: notebook 04's parameter servers, restarted in notebook 11,
+    are handed one (``ps.train(..., checkpoints=Store(folder))``).
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+
+    directory: str | Path
+    keep: int = 3
+
+    def save(self, state: Any, step: int) -> Path:
+        return save(state, self.directory, step, self.keep)
+
+    def load_latest(self, report: Callable[[str], object] = print) -> tuple[Any, Path | None]:
+        return load_latest(self.directory, report)
+
+    def inside(self, name: str, keep: int | None = None) -> Store:
+        """The store of the folder ``name`` inside this one."""
+        return Store(os.path.join(self.directory, name), self.keep if keep is None else keep)
 
 
 # ---------------------------------------------------------------- what a resume needs

@@ -204,14 +204,15 @@ class PSConfig:
     staleness; ``slow={rank: seconds}`` adds that sleep to every step of those workers
     (stragglers); ``backup_workers``, ``max_staleness``, ``staleness_aware``: the policies'.
     Every wait has a deadline of ``timeout`` s, the whole run ``time_limit`` s.
-    ``checkpoint_dir``: each server checkpoints its shard there (``server-{s}/``) at init,
-    every ``checkpoint_every`` updates and when a worker finishes. ``server_restarts=r``
+    ``checkpoints``: a :class:`course_lib.checkpoint.Store` (notebook 11) where each server
+    checkpoints its shard (``server-{s}/``) at init, every ``checkpoint_every`` updates and
+    when a worker finishes. ``server_restarts=r``
     (async; notebook 11): a server that is killed is started again, at most r times, on the
     same address, from its last checkpoint; the workers resend what went unanswered.
     ``faults``: fault points (:mod:`course_lib.runtime.fault_points` syntax) armed on every rank
     they name: ``"ps-worker-step:stop@6:rank=2"`` (worker rank 2 goes silent at its 6th step;
     ``kill``: its process dies), ``"ps-server-update:kill@60"`` (a server dies at its 60th update);
-    with a ``checkpoint_dir`` each fires once in its life. Introduced in
+    with ``checkpoints`` each fires once in its life. Introduced in
     notebooks/04_parameter_server.ipynb."""
 
     lr: float
@@ -226,7 +227,7 @@ class PSConfig:
     slow: dict = field(default_factory=dict)
     timeout: float = 10.0
     time_limit: float = 120.0
-    checkpoint_dir: str | None = None
+    checkpoints: Any = None  # a checkpoint.Store (notebook 11)
     checkpoint_every: int = 20
     server_restarts: int = 0
     faults: tuple = ()
@@ -237,11 +238,11 @@ class PSConfig:
         if not isinstance(self.backup_workers, (int, np.integer)) or self.backup_workers < 0:
             raise ValueError(f"backup_workers must be an integer >= 0, got "
                              f"{self.backup_workers!r}")
-        if self.server_restarts and (self.mode != "async" or self.checkpoint_dir is None):
+        if self.server_restarts and (self.mode != "async" or self.checkpoints is None):
             raise ValueError(f"server_restarts={self.server_restarts} needs mode='async' (a sync "
-                             f"step waits for every worker) and a checkpoint_dir to restart "
-                             f"from; got mode={self.mode!r}, "
-                             f"checkpoint_dir={self.checkpoint_dir!r}")
+                             f"step waits for every worker) and checkpoints (a "
+                             f"checkpoint.Store) to restart from; got mode={self.mode!r}, "
+                             f"checkpoints={self.checkpoints!r}")
         object.__setattr__(self, "faults", tuple(self.faults))
         object.__setattr__(self, "slow", {int(r): float(s) for r, s in self.slow.items()})
 
@@ -322,7 +323,8 @@ def run_role(spec: dict, addresses: list[str], problem: Any, X: np.ndarray, y: n
         return dict(serve_restarting(spec, len(theta0), cfg, policy), role="ps")
     if role == "idle":
         return {"role": "idle"}
-    fault_points.arm_once(cfg.faults, cfg.checkpoint_dir, ENGINE["rank"])
+    fault_points.arm_once(cfg.faults, cfg.checkpoints and cfg.checkpoints.directory,
+                          ENGINE["rank"])
     try:
         if role == "ps":
             return dict(serve(spec, len(theta0), cfg, policy), role="ps")
@@ -400,8 +402,8 @@ def train(cluster: Cluster, spec: dict, problem: Any, X: np.ndarray, y: np.ndarr
                          f"backups; got mode={cfg.mode!r}, spec {spec}")
     if set(spec["ps"]) & set(spec["worker"]) or max(spec["ps"] + spec["worker"]) >= cluster.n:
         raise ValueError(f"spec {spec} needs distinct ranks below {cluster.n}")
-    if cfg.checkpoint_dir is not None:
-        directory = os.path.abspath(cfg.checkpoint_dir)
+    if cfg.checkpoints is not None:
+        directory = os.path.abspath(cfg.checkpoints.directory)
         old = sorted(p for p in os.listdir(directory) if p.startswith("server-")) \
             if os.path.isdir(directory) else []
         if old:
@@ -409,7 +411,7 @@ def train(cluster: Cluster, spec: dict, problem: Any, X: np.ndarray, y: np.ndarr
                              f"({', '.join(old)}): a restarted server would resume from them; "
                              "pass a new directory")
         os.makedirs(directory, exist_ok=True)
-        cfg = replace(cfg, checkpoint_dir=directory)
+        cfg = replace(cfg, checkpoints=replace(cfg.checkpoints, directory=directory))
     bound = cluster.run(bind_server, spec, host)  # in rank order; None on non-servers
     # server s of the spec (``spec["ps"][s]``) holds shard s: its address goes to place s
     addresses = [bound[r] for r in spec["ps"]]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from course_lib import data, gd, ps
+from course_lib.checkpoint import Store
 from course_lib.models import LinearRegression, SoftmaxRegression
 from course_lib.runtime.cluster import RemoteError
 from course_lib.testing.timing import assert_no_hang
@@ -184,7 +185,7 @@ def test_async_server_killed_comes_back_from_its_checkpoint(cluster, linear, tmp
     problem, X, y, theta0 = linear
     spec = ps.make_spec(1, 3, world_size=4)
     result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=6, batch_size=30,
-                      mode="async", checkpoint_dir=tmp_path / "ckpt", checkpoint_every=20,
+                      mode="async", checkpoints=Store(tmp_path / "ckpt"), checkpoint_every=20,
                       server_restarts=1, faults=["ps-server-update:kill@50"], timeout=10)
     # killed after update 50: before any worker can have finished its 60 steps (a finished
     # worker's 'done' is checkpointed too), so the last checkpoint is the 40th update's
@@ -218,13 +219,13 @@ def test_server_restarts_bad_arguments(cluster, linear, tmp_path):
     spec = ps.make_spec(1, 3, world_size=4)
     with pytest.raises(ValueError, match="mode='async'"):
         ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, server_restarts=1,
-                 checkpoint_dir=tmp_path)
-    with pytest.raises(ValueError, match="checkpoint_dir"):
+                 checkpoints=Store(tmp_path))
+    with pytest.raises(ValueError, match="checkpoints"):
         ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, mode="async", server_restarts=1)
     (tmp_path / "server-0").mkdir()
     with pytest.raises(ValueError, match="another run"):
         ps.train(cluster, spec, problem, X, y, theta0, lr=0.1, mode="async", server_restarts=1,
-                 checkpoint_dir=tmp_path)
+                 checkpoints=Store(tmp_path))
 
 
 
@@ -325,7 +326,7 @@ def test_a_push_sent_again_on_a_slow_link_is_applied_once(cluster, linear, tmp_p
     cluster.set_link("1Gbit/s,600ms")
     try:
         result = ps.train(cluster, spec, problem, X, y, theta0, lr=0.05, num_epochs=1,
-                          batch_size=100, mode="async", checkpoint_dir=tmp_path / "ckpt",
+                          batch_size=100, mode="async", checkpoints=Store(tmp_path / "ckpt"),
                           server_restarts=1, timeout=10)
     finally:
         cluster.set_link(None)

@@ -121,13 +121,6 @@ def notebook_of(path):
     return int(found.group(1)) if found else None
 
 
-# Where an earlier lesson uses a later one on purpose, and why (each a candidate to undo)
-LATER_ON_PURPOSE = {
-    ("course_lib.ps_server", "course_lib.checkpoint"):
-        "notebook 11 restarts notebook 04's servers: a server saves its shard with checkpoint.save",
-}
-
-
 NOTEBOOK_OF = {name: notebook_of(path) for name, path in LESSONS.items()}  # read once
 
 
@@ -140,11 +133,8 @@ def test_the_top_level_holds_lessons_each_naming_its_notebook():
 def test_a_lesson_imports_only_earlier_lessons():
     later = sorted(f"{a} (notebook {NOTEBOOK_OF[a]}) -> {b} (notebook {NOTEBOOK_OF[b]})"
                    for a in LESSONS for b in GRAPH[a] - {a}
-                   if b in LESSONS and (a, b) not in LATER_ON_PURPOSE
-                   and (NOTEBOOK_OF[b] or 0) > (NOTEBOOK_OF[a] or 0))
+                   if b in LESSONS and (NOTEBOOK_OF[b] or 0) > (NOTEBOOK_OF[a] or 0))
     assert not later, "lessons importing a later lesson:\n" + "\n".join(later)
-    stale = [pair for pair in LATER_ON_PURPOSE if pair[1] not in GRAPH.get(pair[0], set())]
-    assert not stale, f"LATER_ON_PURPOSE names imports that are gone: {stale}"
 
 
 def test_the_lessons_leave_the_plumbing_to_comm_and_the_runtime():

@@ -401,8 +401,9 @@ def ps_async_worker_killed(ctx):
           "deadline (2 x timeout + 5 s: longer than the server's own step deadline, so that in "
           "sync mode the server names a missing worker first)", 2 * 1 + 5)
 def ps_server_killed(ctx):
+    from course_lib.checkpoint import Store
     from course_lib.runtime.cluster import RemoteError
-    _, said = expect_error(_ps_train, ctx, mode="async", checkpoint_dir=ctx.tmp,
+    _, said = expect_error(_ps_train, ctx, mode="async", checkpoints=Store(ctx.tmp),
                            faults=["ps-server-update:kill@10"], timeout=1, error=RemoteError,
                            names=["[0] died", "to server 0"])
     fired = (ctx.tmp / ".fault-0").stat().st_mtime  # the fault's once-file: when it fired
