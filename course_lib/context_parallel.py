@@ -32,7 +32,6 @@ is checked against one process.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,7 @@ import torch
 
 from course_lib.collectives import all_to_all
 from course_lib.comm import Comm, during, wait_all
+from course_lib.runtime.timeline import cpu_seconds
 from course_lib.sharding import shard_bounds
 from course_lib.transformer import causal_attention
 from course_lib.zero import DoesNotFit
@@ -139,6 +139,15 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 
 # ---------------------------------------------------------------- around the ring
+def count_work(stats: dict, pairs: list, prefix: str = "") -> None:
+    """Count a block's work into ``stats``: ``blocks`` (one, if any tile is computed) and
+    ``scores`` (query-key scores of the tiles ``pairs``), each under ``prefix`` (``backward_``).
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    stats[prefix + "blocks"] = stats.get(prefix + "blocks", 0) + bool(pairs)
+    stats[prefix + "scores"] = stats.get(prefix + "scores", 0) + sum(
+        (q.stop - q.start) * (k.stop - k.start) for q, k in pairs)
+
+
 def pass_right(comm: Comm, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
     """Post the receive from the left and the send to the right (receive first, as ``sendrecv``
     does: a ring of them cannot deadlock); wait on both with ``wait_all``.
@@ -169,16 +178,13 @@ class RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(block)
                 with during(f"ring attention, forward step {step}"):
                     pending = pass_right(comm, block, incoming, TAG_KV)
-            t = time.thread_time()  # CPU time: fair even when ranks share cores
             pairs = tiles(positions[r], positions[owner], tile)
-            if pairs:  # a block wholly in the future: skip
-                o, s = block_attention(q, block[0], block[1], positions[r], positions[owner],
-                                       tile)
-                out, lse = merge_blocks(out, lse, o, s)
-                stats["blocks"] = stats.get("blocks", 0) + 1
-                stats["scores"] = stats.get("scores", 0) + sum(
-                    (qs.stop - qs.start) * (ks.stop - ks.start) for qs, ks in pairs)
-            stats["busy_s"] = stats.get("busy_s", 0.0) + time.thread_time() - t
+            with cpu_seconds(stats, "busy_s"):
+                if pairs:  # a block wholly in the future: skip
+                    o, s = block_attention(q, block[0], block[1], positions[r], positions[owner],
+                                           tile)
+                    out, lse = merge_blocks(out, lse, o, s)
+            count_work(stats, pairs)
             with during(f"ring attention, forward step {step}"):
                 if step < N - 1 and not overlap:  # the naive ring: compute, then pass it on
                     incoming = torch.empty_like(block)
@@ -205,7 +211,9 @@ class RingAttention(torch.autograd.Function):
         for step in range(N):
             owner = (r - step) % N
             q_pos, k_pos = positions[r], positions[owner]
-            for qs, ks in tiles(q_pos, k_pos, tile):  # the forward's tiles, recomputed
+            pairs = tiles(q_pos, k_pos, tile)
+            count_work(ctx.stats, pairs, "backward_")
+            for qs, ks in pairs:  # the forward's tiles, recomputed
                 qb, do = q[..., qs, :], dout[..., qs, :]
                 kb, vb = block[0][..., ks, :], block[1][..., ks, :]
                 future = k_pos[ks][None, :] > q_pos[qs][:, None]
@@ -215,8 +223,6 @@ class RingAttention(torch.autograd.Function):
                 ds = p * (do @ vb.transpose(-2, -1) - delta[..., qs, :])  # dS = P (dP - D)
                 dq[..., qs, :] += ds @ kb * scale                   # dQ += dS K / sqrt(d)
                 block[2][..., ks, :] += ds.transpose(-2, -1) @ qb * scale  # dK += dS^T Q
-                ctx.stats["backward_scores"] = (ctx.stats.get("backward_scores", 0)
-                                                + (qs.stop - qs.start) * (ks.stop - ks.start))
             if step < N - 1:  # pass the block on (after its gradients were added here)
                 incoming = torch.empty_like(block)
                 with during(f"ring attention, backward step {step}"):
@@ -242,7 +248,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm
     ring, to measure what the overlap saves). ``stats`` (a dict) collects this rank's ``busy_s``
     (CPU seconds of the forward's block computations: torch computes on the calling thread
     here), ``blocks`` (blocks attended) and ``scores`` (query-key scores computed, masked ones
-    inside a tile included; ``backward_scores`` for the backward).
+    inside a tile included; ``backward_blocks``, ``backward_scores`` for the backward).
     Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     if len(positions) != comm.world_size:
         raise ValueError(f"positions names {len(positions)} ranks; the comm has "

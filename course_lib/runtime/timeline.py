@@ -39,6 +39,18 @@ COLOURS = {"compute": "tab:pink", "forward": "tab:blue", "backward": "tab:orange
            "broadcast": "tab:brown", "data": "tab:gray", "recv": "tab:olive", "send": "tab:cyan"}
 
 
+@contextmanager
+def cpu_seconds(stats: dict, key: str) -> Iterator[None]:
+    """Add the calling thread's CPU seconds inside the block to ``stats[key]``: CPU time, fair
+    even when ranks share cores (wall time would count the others' turns). Introduced in
+    notebooks/14_transformers_and_long_sequences.ipynb."""
+    start = time.thread_time()
+    try:
+        yield
+    finally:
+        stats[key] = stats.get(key, 0.0) + time.thread_time() - start
+
+
 class Timeline:
     """Events of one rank: ``(name, category, start, end, rank, args)`` in perf_counter seconds.
 
