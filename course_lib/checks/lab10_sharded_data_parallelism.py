@@ -186,14 +186,13 @@ def _value_hint(rank, N, n, k, ref, got, chunks):
                                    for c, (a, b) in owner.items())
     if fits(lambda c, a, b: p0[a:b] - N * LR * r["m_after"][a:b]):
         return (f"rank {rank}'s update is N = {N} times DDP's: the reduce-scatter leaves the "
-                f"SUM of the {N} ranks' gradients in your chunk. Divide it by N: DDP divides its "
-                f"allreduce by N, and the step must use the mean gradient.")
+                f"SUM of the {N} ranks' gradients in your chunk, while DDP steps with their "
+                f"mean.")
     for scale, words in ((1, ""), (1 / N, " (divided by N)")):
         if fits(lambda c, a, b, s=scale: p0[a:b] - LR * (MOMENTUM * m_prev[a:b]
                                                          + s * grads[c][a:b])):
             return (f"rank {rank}'s chunk was updated with its own local gradient{words}, not "
-                    f"with the sum over the ranks: take the chunk from the tensor you "
-                    f"reduce-scattered (g[start:stop]), not from grads.")
+                    f"with the sum over the ranks that the reduce-scatter left on rank {rank}.")
     if fits(lambda c, a, b: p0[a:b] - LR * (MOMENTUM * m_prev[a:b]
                                             + (1 - MOMENTUM) * total[a:b] / N)):
         return ("your momentum is dampened (the gradient weighted by 1 - momentum): torch's "
@@ -214,9 +213,9 @@ def _params_hint(rank, N, n, k, ref, report):
     own_right = _close(got[a:b], want[a:b])
     gathers = [c for c in report["calls"] if c["op"] == "all_gather"]
     on_params = [c for c in gathers if c["buf"] == "params"]
-    unchanged = (f"rank {rank}'s params did not change: update them in place (params[{a}:{b}] "
-                 f"-= ...), and all-gather params itself (params = params - ..., or a copy of "
-                 f"params, is a new tensor, which the caller never sees).")
+    unchanged = (f"rank {rank}'s params did not change: the caller sees only what happens to "
+                 f"the tensor it passed in (params = params - ..., or a copy of params, is a "
+                 f"new tensor, which the caller never sees).")
     scattered = [c["buf"] for c in report["calls"] if c["op"] == "reduce_scatter"]
     if "params" in scattered:
         return ("your step reduce-scattered params: what the ranks must sum is their "
@@ -232,8 +231,8 @@ def _params_hint(rank, N, n, k, ref, report):
             return unchanged
         if own_right:
             return (f"only rank {rank}'s own chunk params[{a}:{b}] is right ({did}). Each rank "
-                    f"updates its own chunk only, so the other chunks must come from their "
-                    f"owners: all_gather(params, comm) after the update, on params itself.")
+                    f"updates its own chunk only: the other chunks' new values are on their "
+                    f"owners, and nothing brought them to rank {rank}.")
         specific = _value_hint(rank, N, n, k, ref, got, [rank])
         return f"{did}; and {specific or 'even the own chunk is wrong. ' + COMPARE}"
     before = on_params[0]["before"]
@@ -292,10 +291,10 @@ def _momentum_hint(rank, N, n, returned):
         return (f"rank {rank} keeps a momentum of {n} numbers, one per parameter: that is "
                 f"DDP's memory, every rank holding the whole optimizer state. ZeRO-1 keeps on "
                 f"rank {rank} the momentum of its chunk only, shard_bounds({n}, {rank}, {N}) = "
-                f"({a}, {b}): {b - a} numbers, 1/N of it; update params[{a}:{b}] only with it.")
+                f"({a}, {b}): {b - a} numbers, 1/N of it.")
     return (f"rank {rank}'s momentum shard has shape {returned['shape']}; its chunk "
-            f"shard_bounds({n}, {rank}, {N}) = ({a}, {b}) has {b - a} parameters, so its "
-            f"momentum shard has {b - a} numbers: torch.zeros(stop - start) at the first step.")
+            f"shard_bounds({n}, {rank}, {N}) = ({a}, {b}) has {b - a} parameters, and its "
+            f"momentum shard one number per parameter of the chunk.")
 
 
 def _calls_hint(rank, calls):
