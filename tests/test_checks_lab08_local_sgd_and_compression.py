@@ -181,3 +181,12 @@ def test_more_exchange_mistakes(cluster, wrong, hint):
     with pytest.raises(CheckFailed, match=hint) as failed:
         checks_compression.check_topk_allreduce(wrong, cluster)
     assert "index_add_" not in str(failed.value)
+
+
+def test_training_check_passes_the_reference_and_fails_an_exchange_that_forgets(cluster, capsys):
+    assert checks_compression.check_training(compression.topk_allreduce, cluster) is True
+    assert "✓ check_training: with error feedback loss" in capsys.readouterr().out
+    # a residual of zeros loses the error feedback: both runs train alike
+    with pytest.raises(CheckFailed, match=r"without error feedback the loss is .*, not clearly "
+                                          r"worse than with it"):
+        checks_compression.check_training(exchange_with(returns="zeros"), cluster)
