@@ -20,8 +20,7 @@ import copy
 import torch
 from torch import nn
 
-from course_lib.comm import TorchComm
-from course_lib.comm.subgroups import subgroup
+from course_lib.comm.subgroups import subgroup_comm
 from course_lib.tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -121,11 +120,10 @@ def tp_matches_one_process(world_size=None, batch=8, d_model=12, hidden=16, seed
                            kind="mlp", activation="gelu", input_grad=True, device="cpu"):
     """On every rank: ``compare_with_one_process`` over the first ``world_size`` ranks (default
     all); the other ranks return None. Introduced in notebooks/09_model_parallelism.ipynb."""
-    import torch.distributed as dist
-    group = subgroup(world_size)
-    if group is not None and dist.get_rank() >= world_size:
+    comm = subgroup_comm(world_size)
+    if comm is None:
         return None
-    return compare_with_one_process(TorchComm(group), batch, d_model, hidden, seed, blocks, kind,
+    return compare_with_one_process(comm, batch, d_model, hidden, seed, blocks, kind,
                                     activation, input_grad, device)
 
 
@@ -142,12 +140,12 @@ def tp_matches_torch(world_size=None, batch=8, d_model=12, hidden=16, seed=0, ac
         RowwiseParallel,
         parallelize_module,
     )
-    group = subgroup(world_size)
-    if group is not None and dist.get_rank() >= world_size:
+    comm = subgroup_comm(world_size)
+    if comm is None:
         return None
     model = reference_model("mlp", 1, d_model, hidden, activation, seed)
-    ours = ParallelMLP.from_mlp(model, TensorParallel(TorchComm(group)))
-    mesh = DeviceMesh.from_group(group or dist.group.WORLD, "cpu")
+    ours = ParallelMLP.from_mlp(model, TensorParallel(comm))
+    mesh = DeviceMesh.from_group(comm.group or dist.group.WORLD, "cpu")
     theirs = parallelize_module(copy.deepcopy(model), mesh,
                                 {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = _input(model, batch, seed + 1)
