@@ -198,11 +198,16 @@ def ring_with(index=lambda r, s, p: (r - s - 1) % p, right=lambda r, p: (r + 1) 
                                   r"values it received: its own value is missing"),
     (ring_with(keeps="rank 0"), r"Hint: rank 1 returned 1 of the 2 values: every rank \(not only "
                                 r"one\)"),
+    (ring_with(steps=lambda p: p), r"case 1/5 [\s\S]*rank 0's list is right, but it sent 2 "
+                                   r"messages; a ring pass needs world_size - 1 = 1\nHint: your "
+                                   r"last step only passed each value back"),
+    (ring_with(steps=lambda p: 2 * p), r"sent 4 messages; [\s\S]*Hint: every value reaches"),
 ], ids=["index the other way", "ring reversed, index not", "index off by one",
         "one step short", "receives from the rank it sends to", "float64 buffer",
         "float32 buffer",
         "flat buffer", "receives into value", "forwards an unfilled entry",
-        "own value left out", "only rank 0 keeps the list"])
+        "own value left out", "only rank 0 keeps the list", "one step too many",
+        "twice around"])
 def test_more_ring_pass_mistakes(cluster, fn, hint):
     with pytest.raises(CheckFailed, match=hint) as failed:
         CP.check_ring_pass(fn, cluster, timeout=TIMEOUT)

@@ -82,8 +82,32 @@ def _call_student(fn_bytes, world_size, kind, params, timeout):
     rank = comm.rank
     fn = cloudpickle.loads(fn_bytes)
     args = _rank_inputs(kind, params, rank, world_size)
-    got = fn(comm, *args)
-    return _plain(got), _buffers(got, args[0], _rank_inputs(kind, params, rank, world_size)[0])
+    counted = _Counted(comm)
+    got = fn(counted if kind == "ring" else comm, *args)
+    buffers = _buffers(got, args[0], _rank_inputs(kind, params, rank, world_size)[0])
+    return _plain(got), dict(buffers, sent=counted.sent)
+
+
+class _Counted:
+    """The comm a student's ring gets: the same calls, with the messages it sends counted."""
+
+    def __init__(self, comm):
+        self._comm, self.sent = comm, 0
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def send(self, *args, **kwargs):
+        self.sent += 1
+        return self._comm.send(*args, **kwargs)
+
+    def isend(self, *args, **kwargs):
+        self.sent += 1
+        return self._comm.isend(*args, **kwargs)
+
+    def sendrecv(self, *args, **kwargs):
+        self.sent += 1
+        return self._comm.sendrecv(*args, **kwargs)
 
 
 def _buffers(got, value, fresh):
@@ -186,7 +210,8 @@ def _crash_hint(first_line):
     return None
 
 
-def _run_check(name, student_fn, cluster, cases, expected_fn, diagnose, hint, timeout):
+def _run_check(name, student_fn, cluster, cases, expected_fn, diagnose, hint, timeout,
+               also=lambda case, rank, buffers: None):
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     if cluster.n < 2:
         raise ValueError(f"{name} needs a cluster of at least 2 engines, this one has {cluster.n}")
@@ -202,6 +227,9 @@ def _run_check(name, student_fn, cluster, cases, expected_fn, diagnose, hint, ti
             if problem:
                 specific = diagnose(case, expected, got, rank, buffers)
                 raise CheckFailed(f"{where}\n  {problem}\nHint: {specific or hint}")
+            wrong = also(case, rank, buffers)  # a right result made the wrong way
+            if wrong:
+                raise CheckFailed(f"{where}\n  {wrong}")
     print(f"✓ {name}: {len(cases)}/{len(cases)} cases match the reference on every rank")
     return True
 
@@ -214,6 +242,20 @@ def _world_sizes(cluster):
 def _ring_expected(case):
     return [_rank_inputs("ring", case.params, r, case.world_size)[0]
             for r in range(case.world_size)]
+
+
+def _ring_messages(case, rank, buffers):
+    """More messages than a ring pass needs (world_size - 1 per rank), as a failure's text."""
+    n = case.world_size
+    if buffers["sent"] > n - 1:
+        return (f"rank {rank}'s list is right, but it sent {buffers['sent']} messages; a ring "
+                f"pass needs world_size - 1 = {n - 1}\nHint: your last step only passed each "
+                f"value back to the rank it started on: it costs a message and teaches nothing "
+                f"new." if buffers["sent"] == n else
+                f"rank {rank}'s list is right, but it sent {buffers['sent']} messages; a ring "
+                f"pass needs world_size - 1 = {n - 1}\nHint: every value reaches every rank "
+                f"after world_size - 1 steps of one message each.")
+    return None
 
 
 def _diagnose_ring(case, expected, got, rank, buffers):
@@ -312,7 +354,7 @@ def check_ring_pass(student_fn: Callable, cluster, seed: int = 0, timeout: float
               _Case(f"world_size={k}, a large value: 131072 float64 (1 MiB)", k, "ring",
                     ((131072,), "float64", seed + 2))]
     return _run_check("check_ring_pass", student_fn, cluster, cases, _ring_expected,
-                      _diagnose_ring, timeout=timeout,
+                      _diagnose_ring, timeout=timeout, also=_ring_messages,
                       hint="in each of world_size - 1 steps a rank passes one value to one "
                            "neighbour and takes one from the other; every value ends at the "
                            "index of the rank it started on.")
