@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import csv
 import re
-import time
-
-import numpy as np
 
 from course_lib.runtime.tables import UNITS, format_size, text_table  # noqa: F401  (the benchmarks' too)
+from course_lib.staging import memcpy_seconds
 
 
 class BenchError(RuntimeError):
@@ -73,16 +71,10 @@ def argtype(parse):
 
 # ---------------------------------------------------------------- measurements and output
 def memcpy_bandwidth(n_bytes=64 * 2**20, repeats=9):
-    """Single-core memcpy bandwidth in GB/s: bytes copied per second, median of ``repeats``.
-    Every benchmark prints it as the machine's ceiling."""
-    src = np.ones(n_bytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    times = []
-    for _ in range(repeats + 1):  # the first copy also faults the pages in: not counted
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return n_bytes / float(np.median(times[1:])) / 1e9
+    """Single-core memcpy bandwidth in GB/s: bytes copied per second, median of ``repeats``
+    (:func:`course_lib.staging.memcpy_seconds`). Every benchmark prints it as the machine's
+    ceiling."""
+    return n_bytes / memcpy_seconds(n_bytes, repeats) / 1e9
 
 
 def write_csv(rows, path, columns=None, extra=None):
