@@ -33,7 +33,13 @@ from course_lib import mesh as M
 from course_lib import transformer as tf
 from course_lib.checks.framework import CheckFailed, not_implemented
 from course_lib.planner import Layout
-from course_lib.testing.mesh import bytes_of, forward_kept, mesh_training_on_rank
+from course_lib.testing.mesh import (
+    forward_kept,
+    held_bytes,
+    mesh_training_on_rank,
+    model_config,
+    optimizer_bytes,
+)
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 ITEMSIZE = 8       # float64: every number of the model, its gradients and Adam's state
@@ -252,16 +258,12 @@ def measure_one_process(cfg: tf.GPTConfig, batch: int, length: int, seed: int = 
     kept, loss = forward_kept(model, x, y, None, tf.causal_attention)
     loss.backward()
     opt.step()
-    return dict(parameters=sum(bytes_of(p) for p in model.parameters()),
-                gradients=sum(bytes_of(p.grad) for p in model.parameters()),
-                optimizer=sum(bytes_of(t) for state in opt.state.values()
-                              for t in state.values() if torch.is_tensor(t)),
-                activations=kept)
+    return dict(**held_bytes(model), optimizer=optimizer_bytes(opt), activations=kept)
 
 
 def mesh_config(length: int, recompute: str | None) -> tf.GPTConfig:
     """The model :func:`testing.mesh.mesh_training_on_rank` trains (dense)."""
-    return tf.GPTConfig(context=length, d_model=16, n_heads=4, recompute=recompute)
+    return model_config(length, 0, recompute)
 
 
 ONE_PROCESS_CASES = [  # (label, cfg, batch, length), measured in this kernel
