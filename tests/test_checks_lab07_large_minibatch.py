@@ -101,7 +101,8 @@ def test_more_schedule_mistakes(wrong, hint):
 
 
 def search_with(seeds_used="all", average="mean", baseline="first", choose="largest",
-                drop_last=True, scale=1.0, relative=False, percent_tolerance=False):
+                drop_last=True, scale=1.0, relative=False, percent_tolerance=False,
+                stop_at_first_failure=False):
     """The search of exercise 2 with knobs for the usual mistakes (the check makes each run
     once, and gives it again to every search that asks for it)."""
     n = len(data.load_digits()[0])
@@ -117,6 +118,8 @@ def search_with(seeds_used="all", average="mean", baseline="first", choose="larg
         base = {"first": acc[batch_sizes[0]], "best": max(acc.values())}[baseline]
         tol = tolerance * (base if relative else 1.0) * (100 if percent_tolerance else 1)
         ok = [b for b in batch_sizes if acc[b] >= base - tol]
+        if stop_at_first_failure:
+            ok = ok[:next((i for i, b in enumerate(batch_sizes) if b not in ok), len(ok))]
         if choose == "best":
             return max(batch_sizes, key=acc.get), acc
         if choose == "smallest":
@@ -142,9 +145,14 @@ def search_with(seeds_used="all", average="mean", baseline="first", choose="larg
     (search_with(relative=True), r"asked again with tolerance=[\s\S]*Hint: your tolerance is "
                                  r"relative"),
     (search_with(percent_tolerance=True), r"Hint: your tolerance is 100 times too large"),
+    (search_with(stop_at_first_failure=True),
+     r"asked again with the runs of batches 256 and 1024 exchanged, the largest batch within 1 "
+     r"point\(s\) of the baseline is 1024, you returned 128\.[\s\S]*Hint: you stopped at the "
+     r"first batch that falls out of the tolerance"),
 ], ids=["first seed only", "median", "sum over seeds", "percentages",
         "updates per epoch without drop_last", "the best batch", "baseline the best",
-        "the smallest batch", "relative tolerance", "tolerance in percent"])
+        "the smallest batch", "relative tolerance", "tolerance in percent",
+        "stops at the first failure"])
 def test_more_search_mistakes(wrong, hint):
     with pytest.raises(CheckFailed, match=hint) as failed:
         checks_large_batch.check_largest_batch(wrong)

@@ -199,6 +199,25 @@ class _SameRuns:
         self.module.train_and_test = self.original
 
 
+class _Swapped(_SameRuns):
+    """The same runs, but the accuracies of two batch sizes exchanged (``swap``: batch -> the
+    batch whose run it gets, ``runs``: batch -> accuracy per seed of ``seeds``): a larger batch
+    then comes back within the tolerance after a smaller one fell out of it."""
+
+    def __init__(self, swap: dict, runs: dict, seeds: tuple):
+        super().__init__()
+        self.swap, self.runs, self.seeds = swap, runs, list(seeds)
+
+    def __call__(self, *args, **kwargs):
+        run = super().__call__(*args, **kwargs)
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        b, seed = bound.arguments["batch_size"], bound.arguments["seed"]
+        if b in self.swap and seed in self.seeds:
+            run["accuracy"] = self.runs[self.swap[b]][self.seeds.index(seed)]
+        return run
+
+
 def _reference(lab=None) -> tuple[int, dict, dict]:
     """The lab's answer recomputed: (largest batch, {batch: mean acc}, {batch: per-seed accs})."""
     from course_lib import large_batch
@@ -311,6 +330,36 @@ def _other_tolerances(accuracies: dict, batches: list, most: int = 24) -> list:
     return (middles + ([edges[-1] * 1.5] if edges else []))[:most]
 
 
+def _check_a_batch_that_comes_back(student_fn, accuracies, runs, batches):
+    """Ask the search again with the runs of the first batch that falls out of the tolerance
+    and of the last one within it exchanged: the answer is then a batch after a failing one."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    from course_lib.scaling_rule import linear_scaling_warmup
+    lab, base = LAB, accuracies[batches[0]]
+    within = [b for b in batches if accuracies[b] >= base - lab["tolerance"]]
+    falls = next((b for b in batches if accuracies[b] < base - lab["tolerance"]), None)
+    if falls is None or max(within) > falls:
+        return  # nothing to exchange (or the lab's runs already come back)
+    # the last batch within the tolerance before it, moved to after the first that falls out
+    good = max(b for b in within if b < falls)
+    far = max(b for b in batches if b > falls) if falls != batches[-1] else None
+    if far is None or good == batches[0]:
+        return
+    swap = {good: far, far: good}
+    swapped = {b: accuracies[swap.get(b, b)] for b in batches}
+    with _Swapped(swap, runs, lab["seeds"]):
+        got = student_fn(linear_scaling_warmup, lab["batch_sizes"], lab["base_lr"],
+                         lab["warmup_epochs"], lab["seeds"], lab["tolerance"])[0]
+    right = _right_answer(swapped, batches, lab["tolerance"])
+    if got != right:
+        table = ", ".join(f"{b}: {100 * a:.1f}%" for b, a in swapped.items())
+        raise CheckFailed(
+            f"check_largest_batch: asked again with the runs of batches {good} and {far} "
+            f"exchanged, the largest batch within {100 * lab['tolerance']:g} point(s) of the "
+            f"baseline is {right}, you returned {got}.\nAccuracies: {table}\nHint: "
+            f"{_answer_hint({lab['tolerance']: got}, swapped, batches)}")
+
+
 def check_largest_batch(student_fn: Callable) -> bool:
     """Lab 07, exercise 2: ``largest_good_batch(make_schedule, batch_sizes, base_lr,
     warmup_epochs, seeds, tolerance) -> (batch, {batch: mean accuracy})``, called with
@@ -368,6 +417,8 @@ def check_largest_batch(student_fn: Callable) -> bool:
             f"points; the same runs), the largest batch within it of the baseline ({base:.1f}%) "
             f"is {_right_answer(accuracies, batches, tol)}, you returned {answers[tol]}.\n"
             f"Accuracies: {table}\nHint: {_answer_hint(answers, accuracies, batches)}")
+    if same.hits:
+        _check_a_batch_that_comes_back(student_fn, accuracies, runs, batches)
     print(f"✓ check_largest_batch: {answer} is the largest batch within "
           f"{100 * lab['tolerance']:g} point(s) of the baseline ({table})")
     return True
