@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -51,8 +50,7 @@ def ddp_on_rank(device: str = "cuda") -> dict[str, float]:
     diffs = {}
     for algorithm in ("native", "ring"):
         run = ddp_testing.train_on_rank("overlap", algorithm, device=device)
-        diffs[f"DDP ({algorithm})"] = max(float(np.abs(a - b).max())
-                                          for a, b in zip(run["params"], reference, strict=True))
+        diffs[f"DDP ({algorithm})"] = ddp_testing.max_difference([run], reference)
     return diffs
 
 
