@@ -304,20 +304,21 @@ class Switch(torch.autograd.Function):
         return ctx.back(grad.contiguous(), ctx.comm), None, None, None
 
 
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      comm: Comm) -> torch.Tensor:
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm,
+                      attention: Callable = causal_attention) -> torch.Tensor:
     """DeepSpeed-Ulysses (Jacobs et al. 2023): q, k, v hold this rank's contiguous T/N tokens of
     every head; one all-to-all gives each rank every token of H/N heads, attention runs there
     whole (no merging: a head's softmax is all on one rank), and a second all-to-all returns
     the output to the tokens' ranks. The same bytes whatever N, (N-1)/N of the tensors; needs
-    the heads divisible by N. Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    the heads divisible by N. ``attention`` computes the whole heads (``causal_flash``: no
+    T x T tensor kept). Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     n = comm.world_size
     if q.shape[1] % n:
         raise ValueError(f"Ulysses splits the heads: {q.shape[1]} heads over {n} ranks")
     qkv = torch.cat([q, k, v])  # one all-to-all for the three: (3B, H, T/N, d)
     qh, kh, vh = Switch.apply(qkv.contiguous(), comm, sequence_to_heads,
                               heads_to_sequence).chunk(3)
-    return Switch.apply(causal_attention(qh, kh, vh).contiguous(), comm, heads_to_sequence,
+    return Switch.apply(attention(qh, kh, vh).contiguous(), comm, heads_to_sequence,
                         sequence_to_heads)
 
 

@@ -159,7 +159,7 @@ SPLITS = ("tp", "tp+sp", "ring", "ulysses")  # the ways notebook 14 splits a blo
 
 
 def activation_bytes_formula(batch: int, length: int, d_model: int, heads: int, world_size: int,
-                             split: str, itemsize: int = 8) -> int:
+                             split: str, itemsize: int = 8, flash: bool = False) -> int:
     """The bytes one block keeps for backward on each rank, counted tensor by tensor (this
     module's block: no dropout, GELU), for each ``split`` of :data:`SPLITS`.
 
@@ -171,7 +171,8 @@ def activation_bytes_formula(batch: int, length: int, d_model: int, heads: int, 
       mask, T^2 booleans. Ring attention keeps neither: it recomputes each block's
       probabilities in backward from its log-denominators (B h T / N) and keeps its output a
       second time (B T d / N, the output projection's input is a copy). So its bytes grow as T,
-      the others' as T^2.
+      the others' as T^2 - unless they run FlashAttention (``flash``), which keeps what the
+      ring keeps: then every split grows as T.
 
     Korthikanti et al. count the same way for GPT (with dropout masks, in 16-bit):
     ``s b h (10 + 24/t + 5 a s / (h t))`` for TP and ``s b h / t (34 + 5 a s / h)`` with SP.
@@ -183,12 +184,14 @@ def activation_bytes_formula(batch: int, length: int, d_model: int, heads: int, 
                                       itemsize=itemsize)
     # Ulysses keeps what TP + SP keeps: T/N tokens outside attention, H/N whole heads inside
     return block_activation_bytes(batch, length, d_model, heads, tp=world_size,
-                                  sequence_parallel=split != "tp", itemsize=itemsize)
+                                  sequence_parallel=split != "tp", itemsize=itemsize, flash=flash,
+                                  output_heads=heads if split == "ulysses" else None)
 
 
 def block_activation_bytes(batch: int, length: int, d_model: int, heads: int, tp: int = 1,
                            cp: int = 1, sequence_parallel: bool = False, itemsize: int = 8,
-                           recompute: str | None = None, hidden: int | None = None) -> int:
+                           recompute: str | None = None, hidden: int | None = None,
+                           flash: bool = False, output_heads: int | None = None) -> int:
     """The bytes one block keeps per rank with tensor parallelism over ``tp`` ranks (with
     sequence parallelism or not) and the sequence split over ``cp`` ranks by ring attention,
     at once (see :func:`activation_bytes_formula`): a rank holds T' = T/cp positions; the
@@ -198,6 +201,10 @@ def block_activation_bytes(batch: int, length: int, d_model: int, heads: int, tp
     input only (B T' d, divided by tp with sequence parallelism); ``"attention"`` keeps
     attention's inputs but not what its core adds (the probabilities and the mask, or ring
     attention's output and log-denominators). ``hidden``: the MLP's width (4 d by default).
+    ``flash``: attention's core is FlashAttention, which keeps what ring attention keeps. The
+    output kept "again" is a second tensor only when the output projection's input is a copy of
+    it: when the rank's attention output holds ``output_heads`` > 1 heads (heads / tp by
+    default; Ulysses gathers all of them back), since one head's reshape is a view.
     Introduced in notebooks/16_planning_a_run.ipynb."""
     B, T, d, h = batch, length // cp, d_model, heads
     if recompute == "full":
@@ -206,8 +213,9 @@ def block_activation_bytes(batch: int, length: int, d_model: int, heads: int, tp
     H = hidden or 4 * d  # the MLP's hidden layer is kept before and after GELU: 2 B T H
     numbers = (whole / tp if sequence_parallel else whole) + (4 * B * T * d + 2 * B * T * H) / tp
     core = recompute != "attention"  # what attention's core keeps beyond its inputs
-    if cp > 1:
-        return int(itemsize * (numbers + core * (B * T * d + B * h * T) / tp))
+    if cp > 1 or flash:  # the output again and the log-denominators, no T x T tensor
+        again = B * T * d if (output_heads or h // tp) > 1 else 0
+        return int(itemsize * (numbers + core * (again + B * h * T) / tp))
     return int(itemsize * (numbers + core * B * h * T * T / tp) + core * T * T)
 
 

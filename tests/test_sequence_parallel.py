@@ -105,6 +105,21 @@ def test_every_split_of_the_block_on_the_cluster_over_gloo(cluster):
     assert kept["ring"] < kept["ulysses"] == kept["tp+sp"] < kept["tp"] < rows[0]["one_process"]
 
 
+def test_with_flash_attention_every_split_keeps_no_T_squared_tensor(cluster):
+    """TP, TP + SP and Ulysses computing their heads with FlashAttention: still one process's
+    numbers, and the bytes kept as the formula counts them, growing as T like the ring's."""
+    kept = {}
+    for split in sp.SPLITS:
+        for length, heads in ((64, 4), (128, 4), (64, 2)):  # 2 heads: one a rank with TP
+            rows = cluster.run(block_split_on_rank, split, length=length, heads=heads,
+                               flash=True)
+            assert max(r["error"] for r in rows) < 1e-12, split
+            assert [r["kept"] for r in rows] == [sp.activation_bytes_formula(
+                2, length, 32, heads, 2, split, flash=True)] * 2, (split, length, heads)
+            kept[split, length, heads] = rows[0]["kept"]
+        assert kept[split, 128, 4] == 2 * kept[split, 64, 4], split
+
+
 def test_the_memory_formula_names_its_splits():
     with pytest.raises(ValueError, match="one of"):
         sp.activation_bytes_formula(1, 8, 4, 1, 2, "zigzag")

@@ -167,18 +167,19 @@ def measure_overlap(cluster, lengths: list[int], link: netem.Link, repeats: int)
     return rows
 
 
-def measure_memory(cluster, lengths: list[int]) -> list[dict]:
+def measure_memory(cluster, lengths: list[int], flash: bool = False) -> list[dict]:
     """One row per length: the bytes one block keeps per rank for each split, measured and by
-    formula, and in one process (measured)."""
+    formula, and in one process (measured). ``flash``: TP, TP + SP and Ulysses compute their
+    heads with FlashAttention."""
     rows = []
     for length in lengths:
         row = dict(world_size=cluster.n, length=length)
         for split in sp.SPLITS:
             got = cluster.run(block_split_on_rank, split, 1, length, MEMORY_D, HEADS,
-                              dtype=torch.float32)
+                              dtype=torch.float32, flash=flash)
             row[f"{split}_bytes"] = max(r["kept"] for r in got)
-            row[f"{split}_formula"] = sp.activation_bytes_formula(1, length, MEMORY_D, HEADS,
-                                                                  cluster.n, split, ITEM)
+            row[f"{split}_formula"] = sp.activation_bytes_formula(
+                1, length, MEMORY_D, HEADS, cluster.n, split, ITEM, flash=flash)
             row["one_process_bytes"] = got[0]["one_process"]
         rows.append(row)
     return rows

@@ -15,6 +15,7 @@ from course_lib import context_parallel as cp
 from course_lib import sequence_parallel as sp
 from course_lib import transformer as tf
 from course_lib.comm import get_comm
+from course_lib.flash_attention import causal_flash
 from course_lib.runtime import netem
 from course_lib.tensor_parallel import TensorParallel
 
@@ -80,12 +81,13 @@ def _flat_grads(model):
 
 def block_split_on_rank(split: str, batch: int = 2, length: int = 64, d_model: int = 32,
                         heads: int = 4, seed: int = 0, timeout: float = 20.0,
-                        dtype: torch.dtype = torch.float64) -> dict:
+                        dtype: torch.dtype = torch.float64, flash: bool = False) -> dict:
     """A transformer block split over this cluster's ranks (``split``: one of
     :data:`sequence_parallel.SPLITS`) against the same block in one process: this rank's
     largest error (output, input gradient, its part of every parameter gradient), the
     collectives of tensor parallelism it ran and the activation bytes it kept. Ring attention
-    holds the zig-zag's positions, TP + SP and Ulysses contiguous ones, TP every token."""
+    holds the zig-zag's positions, TP + SP and Ulysses contiguous ones, TP every token.
+    ``flash``: TP, TP + SP and Ulysses compute their heads with FlashAttention."""
     comm = get_comm("torch", timeout=timeout)
     gen = torch.Generator().manual_seed(seed)
     block = tf.Block(tf.GPTConfig(d_model=d_model, n_heads=heads)).to(dtype)
@@ -101,14 +103,16 @@ def block_split_on_rank(split: str, batch: int = 2, length: int = 64, d_model: i
     tokens = torch.arange(length) if split == "tp" else positions[r]
     mine = x.detach()[:, tokens].clone().requires_grad_()
     tp = TensorParallel(comm)
+    core = causal_flash if flash else tf.causal_attention  # on a rank's whole heads
     if split in ("tp", "tp+sp"):
         part = sp.ParallelBlock(block, tp, split == "tp+sp")
-        run = part
+        run = functools.partial(part, attention=core)
     else:  # every rank holds the whole block; attention crosses the ranks
         part = copy.deepcopy(block)
         part.zero_grad()
         attention = (functools.partial(cp.ring_attention, comm=comm, positions=positions)
-                     if split == "ring" else functools.partial(cp.ulysses_attention, comm=comm))
+                     if split == "ring" else
+                     functools.partial(cp.ulysses_attention, comm=comm, attention=core))
         run = functools.partial(part, attention=attention)
     outputs: list = []
     kept = tf.activation_bytes_of(lambda: outputs.append(run(mine)), part)
