@@ -162,3 +162,73 @@ def test_a_wrong_zigzag_is_told_what_it_did(fn, hint):
     with pytest.raises(CheckFailed, match=hint) as failed:
         checks.check_zigzag(fn)
     assert "rank r gets chunk r" not in str(failed.value)  # never the answer
+
+
+# ---------------------------------------------------------------- exercise 3: the tiled forward
+def tiled_with(rescale_sum=True, rescale_output=True, inverted=False, subtract_max=True,
+               mask="before the max", divide="at the end", lse_adds_max=True):
+    """A student's tiled forward with knobs for the usual mistakes."""
+    def tiled_attention(q, k, v, block):
+        T, scale = q.shape[-2], q.shape[-1] ** -0.5
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+        for i in range(0, T, block):
+            qi = q[..., i:i + block, :]
+            m = torch.full(qi.shape[:-1], -torch.inf, dtype=q.dtype)
+            total, acc = torch.zeros(qi.shape[:-1], dtype=q.dtype), torch.zeros_like(qi)
+            for j in range(0, T, block):
+                s = qi @ k[..., j:j + block, :].transpose(-2, -1) * scale
+                later = (torch.arange(j, j + s.shape[-1])[None, :]
+                         > torch.arange(i, i + s.shape[-2])[:, None])
+                if mask == "own key too":
+                    later = later | (torch.arange(j, j + s.shape[-1])[None, :]
+                                     == torch.arange(i, i + s.shape[-2])[:, None])
+                if mask in ("before the max", "own key too"):
+                    s = torch.where(later, -torch.inf, s)
+                m_new = torch.maximum(m, s.max(-1).values) if subtract_max else torch.zeros_like(m)
+                p = torch.exp(s - m_new[..., None])
+                if mask == "after the exponent":
+                    p = torch.where(later, 0.0, p)
+                factor = torch.exp(m_new - m) if inverted else torch.exp(m - m_new)
+                total = (factor * total if rescale_sum else total) + p.sum(-1)
+                acc = (factor[..., None] * acc if rescale_output else acc) \
+                    + p @ v[..., j:j + block, :]
+                if divide == "every tile":
+                    acc, total = acc / total[..., None], torch.ones_like(total)
+                m = m_new
+            out[..., i:i + block, :] = acc / total[..., None]
+            lse[..., i:i + block] = (m if lse_adds_max else 0) + torch.log(total)
+        return out, lse
+    return tiled_attention
+
+
+def test_the_tiled_reference_and_the_lessons_flash_attention_pass(capsys):
+    from course_lib.flash_attention import flash_attention
+    assert checks.check_tiled_attention(tiled_with()) is True
+    assert checks.check_tiled_attention(
+        lambda q, k, v, block: flash_attention(q, k, v, block=block)) is True
+    assert "✓ check_tiled_attention: 6/6 cases" in capsys.readouterr().out
+    def todo(*args):
+        raise NotImplementedError("exercise 3: fill in tiled_attention")
+    assert checks.check_tiled_attention(todo) is False
+
+
+@pytest.mark.parametrize("fn, hint", [
+    (tiled_with(rescale_sum=False), r"case 1/6 [\s\S]*Hint: your running sum of exponentials is "
+                                    r"not rescaled when a tile raises the maximum"),
+    (tiled_with(rescale_output=False), r"Hint: your running output is not rescaled"),
+    (tiled_with(inverted=True), r"Hint: you rescale by exp\(m_new - m\), the inverse"),
+    (tiled_with(subtract_max=False), r"case 5/6 \(scores near a thousand[\s\S]*Hint: your "
+                                     r"exponentials overflow"),
+    (tiled_with(mask="after the exponent"), r"Hint: you hide the future keys after the "
+                                            r"exponent"),
+    (tiled_with(mask="none"), r"Hint: every query sees every key: the attention is causal"),
+    (tiled_with(mask="own key too"), r"Hint: a query does not see its own key"),
+    (tiled_with(divide="every tile"), r"Hint: you normalise the output at every tile"),
+    (tiled_with(lse_adds_max=False), r"Hint: the output is right, but lse is the log of the sum "
+                                     r"alone"),
+], ids=["sum not rescaled", "output not rescaled", "rescale inverted", "no max",
+        "mask after exp", "no mask", "own key hidden", "normalised every tile", "lse without m"])
+def test_a_wrong_tiled_forward_is_told_what_it_did(fn, hint):
+    with pytest.raises(CheckFailed, match=hint) as failed:
+        checks.check_tiled_attention(fn)
+    assert "masked_fill" not in str(failed.value) and "m + torch.log" not in str(failed.value)

@@ -6,11 +6,15 @@ In the lab, right under each exercise::
     from course_lib.checks import lab14_transformers_and_long_sequences as checks
     checks.check_merge(merge)            # random partial blocks, then a 2-rank ring attention
     checks.check_zigzag(zigzag_positions)
+    checks.check_tiled_attention(tiled_attention)
 
 The first compares a student's merge with ``context_parallel.merge`` on random partial results
 (large scores, queries that see no key of a block), then runs ring attention on two ranks (threads
 of this process) with the student's merge and compares the output with one process. The second
-compares the assignment with ``context_parallel.zigzag_positions`` and measures its balance.
+compares the assignment with ``context_parallel.zigzag_positions`` and measures its balance. The
+third compares a tiled causal attention's forward with FlashAttention's (``flash_attention``, and
+so torch's own attention) on tiles that do and do not divide the sequence and on scores large
+enough to overflow, and names the usual mistakes by replaying them on the failing case.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from course_lib import context_parallel as cp
 from course_lib import transformer as tf
 from course_lib.checks.framework import Case, CheckFailed, not_implemented, run_check
 from course_lib.comm import run_ranks
+from course_lib.flash_attention import flash_attention
 
 
 def _partials(seed: int, scale: float, empty: str) -> tuple:
@@ -250,3 +255,122 @@ def check_zigzag(student_fn: Callable) -> bool:
     print(f"✓ {name}: lengths that {', '.join(str(2 * n) for _, n in _UNEVEN_CASES)} chunks "
           f"cannot cut raise ValueError")
     return True
+
+
+# ---------------------------------------------------------------- exercise 3: the tiled forward
+def _qkv(seed: int, length: int, scale: float, late_keys_loud: bool) -> tuple:
+    """q, k, v (1, 2, length, 4) float64; ``scale`` multiplies q (scores of hundreds overflow
+    exp); ``late_keys_loud``: each key's size grows with its position, so the keys a causal mask
+    hides score highest."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, length, 4, dtype=torch.float64, generator=gen) for _ in range(3))
+    if late_keys_loud:
+        k = k.abs() * torch.arange(1, length + 1, dtype=torch.float64)[:, None]
+        q = q.abs()
+    return q * scale, k, v
+
+
+_TILED_CASES = [("T = 16, tiles of 4", 0, 16, 4, 1.0, False),
+                ("T = 19, tiles of 4: the last tile has 3", 1, 19, 4, 1.0, False),
+                ("tiles of 1: one key at a time", 2, 9, 1, 1.0, False),
+                ("a tile longer than the sequence: one tile", 3, 7, 32, 1.0, False),
+                ("scores near a thousand: e^710 overflows float64", 4, 19, 4, 500.0, False),
+                ("the keys a query may not see score highest", 5, 19, 4, 60.0, True)]
+
+
+def _tiled_reference(q, k, v, block):
+    with torch.no_grad():
+        return flash_attention(q, k, v, causal=True, block=block)
+
+
+def _mistaken(q, k, v, block, mistake):
+    """The tiled forward with one of the usual mistakes, to name the one a student made."""
+    T, scale = q.shape[-2], 1 / q.shape[-1] ** 0.5
+    out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1])
+    for i in range(0, T, block):
+        qi = q[..., i:i + block, :]
+        m = q.new_full(qi.shape[:-1], float("-inf"))
+        denom, acc = q.new_zeros(qi.shape[:-1]), torch.zeros_like(qi)
+        for j in range(0, T, block):
+            s = qi @ k[..., j:j + block, :].transpose(-2, -1) * scale
+            future = (torch.arange(j, j + s.shape[-1])[None, :]
+                      > torch.arange(i, i + s.shape[-2])[:, None])
+            if mistake == "diagonal hidden":
+                future = future | (torch.arange(j, j + s.shape[-1])[None, :]
+                                   == torch.arange(i, i + s.shape[-2])[:, None])
+            if mistake not in ("no mask", "mask after exp"):
+                s = s.masked_fill(future, float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            if mistake == "no max":
+                m_new = torch.zeros_like(m_new)
+            p = torch.exp(s - m_new.unsqueeze(-1))
+            if mistake == "mask after exp":
+                p = p.masked_fill(future, 0.0)
+            rescale = torch.exp(m_new - m if mistake == "rescale inverted" else m - m_new)
+            denom = (denom if mistake == "sum not rescaled" else rescale * denom) + p.sum(-1)
+            acc = (acc if mistake == "output not rescaled" else rescale.unsqueeze(-1) * acc) \
+                + p @ v[..., j:j + block, :]
+            if mistake == "normalised each tile":
+                acc = acc / denom.unsqueeze(-1)
+                denom = torch.ones_like(denom)
+            m = m_new
+        out[..., i:i + block, :] = acc / denom.unsqueeze(-1)
+        lse[..., i:i + block] = (0 if mistake == "lse without max" else m) + torch.log(denom)
+    return out, lse
+
+
+_TILED_HINTS = {
+    "sum not rescaled": "your running sum of exponentials is not rescaled when a tile raises the "
+                        "maximum: the terms summed before were taken relative to the old maximum, "
+                        "and are worth exp(m - m_new) of that now.",
+    "output not rescaled": "your running output is not rescaled when a tile raises the maximum "
+                           "(the sum is): both were accumulated relative to the old maximum.",
+    "rescale inverted": "you rescale by exp(m_new - m), the inverse: a higher maximum makes the "
+                        "old terms worth less, not more.",
+    "no max": "your exponentials overflow: exp of a score above 709 is inf in float64. The "
+              "running maximum is there to be taken out of every score before the exponent.",
+    "mask after exp": "you hide the future keys after the exponent: their scores still set the "
+                      "maximum, and when they are the largest every visible term underflows to "
+                      "0. Hide them before the maximum is taken (a score of -inf).",
+    "no mask": "every query sees every key: the attention is causal, a query at position t "
+               "sees keys 0..t only.",
+    "diagonal hidden": "a query does not see its own key: causal attention hides only the keys "
+                       "AFTER a query's position.",
+    "normalised each tile": "you normalise the output at every tile and restart the sum: the "
+                            "next tiles then weigh as much as all the tiles before together. "
+                            "Divide once, after the last tile.",
+    "lse without max": "the output is right, but lse is the log of the sum alone: the sum was "
+                       "taken relative to the running maximum, which lse must add back.",
+}
+
+
+def _diagnose_tiled(expected: tuple, got: Any, args: tuple) -> str | None:
+    try:
+        out, lse = (torch.as_tensor(x) for x in got)
+    except (TypeError, ValueError):
+        return None
+    for mistake, hint in _TILED_HINTS.items():
+        want_out, want_lse = _mistaken(*args, mistake)
+        if out.shape == want_out.shape and lse.shape == want_lse.shape and torch.allclose(
+                out, want_out, rtol=1e-9, atol=1e-12, equal_nan=True) and torch.allclose(
+                lse, want_lse, rtol=1e-9, atol=1e-12, equal_nan=True):
+            return hint
+    if out.shape == expected[0].shape and not torch.isfinite(out).all():
+        return ("your output has inf or nan: an exponent overflowed (a score not taken relative "
+                "to the running maximum) or a sum was 0 (every term underflowed).")
+    return None
+
+
+def check_tiled_attention(student_fn: Callable) -> bool:
+    """Lab 14, exercise 3: ``tiled_attention(q, k, v, block) -> (out, lse)``, causal attention
+    computed one tile of ``block`` queries by ``block`` keys at a time, equals FlashAttention's
+    forward (and torch's attention) on 6 cases; the usual mistakes are named."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    cases = [Case(label, lambda c=(seed, length, scale, loud, block): (
+        *_qkv(*c[:4]), c[4])) for label, seed, length, block, scale, loud in _TILED_CASES]
+    return run_check("check_tiled_attention", student_fn, _tiled_reference, cases,
+                     output_names=("out", "lse"), rtol=1e-9, atol=1e-12,
+                     diagnose=_diagnose_tiled, inputs_unchanged=True,
+                     arg_names=("q", "k", "v", "block"),
+                     hint="compare your update with the three lines of the exercise, one "
+                          "term at a time, on a tile where the maximum rises.")
