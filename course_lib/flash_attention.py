@@ -25,7 +25,9 @@ Python loop, so a small tile costs interpreter time rather than saving memory tr
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -121,3 +123,69 @@ def causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     (the model's ``attention=``). Introduced in
     notebooks/14_transformers_and_long_sequences.ipynb."""
     return flash_attention(q, k, v, causal=True)[0]
+
+
+# ---------------------------------------------------------------- the same forward as a kernel
+@functools.cache
+def _triton_kernel() -> Any:
+    """The causal forward as a Triton kernel: one program per block of queries of one head,
+    its loop over the key blocks the forward above runs in Python. Built on first use (Triton
+    is optional: ``pip install -e '.[triton]'``)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def forward(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, T, scale,
+                D: tl.constexpr, BLOCK: tl.constexpr):
+        start, head = tl.program_id(0) * BLOCK, tl.program_id(1)
+        rows, cols = start + tl.arange(0, BLOCK), tl.arange(0, D)
+        base = head * T * D  # this head's (T, D) block of the (heads, T, D) tensors
+        q = tl.load(q_ptr + base + rows[:, None] * D + cols[None, :], mask=rows[:, None] < T,
+                    other=0.0)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        denom = tl.zeros([BLOCK], tl.float32)
+        acc = tl.zeros([BLOCK, D], tl.float32)
+        for j in range(0, tl.minimum(T, start + BLOCK), BLOCK):  # causal: up to the last query
+            keys = j + tl.arange(0, BLOCK)
+            k = tl.load(k_ptr + base + keys[:, None] * D + cols[None, :],
+                        mask=keys[:, None] < T, other=0.0)
+            v = tl.load(v_ptr + base + keys[:, None] * D + cols[None, :],
+                        mask=keys[:, None] < T, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # fp32, not tf32
+            s = tl.where((keys[None, :] <= rows[:, None]) & (keys[None, :] < T), s,
+                         float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            rescale = tl.exp(m - m_new)
+            denom = rescale * denom + tl.sum(p, 1)
+            acc = rescale[:, None] * acc + tl.dot(p, v, input_precision="ieee")
+            m = m_new
+        tl.store(out_ptr + base + rows[:, None] * D + cols[None, :], acc / denom[:, None],
+                 mask=rows[:, None] < T)
+        tl.store(lse_ptr + head * T + rows, m + tl.log(denom), mask=rows < T)
+
+    return forward
+
+
+def triton_flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal FlashAttention's forward ``(out, lse)`` as a Triton kernel (q, k, v: ``(..., T,
+    d)`` float32, d a power of two >= 16, ``block`` one too): on a GPU, a kernel; on CPU
+    tensors, Triton's interpreter (``TRITON_INTERPRET=1``), slowly. Forward only. Introduced in
+    notebooks/14_transformers_and_long_sequences.ipynb."""
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("CPU tensors run in Triton's interpreter, which Triton sets up as it "
+                         "is imported: start Python with TRITON_INTERPRET=1")
+    if q.dtype != torch.float32 or not (q.shape == k.shape == v.shape):
+        raise ValueError(f"float32 q, k, v of one shape, got {q.dtype} {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    T, d = q.shape[-2:]
+    if d < 16 or d & (d - 1) or block < 16 or block & (block - 1):
+        raise ValueError(f"head size {d} and block {block}: powers of two, at least 16")
+    kernel = _triton_kernel()
+    heads = q.numel() // (T * d)
+    flat = [t.reshape(heads, T, d).contiguous() for t in (q, k, v)]
+    out = torch.empty_like(flat[0])
+    lse = q.new_empty(heads, T)
+    kernel[(-(-T // block), heads)](*flat, out, lse, T, 1 / math.sqrt(d), D=d, BLOCK=block)
+    return out.reshape(q.shape), lse.reshape(q.shape[:-1])

@@ -74,3 +74,36 @@ def test_bad_arguments_are_named():
         flash_attention(q, torch.randn(1, 4, 6), torch.randn(1, 4, 8))
     with pytest.raises(ValueError, match="block must be a positive integer"):
         flash_attention(q, q, q, block=0)
+
+
+INTERPRETED = """
+import torch, torch.nn.functional as F
+from course_lib.flash_attention import triton_flash_forward
+from tests.test_flash_attention import reference_lse
+gen = torch.Generator().manual_seed(0)
+for T, block in [(40, 16), (64, 32), (5, 16)]:  # tiles that do not divide T too
+    q, k, v = (torch.randn(2, 2, T, 16, generator=gen) for _ in range(3))
+    out, lse = triton_flash_forward(q, k, v, block=block)
+    print(T, block, float((out - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs()
+                          .max()), float((lse - reference_lse(q, k, causal=True)).abs().max()))
+"""
+
+
+def test_the_triton_kernel_equals_torchs_attention_on_cpu_in_the_interpreter():
+    """The forward as a Triton kernel, run by Triton's interpreter on CPU tensors at a toy size
+    (on a GPU it is a kernel: tests/test_gpu.py times it beside torch's). The interpreter is set
+    up as Triton is imported: a Python of its own, started with TRITON_INTERPRET=1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("triton", reason="Triton is optional: pip install -e '.[triton]'")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], cwd=root, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == 3 and all(float(e) < 1e-5 for row in rows for e in row[2:]), done.stdout
+    from course_lib.flash_attention import triton_flash_forward
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):  # this Python has no interpreter
+        triton_flash_forward(*(torch.randn(1, 16, 16) for _ in range(3)))

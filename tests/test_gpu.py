@@ -101,6 +101,24 @@ def test_roofline_and_model_flops_utilisation():
     assert step["mfu"] is None or 0 < step["mfu"] < 1
 
 
+@on_gpu
+def test_the_triton_flash_kernel_equals_torchs_attention_and_is_timed_beside_it():
+    """The course's causal FlashAttention kernel (fp32 products, forward) against torch's
+    scaled_dot_product_attention on the GPU: equal, and the time of each printed (the report's
+    figure, not the test's)."""
+    pytest.importorskip("triton", reason="pip install -e '.[triton]'")
+    from course_lib.flash_attention import triton_flash_forward
+    q, k, v = (torch.randn(4, 16, 2048, 64, device="cuda") for _ in range(3))
+    out, _ = triton_flash_forward(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (out - ref).abs().max() < 1e-4
+    ms = {name: gpu.timed(fn) * 1e3 for name, fn in [
+        ("triton kernel", lambda: triton_flash_forward(q, k, v)),
+        ("torch sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True))]}
+    print(f"causal attention forward, 4 x 16 heads x 2048 x 64, fp32: {ms}")
+
+
 # ---------------------------------------------------------------- the same code, CPU tensors
 def test_checks_run_on_cpu_tensors(cluster):
     """Every check above, with CPU tensors on the 2-rank test cluster: nothing differs."""
