@@ -3,9 +3,9 @@
 Introduced in notebooks/14_transformers_and_long_sequences.ipynb. Written-out attention makes
 the scores ``S = Q K^T / sqrt(d)`` and the probabilities ``P = softmax(S)`` for the whole
 sequence and keeps ``P`` for backward: T^2 numbers per head. FlashAttention (Dao et al. 2022;
-the loop order here is FlashAttention-2's, Dao 2023) takes a block of queries at a time and
-walks over the blocks of keys, keeping per query only a running maximum ``m``, a running sum
-``denom`` of exponentials and an unnormalised output ``acc``::
+the forward's loops, queries outside, are FlashAttention-2's, Dao 2023) takes a block of queries
+at a time and walks over the blocks of keys, keeping per query only a running maximum ``m``, a
+running sum ``denom`` of exponentials and an unnormalised output ``acc``::
 
     m_new = max(m, rowmax(S_ij))
     denom = exp(m - m_new) * denom + rowsum(exp(S_ij - m_new))   # the old sum, rescaled
@@ -20,7 +20,8 @@ lse_i)``, with ``D_i = rowsum(dO_i * O_i)``::
     dQ_i += dS_ij K_j / sqrt(d)     dK_j += dS_ij^T Q_i / sqrt(d)
 
 On a GPU each tile lives in the chip's fast on-chip memory; here the tiles are torch calls in a
-Python loop, so a small tile costs interpreter time rather than saving memory traffic.
+Python loop, so a small tile costs interpreter time rather than saving memory traffic. The same
+forward as a Triton kernel, :func:`triton_flash_forward`, is what runs on a GPU.
 """
 
 from __future__ import annotations
