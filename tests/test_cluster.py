@@ -15,26 +15,15 @@ import pytest
 
 from course_lib.parallel_gd import check_full_gradient
 from course_lib.runtime import cluster as C
-from course_lib.runtime.launch import alive, slurm_batch_script, slurm_config
+from course_lib.runtime.launch import alive, process_tree, slurm_batch_script, slurm_config
 from course_lib.testing.timing import assert_no_hang
 
 CLUSTER_SIZE = 3  # the shared cluster of tests/conftest.py
 CLUSTER_TIMEOUT = 30
 
 
-def _tree(pids):
-    procs = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            procs += [p, *p.children(recursive=True)]
-        except psutil.Error:
-            pass
-    return procs
-
-
 def _cluster_pids(c):
-    return [p.pid for p in _tree(c.pids + [c._ipp.controller.pid])]
+    return [p.pid for p in process_tree(c.pids + [c._ipp.controller.pid])]
 
 
 def test_ranks_environment_and_threads(cluster):
@@ -153,7 +142,7 @@ def test_every_listener_is_on_loopback(cluster):
 
 def test_stop_leaves_no_process_behind(capfd):
     c = C.start_cluster(n=2)
-    procs = _tree(c.pids + [c._ipp.controller.pid])
+    procs = process_tree(c.pids + [c._ipp.controller.pid])
     assert len(procs) >= 3
     c.stop()
     assert [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []

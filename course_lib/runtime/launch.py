@@ -280,10 +280,8 @@ def _launcher_pids(ipp_cluster):
     return [p for p in (getattr(x, "pid", None) for x in launchers) if p and p > 0]
 
 
-def kill_tree(pids: Iterable[int], timeout: float = 5) -> None:
-    """SIGKILL processes and every descendant, then wait for them. The tree is read before the
-    first kill: mpiexec's hydra proxy and torchrun's ranks live in sessions of their own, so
-    neither a process group nor the parent's death reaches them.
+def process_tree(pids: Iterable[int]) -> list:
+    """psutil processes of ``pids`` and every descendant of each (those already gone left out).
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
     import psutil  # standard library only at the top (see the module docstring)
     procs = []
@@ -293,6 +291,16 @@ def kill_tree(pids: Iterable[int], timeout: float = 5) -> None:
             procs += [proc, *proc.children(recursive=True)]
         except psutil.Error:
             pass
+    return procs
+
+
+def kill_tree(pids: Iterable[int], timeout: float = 5) -> None:
+    """SIGKILL processes and every descendant, then wait for them. The tree is read before the
+    first kill: mpiexec's hydra proxy and torchrun's ranks live in sessions of their own, so
+    neither a process group nor the parent's death reaches them.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    import psutil  # standard library only at the top (see the module docstring)
+    procs = process_tree(pids)
     for proc in procs:
         try:
             proc.kill()
