@@ -331,20 +331,19 @@ def _other_tolerances(accuracies: dict, batches: list, most: int = 24) -> list:
 
 
 def _check_a_batch_that_comes_back(student_fn, accuracies, runs, batches):
-    """Ask the search again with the runs of the first batch that falls out of the tolerance
-    and of the last one within it exchanged: the answer is then a batch after a failing one."""
+    """Ask the search again with the runs of the last batch within the tolerance and of the
+    largest batch exchanged: a batch then comes back within it after one that fell out."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     from course_lib.scaling_rule import linear_scaling_warmup
     lab, base = LAB, accuracies[batches[0]]
-    within = [b for b in batches if accuracies[b] >= base - lab["tolerance"]]
-    falls = next((b for b in batches if accuracies[b] < base - lab["tolerance"]), None)
-    if falls is None or max(within) > falls:
-        return  # nothing to exchange (or the lab's runs already come back)
-    # the last batch within the tolerance before it, moved to after the first that falls out
-    good = max(b for b in within if b < falls)
-    far = max(b for b in batches if b > falls) if falls != batches[-1] else None
-    if far is None or good == batches[0]:
+    ok = [accuracies[b] >= base - lab["tolerance"] for b in batches]
+    first_out = ok.index(False) if not all(ok) else None
+    # nothing to exchange: every batch within, only the baseline within, only the largest out,
+    # or the lab's runs already come back
+    if first_out is None or first_out < 2 or first_out == len(batches) - 1 \
+            or any(ok[first_out:]):
         return
+    good, far = batches[first_out - 1], batches[-1]
     swap = {good: far, far: good}
     swapped = {b: accuracies[swap.get(b, b)] for b in batches}
     with _Swapped(swap, runs, lab["seeds"]):
