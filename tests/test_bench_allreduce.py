@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from course_lib.bench import allreduce as bench
+from course_lib.testing import command_line
 
 ALGORITHMS = ["native", "naive", "tree", "ring", "ring_pipelined"]
 
@@ -153,7 +154,7 @@ def test_cli_through_torchrun():
     (["--transport", "mpi", "--backend", "nccl"], 1, "--backend nccl goes with --transport torch"),
 ])
 def test_bad_arguments_end_with_a_clear_message(args, code, message):
-    out = _cli(*args, timeout=600)
+    out = command_line.run("bench", "allreduce", *args)
     assert out.returncode == code and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
@@ -162,6 +163,6 @@ def test_nccl_without_gpus_says_so():
     import torch
     if torch.cuda.is_available():
         pytest.skip("this machine has GPUs")
-    out = _cli("--backend", "nccl", timeout=600)
+    out = command_line.run("bench", "allreduce", "--backend", "nccl")
     assert out.returncode == 1 and "needs one CUDA GPU per rank" in out.stderr
     assert "Traceback" not in out.stderr

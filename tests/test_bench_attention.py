@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from course_lib import sequence_parallel as sp
+from course_lib.testing import command_line
 
 
 def _bench(*args, timeout=600):
@@ -32,6 +33,8 @@ def test_a_small_run_prints_every_table(tmp_path):
 
 
 def test_a_length_that_does_not_split_is_refused():
-    out = _bench("--world-sizes", "2", "--lengths", "30", "--repeats", "1")
+    out = command_line.run("bench", "attention", "--world-sizes", "2", "--lengths", "30",
+                           "--repeats", "1")
     assert out.returncode == 1 and "not divisible by 2N = 4" in out.stderr
-    assert _bench("--lengths", "x").returncode == 2
+    assert "starting" not in out.stderr  # refused before any engine starts
+    assert command_line.run("bench", "attention", "--lengths", "x").returncode == 2

@@ -1,13 +1,12 @@
 """bench ddp (course_lib/bench/ddp.py): options, the rows of a tiny real run on 2 ranks, the
 table."""
 
-import subprocess
-import sys
 
 import pytest
 
 from course_lib import ddp
 from course_lib.bench import ddp as bench_ddp
+from course_lib.testing import command_line
 
 CLUSTER_SIZE = 2  # the shared cluster of tests/conftest.py
 CLUSTER_BACKEND = "gloo"
@@ -27,8 +26,7 @@ def test_options_are_checked():
             bench_ddp.parse_hidden(bad)
     with pytest.raises(ValueError):
         bench_ddp.parse_buckets("1,0")
-    out = subprocess.run([sys.executable, "-m", "course_lib", "bench", "ddp", "--hidden", "7y"],
-                         capture_output=True, text=True, timeout=600)
+    out = command_line.run("bench", "ddp", "--hidden", "7y")
     assert out.returncode == 1 and "--hidden" in out.stderr
 
 

@@ -4,6 +4,8 @@ import csv
 import subprocess
 import sys
 
+from course_lib.testing import command_line
+
 
 def _bench(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "course_lib", "bench", "moe", *args],
@@ -30,6 +32,9 @@ def test_a_small_run_prints_every_table(tmp_path):
 
 
 def test_bad_options_are_refused():
-    assert _bench("--world-sizes", "3", "--steps", "1").returncode == 1  # 4 experts over 3
-    assert _bench("--repeats", "0").returncode == 1
-    assert _bench("--sizes", "x").returncode == 2
+    def bench(*args):
+        return command_line.run("bench", "moe", *args)
+    out = bench("--world-sizes", "3", "--steps", "1")
+    assert out.returncode == 1 and "4 experts do not split over 3 ranks" in out.stderr
+    assert bench("--repeats", "0").returncode == 1
+    assert bench("--sizes", "x").returncode == 2

@@ -9,6 +9,7 @@ import pytest
 
 from course_lib.bench import ps as bench_ps
 from course_lib.models import Quadratic
+from course_lib.testing import command_line
 
 
 def test_quadratic_gradient_is_the_sum_over_samples():
@@ -22,8 +23,7 @@ def test_options_are_checked():
     for bad in ["", "0", "1,-2"]:
         with pytest.raises(ValueError):
             bench_ps.ints(bad)
-    out = subprocess.run([sys.executable, "-m", "course_lib", "bench", "ps", "--modes", "fast"],
-                         capture_output=True, text=True, timeout=600)
+    out = command_line.run("bench", "ps", "--modes", "fast")
     assert out.returncode == 1 and "--modes" in out.stderr
 
 

@@ -5,6 +5,8 @@ import csv
 import subprocess
 import sys
 
+from course_lib.testing import command_line
+
 
 def _bench(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "course_lib", "bench", "staging", *args],
@@ -13,7 +15,7 @@ def _bench(*args, timeout=600):
 
 def test_the_model_alone_lists_every_gpu_path():
     from course_lib import costmodel
-    out = _bench("--model-only", timeout=600)
+    out = command_line.run("bench", "staging", "--model-only")
     assert out.returncode == 0, out.stderr
     for name in costmodel.gpu_paths():
         assert name in out.stdout
@@ -21,8 +23,8 @@ def test_the_model_alone_lists_every_gpu_path():
 
 
 def test_bad_options_are_refused():
-    assert _bench("--sizes", "12Q", timeout=600).returncode == 2
-    out = _bench("--repeats", "0", timeout=600)
+    assert command_line.run("bench", "staging", "--sizes", "12Q").returncode == 2
+    out = command_line.run("bench", "staging", "--repeats", "0")
     assert out.returncode == 1 and "--repeats" in out.stderr
 
 

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+from course_lib.testing import command_line
+
 
 def _cli(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "course_lib", *args], capture_output=True,
@@ -28,7 +30,7 @@ def test_doctor_ends_with_a_verdict():
 
 
 def test_labs_are_up_to_date():
-    out = _cli("labs", "check")
+    out = command_line.run("labs", "check")
     assert out.returncode == 0, out.stdout
 
 
@@ -39,9 +41,10 @@ def test_images_are_regenerated(tmp_path):
 
 
 def test_cluster_clean_runs_when_there_is_nothing_to_clean():
-    out = _cli("cluster", "clean")
+    out = command_line.run("cluster", "clean")
     assert out.returncode == 0 and out.stdout.startswith("stopped")
 
 
 def test_unknown_command_is_an_error():
-    assert _cli("fly").returncode == 2
+    out = command_line.run("fly")
+    assert out.returncode == 2 and "invalid choice: 'fly'" in out.stderr

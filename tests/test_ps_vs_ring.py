@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 from course_lib import costmodel, ps_vs_ring  # noqa: E402
 from course_lib.bench import ps as bench_ps  # noqa: E402
 from course_lib.runtime import netem
+from course_lib.testing import command_line  # noqa: E402
 
 CLUSTER_SIZE = 6  # the PS with 4 workers and 2 servers (tests/conftest.py's shared cluster)
 B = 8 * 2**17     # 1 MiB: the measured model
@@ -162,7 +163,7 @@ def _bench(*args, timeout=600):
 
 
 def test_bench_model_only_prints_the_model_to_thousands():
-    out = _bench("--model-only")
+    out = command_line.run("bench", "scaling", "--model-only")
     assert out.returncode == 0, out.stderr
     for text in ["ResNet-50", "Goyal", "10GbE", "NVLink", "PS, 1 server", "ring-allreduce",
                  "4096"]:
@@ -185,8 +186,8 @@ def test_bench_at_its_smallest_prints_measurement_model_and_ceiling(tmp_path):
 
 
 def test_bench_refuses_bad_options():
-    assert _bench("--servers", "N/0").returncode == 2
-    out = _bench("--steps", "1")
+    assert command_line.run("bench", "scaling", "--servers", "N/0").returncode == 2
+    out = command_line.run("bench", "scaling", "--steps", "1")
     assert out.returncode == 1 and "--steps" in out.stderr
 
 
