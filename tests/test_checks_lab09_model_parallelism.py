@@ -337,3 +337,51 @@ def test_f_and_g_check_passes_the_reference(cluster, capsys):
         def forward(ctx, x, comm):
             raise NotImplementedError
     assert checks.check_f_and_g(unfinished, make_g(), mlp, cluster) is False
+
+
+# ---------------------------------------------------------------- exercise 4: the ZB-H1 order
+def zb_h1(stage, N, M, waiting=lambda s, N: s, newest_first=False, at_end=False):
+    """ZB-H1 written out (1F1B, a W after a B once more than ``waiting`` wait), with knobs."""
+    order, pending = [], []
+    for op, m in reference_order(stage, N, M):
+        order.append((op, m))
+        if op == "B":
+            pending.append(m)
+            if not at_end and len(pending) > waiting(stage, N):
+                order.append(("W", pending.pop(-1 if newest_first else 0)))
+    return order + [("W", m) for m in (pending[::-1] if newest_first else pending)]
+
+
+def zb_with(**knobs):
+    def order(stage, num_stages, num_microbatches):
+        return zb_h1(stage, num_stages, num_microbatches, **knobs)
+    return order
+
+
+def w_before_b(stage, N, M):
+    order = zb_h1(stage, N, M)
+    i, j = order.index(("B", 0)), order.index(("W", 0))
+    order[i], order[j] = order[j], order[i]
+    return order
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (reference_order, "that is 1F1B's order"),
+    (zb_with(waiting=lambda s, N: 0), "stage 1 lets its first 1 W's wait"),
+    (zb_with(waiting=lambda s, N: N - 1 - s), "the other way round, stage s lets s wait"),
+    (zb_with(at_end=True), "all W's run at the end"),
+    (zb_with(newest_first=True), "oldest first"),
+    (w_before_b, "weight gradient of micro-batch 0 comes before its backward"),
+    (lambda s, N, M: [x for x in zb_h1(s, N, M) if x != ("W", M - 1)], r"missing \[\('W', 7\)\]"),
+    (lambda s, N, M: gpipe_order(s, N, M) + [("W", m) for m in range(M)], "keep 1F1B's order"),
+])
+def test_zb_h1_check_names_the_mistake(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_zb_h1_order(wrong)
+
+
+def test_zb_h1_check_passes_the_reference_and_runs_it_on_the_ranks(cluster, capsys):
+    assert checks.check_zb_h1_order(zb_h1, cluster) is True
+    out = capsys.readouterr().out
+    assert "idle slots 3 against 9" in out and "[4, 4, 4, 4]" in out
+    assert "gradients equal one process's" in out

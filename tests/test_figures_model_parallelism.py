@@ -64,5 +64,16 @@ def test_interleaved_chunks_are_told_apart():
 
 def test_save_all_writes_the_schedules(tmp_path):
     paths = figures.save_all(tmp_path)
-    assert [p.name for p in paths] == ["09_pipeline_schedules.png"]
-    assert paths[0].stat().st_size > 10_000
+    assert [p.name for p in paths] == ["09_pipeline_schedules.png", "09_zero_bubble.png"]
+    assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_zero_bubble_figure_draws_every_w_and_a_v():
+    fig = figures.zero_bubble_figure(num_stages=4, num_microbatches=8)
+    one, h1, v = fig.axes
+    gold = matplotlib.colors.to_rgba(figures.COLOURS["W"])
+    faces = [[tuple(c.get_facecolor()[0]) for c in ax.collections] for ax in fig.axes]
+    assert gold not in faces[0] and faces[1].count(gold) == 4 * 8  # a W per micro-batch
+    assert len(faces[2]) == 4 * 8 * 3 * 2  # F, B and W of two chunks on every rank
+    assert "11%" in h1.get_title() and "rank 3" in [t.get_text() for t in v.get_yticklabels()]
+    assert "27%" in one.get_title()

@@ -71,11 +71,13 @@ def test_uneven_stages_on_three_ranks_with_fewer_microbatches_than_stages(cluste
     assert max(r["grad"] for r in reports[:3]) < 1e-10 and reports[2]["loss"] < 1e-10
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_same_loss_and_gradients_as_torch_pipelining(cluster, schedule):
-    reports = cluster.run(K.torch_pipelining_matches, schedule, 4)
+@pytest.mark.parametrize("schedule,M", [("gpipe", 4), ("1f1b", 4), ("zb-h1", 4), ("zb-v", 8)])
+def test_same_loss_and_gradients_as_torch_pipelining(cluster, schedule, M):
+    # zb-v: 8 layers in 2N = 8 chunks; torch's ZBV schedule wants M >= 2N - 1
+    reports = cluster.run(K.torch_pipelining_matches, schedule, M,
+                          num_layers=8 if schedule == "zb-v" else 6)
     assert max(r["grad"] for r in reports) < 1e-10, reports
-    assert reports[-1]["loss"] < 1e-10
+    assert reports[0 if schedule == "zb-v" else -1]["loss"] < 1e-10
 
 
 def test_a_stage_that_never_sends_is_named_on_every_rank_within_the_deadline(cluster):
@@ -105,6 +107,23 @@ def test_bench_rows_put_the_measurement_beside_the_prediction(cluster):
     assert "formula" in text and "ceiling" in text
 
 
+def test_bench_rows_of_the_zero_bubble_schedules(cluster):
+    from course_lib.bench import pipeline as bench
+    rows = bench.measure(cluster, stages=[4], schedules=["1f1b", "zb-h1", "zb-v"],
+                         microbatches=[2, 8], forward_s=0.004, backward_s=0.008)
+    for r in rows:
+        formula = r["formula_bubble"]
+        if r["schedule"] != "1f1b" and r["microbatches"] == 2:  # too few for the formula
+            assert formula != formula  # NaN, printed as "-"
+        else:
+            assert formula == pytest.approx(P.schedule_bubble(r["schedule"], 4,
+                                                              r["microbatches"]))
+        assert r["peak_live"] == r["simulated_peak_live"]
+        assert (r["weight_ms"] > 0) == (r["schedule"] != "1f1b")  # W measured as its own pass
+        assert 0 < r["bubble"] < 1
+    assert "(N-1)/(6M+N-1)" in bench.format_table(rows)
+
+
 def test_layer_times_time_every_layer_and_leave_no_gradient():
     model = K.sleeping_model(forward_ms=(1, 2, 4))
     x, _ = K.make_batch(4, 4, dtype=torch.float32)
@@ -124,3 +143,77 @@ def test_interleaved_bubble_is_the_formula_with_v_chunks(N, M, v):
                                        for c in range(v))
     with pytest.raises(ValueError, match="not a multiple of 4"):
         P.interleaved_order(0, 4, 6, 2)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_zero_bubble_orders_are_torch_pipelinings(schedule):
+    for N in (2, 3, 4, 5):
+        for M in (1, 2, 3, 4, 5, 8, 9, 12, 16):
+            if schedule == "zb-h1" and M % max(1, M // N):
+                continue  # torch refuses M that its rounds of N do not divide
+            ours = [P.zb_v_order(s, N, M) if schedule == "zb-v" else
+                    P.schedule_order(schedule, s, N, M) for s in range(N)]
+            assert ours == K.torch_orders(schedule, N, M), (N, M)
+
+
+@pytest.mark.parametrize("N,M", [(2, 4), (4, 4), (4, 8), (3, 16), (8, 15)])
+def test_zero_bubble_leaves_a_third_then_a_sixth_of_the_idle_slots(N, M):
+    one = P.simulate("1f1b", N, M)  # F = 1, B + W = 2
+    h1 = P.simulate("zb-h1", N, M)  # B = W = 1: the same work, split
+    assert h1.bubble == pytest.approx(P.schedule_bubble("zb-h1", N, M))
+    assert h1.makespan - 3 * M == pytest.approx((one.makespan - 3 * M) / 3)  # idle slots: 1/3
+    assert h1.peak_live == [N] * N  # later stages keep up to N, as 1F1B's first
+    if M >= 2 * N - 1:
+        v = P.simulate("zb-v", N, M)
+        assert v.bubble == pytest.approx(P.schedule_bubble("zb-v", N, M))
+        assert v.makespan - 3 * M == pytest.approx((one.makespan - 3 * M) / 6)
+        assert v.peak_live == [2 * N] * N  # chunks of half a stage: N micro-batches' worth
+    with pytest.raises(ValueError, match="needs M >= 7"):
+        P.schedule_bubble("zb-v", 4, 6)
+
+
+def test_a_weight_gradient_before_its_backward_is_named():
+    good = P.schedule_order("zb-h1", 1, 3, 2)
+    P.check_order(good, 1, 2)
+    with pytest.raises(ValueError, match="weight gradient of micro-batch 0 comes before"):
+        P.check_order([("F", 0), ("W", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 1)], 0, 2)
+    with pytest.raises(ValueError, match=r"missing \[\('W', 1\)\]"):
+        P.check_order(good[:-1] if good[-1] == ("W", 1) else
+                      [s for s in good if s != ("W", 1)], 1, 2)
+
+
+def test_w_is_the_weight_half_of_autograds_backward():
+    layer = torch.nn.Linear(5, 3).double()
+    x = torch.randn(2, 4, 5, dtype=torch.float64)
+    dy = torch.randn(2, 4, 3, dtype=torch.float64)
+    layer(x).backward(dy)
+    for param, grad in P.weight_grads(layer, x, dy):
+        torch.testing.assert_close(grad, param.grad)
+    kept = []
+    with P.weights_put_off(layer, kept):
+        out = layer(x.clone().requires_grad_())
+    out.backward(dy)  # B: the input's gradient only
+    assert kept[0][2] is not None and all(p.requires_grad for p in layer.parameters())
+
+
+@pytest.mark.parametrize("schedule", [*P.SCHEDULES, "zb-v"])
+def test_every_schedule_equals_one_process_with_ranks_as_threads(schedule):
+    import copy
+
+    from course_lib.comm.recording import run_ranks
+    N, M, v_shaped = 3, 6, schedule == "zb-v"
+    model, (x, y) = K.make_mlp(6, 8), K.make_batch(12, 8)  # made once: threads share the RNG
+    counts = P.balance([1.0] * 6, 2 * N if v_shaped else N)
+    parts = P.split_model(copy.deepcopy(model), counts)
+
+    def stage_of(comm):
+        return P.v_chunks(parts, comm.rank) if v_shaped else parts[comm.rank]
+    results, _ = run_ranks(lambda _, comm: K.run_stage(stage_of(comm), comm, M, x, y, schedule),
+                           [None] * N, timeout=20, check_sizes=False)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    for mine, ref in zip(parts, P.split_model(model, counts), strict=True):
+        for a, b in zip(mine.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+    assert results[0 if v_shaped else -1].loss == pytest.approx(loss.item(), abs=1e-12)
+    assert [r.peak_live for r in results] == P.simulate(schedule, N, M).peak_live

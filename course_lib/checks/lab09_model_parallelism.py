@@ -1,5 +1,5 @@
-"""Lab 09 checks: the 1F1B order of one stage, that stage's step with real messages, and
-Megatron's f and g.
+"""Lab 09 checks: the 1F1B order of one stage, that stage's step with real messages,
+Megatron's f and g, and the zero-bubble order ZB-H1.
 
 Introduced in labs/09_model_parallelism.ipynb, on the framework of :mod:`course_lib.checks`:
 
@@ -12,7 +12,12 @@ Introduced in labs/09_model_parallelism.ipynb, on the framework of :mod:`course_
   rank waited for; loss and gradients against the whole model in one process;
 - ``check_f_and_g(f, g, parallel_mlp, cluster)`` runs the student's ``torch.autograd.Function``
   classes alone (inputs watched for in-place changes), then a column-then-row-parallel MLP built
-  on them, against the whole MLP in one process.
+  on them, against the whole MLP in one process;
+- ``check_zb_h1_order(zb_h1, cluster)`` compares the student's ZB-H1 order with
+  ``pipeline.schedule_order("zb-h1", ...)``, names the usual mistakes (W right after every B, W's
+  kept waiting by the wrong stages, all W's at the end, the newest W first), plays it in the
+  simulator (a third of 1F1B's idle slots, at most N micro-batches alive), then runs it with a
+  split backward on the ranks against one process.
 
 Each hint is decoded from what came back: a gradient N (or M) times the right one, a rank's own
 partial sum, the average instead of the sum, the message a stage waited for.
@@ -719,4 +724,100 @@ def check_f_and_g(f: type, g: type, parallel_mlp: Callable, cluster,
             _check_mlp(where, N, r)
     print(f"✓ {name}: f and g alone, and the MLP built on them, match one process on {N} ranks "
           f"({len(TP_CASES)} cases: output, dL/dx and every weight's gradient)")
+    return True
+
+
+# ---------------------------------------------------------------- exercise 4: the ZB-H1 order
+def _one_f_one_b(stage, N, M):
+    """1F1B's order, written again here: the reference the mistakes below are built from."""
+    warmup = min(N - stage - 1, M)
+    order = [("F", m) for m in range(warmup)]
+    for m in range(warmup, M):
+        order += [("F", m), ("B", m - warmup)]
+    return order + [("B", m) for m in range(M - warmup, M)]
+
+
+def _w_after_b(stage, N, M, waiting, newest_first=False):
+    """1F1B with each B followed by a W once more than ``waiting`` W's wait (None: all W's at
+    the end); the W's left run last."""
+    order, pending = [], []
+    for op, m in _one_f_one_b(stage, N, M):
+        order.append((op, m))
+        if op == "B":
+            pending.append(m)
+            if waiting is not None and len(pending) > waiting:
+                order.append(("W", pending.pop(-1 if newest_first else 0)))
+    return order + [("W", m) for m in (pending[::-1] if newest_first else pending)]
+
+
+def _diagnose_zb_h1(stage, N, M, got):
+    """What the student's ZB-H1 order did, in words."""
+    if not isinstance(got, list) or any(not isinstance(step, tuple) or len(step) != 2
+                                        or step[0] not in ("F", "B", "W") for step in got):
+        return "return a list of pairs: ('F', m), ('B', m) and ('W', m)."
+    try:
+        pipeline.check_order(got, stage, M)
+    except ValueError as e:
+        return f"{e}. Each micro-batch m needs ('F', m), then ('B', m), then ('W', m)."
+    if not any(op == "W" for op, _ in got):
+        return "that is 1F1B's order: ZB-H1 splits each backward into B, then later W."
+    if [step for step in got if step[0] != "W"] != _one_f_one_b(stage, N, M):
+        return ("keep 1F1B's order of the F's and B's (your one_f_one_b): ZB-H1 only adds the "
+                "W's, the weights' gradients, which no other stage waits for.")
+    if got == _w_after_b(stage, N, M, 0):
+        return (f"every B is followed by its W at once; stage {stage} lets its first {stage} "
+                f"W's wait (one per stage before it), so that its B's, which stage {stage - 1} "
+                "waits for, come sooner.")
+    if got == _w_after_b(stage, N, M, N - 1 - stage):
+        return (f"stage {stage} let {N - 1 - stage} W's wait, num_stages - 1 - stage: it is the "
+                f"other way round, stage s lets s wait (stage 0 none, the last stage "
+                f"{N - 1}): a later stage has room, it holds fewer micro-batches in 1F1B.")
+    if got == _w_after_b(stage, N, M, None):
+        return (f"all W's run at the end: stage {stage} then holds all {M} micro-batches' "
+                "activations until then (W needs each layer's input). Run the oldest W after "
+                f"a B as soon as more than {stage} wait.")
+    if got == _w_after_b(stage, N, M, stage, newest_first=True):
+        return "run the waiting W's oldest first, as the B's ran."
+    return (f"after each B, stage {stage} runs the oldest W that waits, but only once more "
+            f"than {stage} W's wait; the W's still waiting at the end run last, oldest first.")
+
+
+def check_zb_h1_order(student_fn: Callable, cluster=None) -> bool:
+    """Lab 09, exercise 4: ``zb_h1(stage, num_stages, num_microbatches)`` returns the ZB-H1
+    order of that stage; checked case by case, in the simulator, then (with ``cluster``) run
+    with a split backward on its ranks against one process."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    name = "check_zb_h1_order"
+    for number, (stage, N, M) in enumerate(ORDER_CASES, start=1):
+        where = f"{name}: case {number}/{len(ORDER_CASES)} (stage {stage} of {N}, M = {M})"
+        try:
+            got = _order(student_fn, stage, N, M)
+        except NotImplementedError:
+            return not_implemented(name)
+        except Exception as err:
+            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}\n"
+                              f"Hint: return a list of ('F', m), ('B', m) and ('W', m) "
+                              "pairs.") from err
+        expected = pipeline.schedule_order("zb-h1", stage, N, M)
+        if got != expected:
+            raise CheckFailed(f"{where}\n{sequence_difference(expected, got)}\n"
+                              f"Hint: {_diagnose_zb_h1(stage, N, M, got)}")
+    N, M = 4, 8
+    orders = [_order(student_fn, s, N, M) for s in range(N)]
+    sim, one = pipeline.simulate("zb-h1", N, M, orders=orders), pipeline.simulate("1f1b", N, M)
+    print(f"  simulated, N = {N}, M = {M}, F = B = W: bubble {sim.bubble:.3f} (1F1B "
+          f"{one.bubble:.3f}; idle slots {sim.makespan - 3 * M:g} against "
+          f"{one.makespan - 3 * M:g}), live micro-batches per stage {sim.peak_live}")
+    if cluster is not None:
+        payload = pack_function(student_fn)
+        for M in (1, 3, 6):
+            reports = cluster.run(run_order_on_rank, payload, M)
+            worst = max(r["grad"] for r in reports)
+            if worst > 1e-10 or reports[-1]["loss"] > 1e-10:
+                raise CheckFailed(f"{name}: on {cluster.n} ranks with M = {M} the gradients "
+                                  f"differ from one process by {worst:.3g}\nHint: the order "
+                                  "is right, so look at how the function is called.")
+        print(f"  run on {cluster.n} ranks with B and W apart, M = 1, 3, 6: gradients equal "
+              "one process's")
+    print(f"✓ {name}: {len(ORDER_CASES)}/{len(ORDER_CASES)} cases match the reference")
     return True

@@ -15,15 +15,16 @@ import numpy as np
 from course_lib import pipeline
 from course_lib.figures import save_figure
 
-COLOURS = {"F": "tab:blue", "B": "tab:orange"}
-LIGHT = {"F": "#9ecae1", "B": "#fdbf86"}  # an interleaved rank's second chunk of layers
+COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "goldenrod"}
+LIGHT = {"F": "#9ecae1", "B": "#fdbf86", "W": "#eedc9a"}  # a rank's second chunk of layers
 
 
 def simulated_gantt(sim, ax, title=None, xmax=None, chunks=None):
-    """One row per stage: its forwards (blue) and backwards (orange) with the micro-batch
-    number where the box has room for it; white is the bubble. ``xmax``: the time axis's end
+    """One row per stage: its forwards (blue), backwards (orange) and weight gradients (gold,
+    a split backward's W) with the micro-batch number where the box has room for it; white is
+    the bubble. ``xmax``: the time axis's end
     (default: the step's end); ``chunks[s][i]``: the chunk of stage s's i-th box (interleaved
-    1F1B), drawn light from chunk 1 on. Introduced in notebooks/09_model_parallelism.ipynb."""
+    1F1B, ZB-V), drawn light from chunk 1 on. Introduced in notebooks/09_model_parallelism.ipynb."""
     xmax = xmax or sim.makespan
     ax.set_xlim(0, xmax)
     # points per unit of time: the axes' width before the figure's layout widens it
@@ -36,7 +37,7 @@ def simulated_gantt(sim, ax, title=None, xmax=None, chunks=None):
                            linewidth=0.5)
             if (end - start) * points >= 4.5 * len(str(m)) + 2:  # a 7-point digit: ~4.5 pt
                 ax.text((start + end) / 2, s, str(m), ha="center", va="center", fontsize=7,
-                        color="black" if light else "white")
+                        color="black" if light or op == "W" else "white")
     ax.set_yticks(range(len(sim.intervals)), [f"stage {s}" for s in range(len(sim.intervals))])
     ax.invert_yaxis()
     ax.set_xlabel("time (units of one forward)")
@@ -55,7 +56,7 @@ def schedules_figure(num_stages=4, num_microbatches=8, t_forward=1.0, t_backward
     import matplotlib.pyplot as plt
     N, M, v = num_stages, num_microbatches, virtual_stages
     sims = {}
-    for schedule in (*pipeline.SCHEDULES, "interleaved"):
+    for schedule in ("naive", "gpipe", "1f1b", "interleaved"):
         k = M if schedule == "naive" else 1  # the naive schedule: the whole batch at once
         sims[schedule] = pipeline.simulate(schedule, N, M, k * t_forward, k * t_backward,
                                            virtual_stages=v)
@@ -98,6 +99,36 @@ def schedules_figure(num_stages=4, num_microbatches=8, t_forward=1.0, t_backward
     axes[-1].set_xlabel(f"time ({unit})", fontsize=9)
     fig.suptitle(f"N = {N} stages, one batch: blue forward, orange backward, number = "
                  "micro-batch, white = the bubble", fontsize=10)
+    fig.tight_layout(h_pad=1.2)
+    return fig
+
+
+def zero_bubble_figure(num_stages=4, num_microbatches=8):
+    """1F1B, ZB-H1 and ZB-V simulated on one time axis for the same work: a forward F, and a
+    backward of 2F that the zero-bubble schedules split into B (the input's gradient) and W
+    (the weights'), F each. ZB-V's second chunk of each rank is drawn light.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    import matplotlib.pyplot as plt
+    N, M = num_stages, num_microbatches
+    sims = {s: pipeline.simulate(s, N, M) for s in ("1f1b", "zb-h1", "zb-v")}
+    fig, axes = plt.subplots(3, 1, figsize=(10, 6.6), sharex=True)
+    end = max(sim.makespan for sim in sims.values())
+    formulas = {"1f1b": "(N-1)/(M+N-1)", "zb-h1": "(N-1)/(3M+N-1)", "zb-v": "(N-1)/(6M+N-1)"}
+    names = {"1f1b": "1F1B", "zb-h1": "ZB-H1", "zb-v": "ZB-V (two chunks per rank, in a V)"}
+    for ax, (schedule, sim) in zip(axes, sims.items(), strict=True):
+        chunks = ([[c for _, _, c in pipeline.zb_v_order(s, N, M)] for s in range(N)]
+                  if schedule == "zb-v" else None)
+        held = "chunks (half a stage each)" if schedule == "zb-v" else "micro-batches"
+        simulated_gantt(sim, ax, f"{names[schedule]}: {sim.makespan:g} units, bubble "
+                        f"{sim.bubble:.0%} = {formulas[schedule]}, at most "
+                        f"{max(sim.peak_live)} {held} alive", xmax=end, chunks=chunks)
+        if schedule == "zb-v":  # a row is a rank: stages s and 2N-1-s
+            ax.set_yticks(range(N), [f"rank {s}" for s in range(N)])
+        ax.set_xlabel("")
+    axes[-1].set_xlabel("time (units of one forward; B and W one each, 1F1B's backward two)",
+                        fontsize=9)
+    fig.suptitle(f"N = {N} stages, M = {M}: blue forward, orange backward (B), gold weight "
+                 "gradient (W), white = the bubble", fontsize=10)
     fig.tight_layout(h_pad=1.2)
     return fig
 
@@ -183,4 +214,5 @@ def tp_vs_pp_figure(results):
 def save_all(out_dir):
     """Write the simulated schedules into ``out_dir``; returns the paths.
     Introduced in notebooks/09_model_parallelism.ipynb."""
-    return [save_figure(schedules_figure(), out_dir, "09_pipeline_schedules.png")]
+    return [save_figure(schedules_figure(), out_dir, "09_pipeline_schedules.png"),
+            save_figure(zero_bubble_figure(), out_dir, "09_zero_bubble.png")]

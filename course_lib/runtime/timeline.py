@@ -36,7 +36,8 @@ Event = namedtuple("Event", "name cat start end rank args")
 COMM_CATEGORIES = ("allreduce", "broadcast", "send", "recv")
 COLOURS = {"compute": "tab:pink", "forward": "tab:blue", "backward": "tab:orange",
            "step": "tab:green", "wait": "tab:red", "allreduce": "tab:purple",
-           "broadcast": "tab:brown", "data": "tab:gray", "recv": "tab:olive", "send": "tab:cyan"}
+           "broadcast": "tab:brown", "data": "tab:gray", "recv": "tab:olive", "send": "tab:cyan",
+           "weight": "goldenrod"}  # a split backward's W, as in the simulated charts
 
 
 @contextmanager

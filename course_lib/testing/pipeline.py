@@ -15,6 +15,8 @@ from course_lib.comm import get_comm
 from course_lib.comm.subgroups import subgroup_comm
 from course_lib.runtime.timeline import DISABLED, Timeline
 
+WORK = ("forward", "backward", "weight")  # a stage's busy time: F, B and W spans
+
 
 def make_mlp(num_layers=6, width=8, seed=0, dtype=torch.float64):
     """``num_layers`` blocks of Linear + Tanh (the last one a Linear alone), the same on every
@@ -37,9 +39,10 @@ def make_batch(batch=16, width=8, seed=1, dtype=torch.float64):
 
 def run_stage(stage, comm, num_microbatches, x, y, schedule="1f1b", timeline=DISABLED):
     """``pipeline.pipeline_step`` of this rank's ``stage`` with MSE: the batch ``x`` goes to
-    the first stage, the targets ``y`` to the last. Introduced in
-    notebooks/09_model_parallelism.ipynb."""
-    first, last = comm.rank == 0, comm.rank == comm.world_size - 1
+    the first stage, the targets ``y`` to the last (both on rank 0 for ``"zb-v"``, whose
+    ``stage`` is the rank's two chunks). Introduced in notebooks/09_model_parallelism.ipynb."""
+    first = comm.rank == 0
+    last = first if schedule == "zb-v" else comm.rank == comm.world_size - 1
     return pipeline.pipeline_step(stage, comm, num_microbatches, x=x if first else None,
                                   y=y if last else None,
                                   loss_fn=nn.functional.mse_loss if last else None,
@@ -58,19 +61,22 @@ def pipeline_matches_one_process(schedule="1f1b", num_microbatches=4, counts=Non
     comm = subgroup_comm(world_size, timeout)
     if comm is None:
         return None
-    N = comm.world_size
+    N, v_shaped = comm.world_size, schedule == "zb-v"
     model = make_mlp(num_layers, width, seed).to(device)
     x, y = (t.to(device) for t in make_batch(batch, width, seed + 1))
-    counts = counts or pipeline.balance([1.0] * num_layers, N)
-    stages = pipeline.split_model(copy.deepcopy(model), counts)
-    mine = stages[comm.rank]
-    last = comm.rank == N - 1
-    result = run_stage(mine, comm, num_microbatches, x, y, schedule)
+    counts = counts or pipeline.balance([1.0] * num_layers, 2 * N if v_shaped else N)
+
+    def my_part(model):  # this rank's stage, or its two chunks of the V
+        parts = pipeline.split_model(model, counts)
+        return pipeline.v_chunks(parts, comm.rank) if v_shaped else [parts[comm.rank]]
+    mine = my_part(copy.deepcopy(model))
+    last = comm.rank == (0 if v_shaped else N - 1)
+    result = run_stage(mine if v_shaped else mine[0], comm, num_microbatches, x, y, schedule)
     loss = nn.functional.mse_loss(model(x), y)  # the reference: one process, whole batch
     loss.backward()
-    reference = pipeline.split_model(model, counts)[comm.rank]
     grad = max(float((a.grad - b.grad).abs().max())
-               for a, b in zip(mine.parameters(), reference.parameters(), strict=True))
+               for part, ref in zip(mine, my_part(model), strict=True)
+               for a, b in zip(part.parameters(), ref.parameters(), strict=True))
     return {"stage": comm.rank, "grad": grad, "peak_live": result.peak_live,
             "loss": abs(result.loss - loss.item()) if last else None}
 
@@ -91,8 +97,14 @@ def timed_step(schedule="1f1b", num_microbatches=8, forward_s=0.02, backward_s=0
     if link is not None:
         comm.link = netem.make_link(link)
     rank = comm.rank
-    stage = (make_mlp(compute_layers, width, seed=rank, dtype=torch.float32) if compute_layers
-             else pipeline.SleepLayer(forward_s, backward_s))
+
+    def make_stage(share, seed):  # a share of a rank's work: all of it, or one chunk of a V
+        if compute_layers:
+            return make_mlp(max(1, round(compute_layers * share)), width, seed=seed,
+                            dtype=torch.float32)
+        return pipeline.SleepLayer(forward_s * share, backward_s * share)
+    stage = ([make_stage(0.5, rank), make_stage(0.5, 2 * comm.world_size - 1 - rank)]
+             if schedule == "zb-v" else make_stage(1.0, rank))
     x, y = make_batch(batch or num_microbatches, width, dtype=torch.float32)
     for _ in range(steps):
         tl = Timeline(rank)
@@ -103,6 +115,43 @@ def timed_step(schedule="1f1b", num_microbatches=8, forward_s=0.02, backward_s=0
         elapsed = tl.now() - start
     return {"timeline": tl, "start": start, "seconds": elapsed, "peak_live": result.peak_live,
             "peak_bytes": result.peak_activation_bytes}
+
+
+def torch_timed_step(schedule="1f1b", num_microbatches=8, compute_layers=2, width=16,
+                     batch=None, steps=2, world_size=None, timeout=30.0):
+    """:func:`timed_step`'s step with real compute (the same layers, seeds and batch), run by
+    ``torch.distributed.pipelining``'s schedule of the same name (``ScheduleGPipe``,
+    ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with one stage per rank for
+    ``"zb-h1"``, ``ScheduleZBVZeroBubble`` for ``"zb-v"``). Returns ``{"seconds": this rank's
+    time of the last step from the common start}``; None outside ``world_size``.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining as pp
+
+    from course_lib.comm.subgroups import subgroup
+    from course_lib.runtime import netem
+    comm = subgroup_comm(world_size, timeout)
+    if comm is None:
+        return None
+    group = subgroup(world_size) or dist.group.WORLD
+    N, rank, v_shaped = comm.world_size, comm.rank, schedule == "zb-v"
+    places = [rank, 2 * N - 1 - rank] if v_shaped else [rank]  # as timed_step's seeds
+    layers = max(1, round(compute_layers * (0.5 if v_shaped else 1.0)))
+    stages = [pp.PipelineStage(make_mlp(layers, width, seed=k, dtype=torch.float32), k,
+                               2 * N if v_shaped else N, torch.device("cpu"), group=group)
+              for k in places]
+    cls = {"gpipe": pp.ScheduleGPipe, "1f1b": pp.Schedule1F1B,
+           "zb-h1": pp.ScheduleInterleavedZeroBubble, "zb-v": pp.ScheduleZBVZeroBubble}[schedule]
+    runner = cls(stages if schedule.startswith("zb") else stages[0], num_microbatches,
+                 loss_fn=nn.functional.mse_loss)
+    x, y = make_batch(batch or num_microbatches, width, dtype=torch.float32)
+    first, last = 0 in places, (2 * N - 1 if v_shaped else N - 1) in places
+    for _ in range(steps):
+        comm.barrier()
+        start = netem.start_together(comm)
+        runner.step(*((x,) if first else ()), **({"target": y, "losses": []} if last else {}))
+        seconds = time.monotonic() - start
+    return {"seconds": seconds}
 
 
 def sleeping_model(forward_ms=(2, 2, 2, 2, 4, 4, 8, 8)):
@@ -129,7 +178,7 @@ def split_step_seconds(counts, forward_ms=(2, 2, 2, 2, 4, 4, 8, 8), batch=16,
         start = netem.start_together(comm)
         run_stage(stage, comm, num_microbatches, x, y, timeline=tl)
         seconds.append(time.monotonic() - start)
-        busy.append(sum(e.end - e.start for e in tl.events if e.cat in ("forward", "backward")))
+        busy.append(sum(e.end - e.start for e in tl.events if e.cat in WORK))
     return {"seconds": sorted(seconds[1:])[steps // 2], "busy": sorted(busy[1:])[steps // 2]}
 
 
@@ -140,8 +189,8 @@ def measured_bubble(reports):
     reports = [r for r in reports if r is not None]
     start = min(r["start"] for r in reports)
     end = max(e.end for r in reports for e in r["timeline"].events)
-    busy = max(sum(e.end - e.start for e in r["timeline"].events
-                   if e.cat in ("forward", "backward")) for r in reports)
+    busy = max(sum(e.end - e.start for e in r["timeline"].events if e.cat in WORK)
+               for r in reports)
     return 1 - busy / (end - start), end - start
 
 
@@ -202,32 +251,99 @@ def silent_stage(silent=1, timeout=2.0, die=False):
 
 def torch_pipelining_matches(schedule="1f1b", num_microbatches=4, num_layers=6, batch=16,
                              width=8, seed=0):
-    """The same step with ``torch.distributed.pipelining`` (``ScheduleGPipe`` or
-    ``Schedule1F1B``, one stage per rank, over the cluster's Gloo group) and with
-    :func:`pipeline.pipeline_step`; returns the max difference of this stage's gradients and
-    of the loss (last stage). Introduced in notebooks/09_model_parallelism.ipynb."""
+    """The same step with ``torch.distributed.pipelining`` (over the cluster's Gloo group:
+    ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` with one stage per
+    rank for ``"zb-h1"``, ``ScheduleZBVZeroBubble`` with two for ``"zb-v"``) and with
+    :func:`pipeline.pipeline_step`; returns the max difference of this rank's gradients and of
+    the loss (on the rank with the last stage). Introduced in
+    notebooks/09_model_parallelism.ipynb."""
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
     comm = get_comm("torch")
-    rank, N = comm.rank, comm.world_size
+    rank, N, v_shaped = comm.rank, comm.world_size, schedule == "zb-v"
     model = make_mlp(num_layers, width, seed)
     x, y = make_batch(batch, width, seed + 1)
-    counts = pipeline.balance([1.0] * num_layers, N)
-    ours = pipeline.split_model(copy.deepcopy(model), counts)[rank]
-    theirs = pipeline.split_model(copy.deepcopy(model), counts)[rank]
-    first, last = rank == 0, rank == N - 1
-    result = run_stage(ours, comm, num_microbatches, x, y, schedule)
-    stage = PipelineStage(theirs, rank, N, torch.device("cpu"), group=dist.group.WORLD)
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    runner = cls(stage, num_microbatches, loss_fn=nn.functional.mse_loss)
-    losses = []
-    if first:
-        runner.step(x)
-    elif last:
-        runner.step(target=y, losses=losses)
+    counts = pipeline.balance([1.0] * num_layers, 2 * N if v_shaped else N)
+    places = [rank, 2 * N - 1 - rank] if v_shaped else [rank]  # which stages this rank runs
+    ours = [pipeline.split_model(copy.deepcopy(model), counts)[k] for k in places]
+    theirs = [pipeline.split_model(copy.deepcopy(model), counts)[k] for k in places]
+    first, last = 0 in places, len(counts) - 1 in places
+    result = run_stage(ours if v_shaped else ours[0], comm, num_microbatches, x, y, schedule)
+    stages = [PipelineStage(part, k, len(counts), torch.device("cpu"), group=dist.group.WORLD)
+              for part, k in zip(theirs, places, strict=True)]
+    if schedule in ("gpipe", "1f1b"):
+        runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule](
+            stages[0], num_microbatches, loss_fn=nn.functional.mse_loss)
     else:
-        runner.step()
+        cls = ScheduleZBVZeroBubble if v_shaped else ScheduleInterleavedZeroBubble
+        runner = cls(stages, num_microbatches, loss_fn=nn.functional.mse_loss)
+    losses = []
+    inputs = (x,) if first else ()
+    runner.step(*inputs, **({"target": y, "losses": losses} if last else {}))
     grad = max(float((a.grad - b.grad).abs().max())
-               for a, b in zip(ours.parameters(), theirs.parameters(), strict=True))
+               for mine, its in zip(ours, theirs, strict=True)
+               for a, b in zip(mine.parameters(), its.parameters(), strict=True))
     loss = abs(result.loss - float(torch.stack(losses).mean())) if last else None
     return {"stage": rank, "grad": grad, "loss": loss}
+
+
+def torch_orders(schedule, num_stages, num_microbatches):
+    """Each rank's order as ``torch.distributed.pipelining`` computes it, in our notation:
+    ``"zb-h1"`` from ``ScheduleInterleavedZeroBubble`` with one stage per rank, ``"zb-v"`` from
+    ``ScheduleZBVZeroBubble`` (steps ``(op, m, chunk)``). Their order generators run without
+    a process group: the schedule object is made without its stages (a private method of
+    torch's, so a torch that renamed it raises AttributeError).
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    from torch.distributed.pipelining import schedules as S
+    N, M = num_stages, num_microbatches
+    names = {S._ComputationType.FORWARD: "F", S._ComputationType.BACKWARD_INPUT: "B",
+             S._ComputationType.BACKWARD_WEIGHT: "W"}
+    cls = {"zb-h1": S.ScheduleInterleavedZeroBubble, "zb-v": S.ScheduleZBVZeroBubble}[schedule]
+    runner = cls.__new__(cls)  # what __init__ sets before it computes the orders
+    runner.pp_group_size, runner._n_microbatches = N, M
+    runner.n_local_stages, runner.num_stages = (2, 2 * N) if schedule == "zb-v" else (1, N)
+    runner.number_of_rounds = max(1, M // N)
+    runner.microbatches_per_round = M // runner.number_of_rounds
+    orders = []
+    for rank in range(N):
+        steps = [a for a in runner._calculate_single_rank_operations(rank) if a is not None]
+        orders.append([(names[a.computation_type], a.microbatch_index)
+                       + ((0 if a.stage_index == rank else 1,) if schedule == "zb-v" else ())
+                       for a in steps])
+    return orders
+
+
+def split_backward_seconds(num_layers=4, width=512, batch=256, repeats=5, seed=0):
+    """A stage of ``num_layers`` Linear + Tanh layers (float32) in one process: the median
+    seconds of its whole backward (autograd), and of the same backward split into B (the
+    input's gradient, the weights put off: :func:`pipeline.weights_put_off`) and W (the
+    weights' gradients: :func:`pipeline.weight_grads`). Returns ``{"backward", "B", "W"}``.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    stage = make_mlp(num_layers, width, seed, dtype=torch.float32)
+    x = make_batch(batch, width, seed + 1, dtype=torch.float32)[0].requires_grad_()
+    grad = torch.ones(batch, width)
+    times = {"backward": [], "B": [], "W": []}
+    for _ in range(repeats + 1):  # the first round warms up
+        out = stage(x)
+        start = time.perf_counter()
+        out.backward(grad)
+        times["backward"].append(time.perf_counter() - start)
+        kept = []
+        with pipeline.weights_put_off(stage, kept):
+            out = stage(x)
+        start = time.perf_counter()
+        out.backward(grad)
+        middle = time.perf_counter()
+        for layer, layer_input, grad_out in kept:
+            for param, g in pipeline.weight_grads(layer, layer_input, grad_out):
+                param.grad += g
+        end = time.perf_counter()
+        times["B"].append(middle - start)
+        times["W"].append(end - middle)
+    return {k: sorted(v[1:])[repeats // 2] for k, v in times.items()}
