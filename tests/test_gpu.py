@@ -125,6 +125,8 @@ def test_checks_run_on_cpu_tensors(cluster):
     assert cluster.run(testing.collectives_on_rank, "torch", timeout=120) == [[], []]
     for diffs in cluster.run(testing.parallelism_on_rank, "cpu", timeout=120):
         assert max(diffs.values()) < 1e-10, diffs
+        assert {"pipeline (1F1B)", "pipeline (ZB-H1, B and W apart)", "pipeline (ZB-V)"} <= set(
+            diffs)
     for row in cluster.run(testing.zero_memory_on_rank, 3, layers=3, width=64, device="cpu"):
         assert row["allocated"] is None and row["held_peak"]["total"] <= row["planned"]["total"]
 

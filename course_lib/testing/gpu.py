@@ -63,8 +63,12 @@ def parallelism_on_rank(device: str = "cuda") -> dict[str, float]:
             diffs[f"ZeRO-{stage} ({algorithm})"] = zero_testing.zero_matches_one_process(
                 stage, algorithm=algorithm, device=device)["diff"]
     diffs["tensor parallel"] = tp_testing.tp_matches_one_process(device=device)["max"]
-    step = pipeline_testing.pipeline_matches_one_process(device=device)
-    diffs["pipeline (1F1B)"] = max(step["grad"], step["loss"] or 0.0)
+    for schedule, name in (("1f1b", "1F1B"), ("zb-h1", "ZB-H1, B and W apart"),
+                           ("zb-v", "ZB-V")):
+        step = pipeline_testing.pipeline_matches_one_process(
+            schedule, 8, num_layers=8 if schedule == "zb-v" else 6, device=device)
+        if step is not None:  # zb-v's loss is on rank 0, 1F1B's on the last rank
+            diffs[f"pipeline ({name})"] = max(step["grad"], step["loss"] or 0.0)
     return diffs
 
 
