@@ -15,8 +15,10 @@ Introduced in notebooks/09_model_parallelism.ipynb. Three schedules, side by sid
   nobody waits for. 1F1B's order with B alone on the critical path, stage s putting off its
   first s W's: with F = B = W the bubble is a third of 1F1B's, at most N micro-batches alive.
 - ``"zb-v"`` (:func:`zb_v_order`): two chunks per rank placed in a V (rank s holds stages s and
-  2N-1-s), so the first rank also computes the loss: with F = B = W no bubble left in the
-  steady state, at most 2N chunk activations (N micro-batches' worth) alive.
+  2N-1-s), so the first rank also computes the loss and never waits at the start: with
+  F = B = W one step leaves each rank N-1 half-stage forwards idle, half of ZB-H1's (the paper,
+  counting steady training with the optimizer's synchronisation bypassed, calls it zero), at
+  most 2N chunk activations (N micro-batches' worth) alive.
 
 :func:`simulate` predicts a schedule's Gantt chart, bubble and live activations;
 :func:`pipeline_step` runs it for real on the ranks, over ``comm``, with a deadline on every
@@ -63,11 +65,12 @@ def bubble_fraction(num_stages: int, num_microbatches: float, virtual_stages: in
 
 
 def schedule_bubble(schedule: str, num_stages: int, num_microbatches: int) -> float:
-    """The idle share of a schedule with free messages: (N-1)/(M+N-1) for GPipe and 1F1B (any
-    forward and backward times), (N-1)/(3M+N-1) for ZB-H1, a third as many idle slots, and
-    (N-1)/(6M+N-1) for ZB-V, where only the V's filling is left: the last rank waits N-1 chunk
-    forwards. The last two with F = B = W (B and W each half the backward), M >= N for ZB-H1
-    and M >= 2N-1 for ZB-V. Introduced in notebooks/09_model_parallelism.ipynb."""
+    """The idle share of one step of a schedule with free messages: (N-1)/(M+N-1) for GPipe and
+    1F1B (any forward and backward times), (N-1)/(3M+N-1) for ZB-H1, a third of the idle time,
+    and (N-1)/(6M+N-1) for ZB-V, a sixth: each rank idles N-1 half-stage forwards (rank s, s of
+    them at the start and N-1-s at the end). The last two with F = B = W (B and W each half the
+    backward), M >= N for ZB-H1 and M >= 2N-1 for ZB-V.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
     N, M = num_stages, num_microbatches
     if schedule == "naive":
         return bubble_fraction(N, 1)
@@ -489,18 +492,20 @@ def pipeline_step(stage_module: nn.Module | Sequence[nn.Module], comm: Comm,
     saved, live_bytes, peak_bytes, live, peak_live = {}, 0, 0, 0, 0
     inputs, outputs, kept, sends, total = {}, {}, {}, [], 0.0
     handed = {}  # at the bottom of the V: what chunk 0 hands chunk 1 (and its gradient back)
+    neighbour = "rank" if v_shaped else "stage"  # in a V, a rank holds two stages
 
     def recv(buf, peer, tag, what, m):
-        with during(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} from stage "
-                    f"{peer} failed", PipelineError), timeline.span(f"{what} {m}", "recv"):
+        with during(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} from "
+                    f"{neighbour} {peer} failed", PipelineError), \
+                timeline.span(f"{what} {m}", "recv"):
             # sizes need no check: the shape header comes first, a gradient has the shape of
             # the activation it belongs to
             return comm.recv(buf, peer, tag=tag, timeout=timeout, check_size=False)
 
     def send(buf, peer, tag, what, m):
         # posting fails at once when the peer's process is already gone
-        with during(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} to stage "
-                    f"{peer} failed", PipelineError):
+        with during(f"stage {stage} (rank {comm.rank}): {what} of micro-batch {m} to "
+                    f"{neighbour} {peer} failed", PipelineError):
             return comm.isend(buf, peer, tag=tag, check_size=False)
 
     def receive(what, place, m, like=None):

@@ -16,6 +16,12 @@ activations divided by N. A column-parallel layer keeps only its rank's tokens a
 again in backward (:class:`GatheredLinear`), so nothing is kept whole: the bytes each rank keeps
 are :func:`activation_bytes_formula`'s, exactly. LayerNorm's weights see only a rank's tokens, so
 their gradients are summed over the ranks after backward (:func:`allreduce_replicated_grads`).
+
+**Collective matmul** (:func:`collective_matmul`, :class:`CollectiveLinear`; "async TP" in
+torchtitan, micro-pipelined TP in PyTorch): the column-parallel layer need not wait for the whole
+all-gather. The ring's N-1 steps each bring one rank's tokens; a rank multiplies the tokens it
+holds while the next block travels, so the gather hides behind the matmul when a block's product
+takes longer than its message (Wang et al. 2023). Shown in notebooks/09_model_parallelism.ipynb.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib.collectives import ring_allgather, ring_reduce_scatter
+from course_lib.comm import wait_all
+from course_lib.runtime.timeline import DISABLED, Timeline
 from course_lib.tensor_parallel import (
     CopyToParallelRegion,
     ReduceFromParallelRegion,
@@ -100,6 +108,52 @@ class GatheredLinear(torch.autograd.Function):
         grad_x = reduce_scatter_sequence(grad @ weight, ctx.tp, "backward")
         flat_grad, flat_x = grad.reshape(-1, grad.shape[-1]), full.reshape(-1, full.shape[-1])
         return grad_x, flat_grad.T @ flat_x, flat_grad.sum(0), None
+
+
+TAG_BLOCK = 97  # the collective matmul's passes of blocks of tokens
+
+
+def collective_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      tp: TensorParallel, phase: str = "forward",
+                      timeline: Timeline = DISABLED) -> torch.Tensor:
+    """``F.linear(gather_sequence(x, tp), weight, bias)`` with the all-gather cut into the ring's
+    steps and hidden behind the matmul: at each of N steps this rank posts the block of tokens
+    it holds to its right neighbour (and a receive from its left), multiplies that block while
+    it travels, then waits. The same result and the same N-1 messages as the ring all-gather;
+    the gather costs only what the products do not cover (``timeline``: each product and each
+    wait, as spans). Introduced in notebooks/09_model_parallelism.ipynb."""
+    comm, n, r = tp.comm, tp.world_size, tp.rank
+    t = x.shape[1]  # tokens per rank
+    out = x.new_empty(x.shape[0], n * t, weight.shape[0])
+    block = x.contiguous()
+    for step in range(n):
+        owner = (r - step) % n  # whose tokens the block is: ours first, then our left's ...
+        if step < n - 1:  # the pass is posted first, so that it travels while we multiply
+            incoming = torch.empty_like(block)
+            passes = [comm.isend(block, (r + 1) % n, tag=TAG_BLOCK, check_size=False),
+                      comm.irecv(incoming, (r - 1) % n, tag=TAG_BLOCK, check_size=False)]
+        with timeline.span(f"tokens of rank {owner}", "compute"):
+            out[:, owner * t:(owner + 1) * t] = F.linear(block, weight, bias)
+        if step < n - 1:
+            with timeline.span(f"block {step + 1}", "wait"):  # what the product did not cover
+                wait_all(passes, comm.timeout)
+            block = incoming
+    if n > 1:
+        tp.counts[phase] += 1
+    return out
+
+
+class CollectiveLinear(GatheredLinear):
+    """:class:`GatheredLinear` whose forward is a :func:`collective_matmul`: the all-gather
+    hidden behind the products (backward unchanged).
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                tp: TensorParallel) -> torch.Tensor:
+        ctx.tp = tp
+        ctx.save_for_backward(x, weight)
+        return collective_matmul(x, weight, bias, tp)
 
 
 class ParallelBlock(nn.Module):

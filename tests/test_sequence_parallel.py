@@ -127,3 +127,44 @@ def test_the_memory_formula_names_its_splits():
     ring = [sp.activation_bytes_formula(1, t, 32, 4, 4, "ring") for t in (256, 512)]
     ulysses = [sp.activation_bytes_formula(1, t, 32, 4, 4, "ulysses") for t in (256, 512)]
     assert ring[1] == 2 * ring[0] and ulysses[1] > 3 * ulysses[0]
+
+
+@pytest.mark.parametrize("N", [2, 3, 4])
+def test_the_collective_matmul_equals_the_layer_after_its_all_gather(N):
+    from course_lib.runtime.timeline import Timeline
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4 * N, 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    bias = torch.randn(8, generator=g, dtype=torch.float64)
+
+    def rank(_, comm):
+        tp, tl = TensorParallel(comm), Timeline(comm.rank)
+        mine = x[:, 4 * comm.rank:4 * (comm.rank + 1)]
+        return sp.collective_matmul(mine, weight, bias, tp, timeline=tl), tp.counts, tl
+    results, messages = run_ranks(rank, [None] * N, check_sizes=False, timeout=20)
+    for out, counts, tl in results:
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=0,
+                                   atol=1e-12)
+        assert counts == {"forward": 1, "backward": 0}
+        cats = [e.cat for e in tl.events]
+        assert cats.count("compute") == N and cats.count("wait") == N - 1
+    assert len(messages) == N * (N - 1)  # the ring all-gather's: N - 1 blocks per rank
+
+
+def test_the_collective_linear_equals_the_gathered_one_on_the_cluster(cluster):
+    from course_lib.testing.tensor_parallel import collective_matmul_matches
+    for report in cluster.run(collective_matmul_matches):
+        assert report["output"] < 1e-12 and report["grads"] < 1e-12, report
+        assert report["counts"][0] == report["counts"][1] == {"forward": 1, "backward": 2}
+
+
+def test_the_hidden_fraction_is_measured_beside_its_model(cluster):
+    from course_lib.testing import tensor_parallel as T
+    reports = cluster.run(T.collective_matmul_times, "100Mbit/s,100us", tokens=64, d_model=32,
+                          hidden=64, repeats=1)
+    result = T.hidden_fraction(reports)
+    block = 1 * 32 * 32 * 4  # 32 tokens per rank, 32 features, float32
+    assert result["message"] == pytest.approx(100e-6 + block / 12.5e6)
+    assert result["model"] == pytest.approx(min(1, result["product"] / result["message"]))
+    # holds under load: the emulated link sleeps until a block's modelled end, never less
+    assert result["gather"] >= result["message"] and result["measured"] <= 1

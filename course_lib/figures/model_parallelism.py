@@ -133,6 +133,39 @@ def zero_bubble_figure(num_stages=4, num_microbatches=8):
     return fig
 
 
+def collective_matmul_figure(results):
+    """Left: the share of the all-gather's time the collective matmul hid, measured (points,
+    one per link) against the α-β model min(1, m/c) over c/m, a block's message time over its
+    product's. Right: the layer's forward with the gather apart and hidden, per link.
+    ``results``: ``{link text: testing.tensor_parallel.hidden_fraction(...)}``.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    ratios = [r["message"] / r["product"] for r in results.values()]
+    xs = np.geomspace(min(0.1, min(ratios) / 2), max(10, max(ratios) * 2), 200)
+    left.plot(xs, np.minimum(1, 1 / xs), color="k", label="model: min(1, m/c)")
+    for k, (link, r) in enumerate(results.items()):
+        left.plot(r["message"] / r["product"], r["measured"], "o", color=f"C{k}", label=link)
+    left.set_xscale("log")
+    left.set_xlabel("c / m: one block's message time over its product's")
+    left.set_ylabel("share of the all-gather hidden")
+    left.set_ylim(0, 1.1)
+    left.legend(fontsize=8)
+    left.set_title("hidden where a block's product covers its message", fontsize=10)
+    names = list(results)
+    at = np.arange(len(names))
+    for k, (key, label) in enumerate((("apart", "all-gather, then matmul"),
+                                      ("hidden", "collective matmul"))):
+        right.bar(at + (k - 0.5) * 0.38, [1e3 * results[n][key] for n in names], 0.38,
+                  label=label)
+    right.set_xticks(at, names, fontsize=8)
+    right.set_ylabel("forward of the layer (ms)")
+    right.legend(fontsize=8)
+    right.set_title("the same layer, the same messages", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def measured_vs_simulated(reports, schedule, num_microbatches, t_forward, t_backward):
     """The measured Gantt chart of one step (every stage's Timeline) over the simulated one.
     Introduced in notebooks/09_model_parallelism.ipynb."""

@@ -158,3 +158,95 @@ def tp_matches_torch(world_size=None, batch=8, d_model=12, hidden=16, seed=0, ac
              "input_grad": float((dx - t_dx).abs().max()), "param_grads": grads}
     diffs["max"] = max(diffs["output"], diffs["input_grad"], *grads.values())
     return diffs
+
+
+def collective_matmul_matches(batch=2, tokens=12, d_model=6, hidden=8, world_size=None,
+                              seed=0):
+    """The column-parallel layer on this rank's ``tokens / N`` tokens (float64), its all-gather
+    apart (``GatheredLinear``) and hidden behind the products (``CollectiveLinear``): the
+    largest difference of the output and of the gradients of x, the weight and the bias, and
+    each one's collectives counted. None outside ``world_size``.
+    Introduced in notebooks/09_model_parallelism.ipynb."""
+    from course_lib.sequence_parallel import CollectiveLinear, GatheredLinear
+    comm = subgroup_comm(world_size)
+    if comm is None:
+        return None
+    n, r = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, tokens, d_model, generator=g, dtype=torch.float64)
+    weight = torch.randn(hidden, d_model, generator=g, dtype=torch.float64)
+    bias = torch.randn(hidden, generator=g, dtype=torch.float64)
+    rows = slice(r * hidden // n, (r + 1) * hidden // n)  # this rank's columns of the output
+    mine = x[:, r * tokens // n:(r + 1) * tokens // n]
+    results = {}
+    for name, layer in (("apart", GatheredLinear), ("hidden", CollectiveLinear)):
+        tp = TensorParallel(comm)
+        leaves = [t.detach().clone().requires_grad_() for t in (mine, weight[rows], bias[rows])]
+        out = layer.apply(*leaves, tp)
+        out.backward(torch.ones_like(out))
+        results[name] = (out.detach(), [t.grad for t in leaves], tp.counts)
+    (out_a, grads_a, counts_a), (out_h, grads_h, counts_h) = results["apart"], results["hidden"]
+    plain = nn.functional.linear(x, weight[rows], bias[rows])  # one process, all tokens
+    return {"output": max(float((out - plain).abs().max()) for out in (out_a, out_h)),
+            "grads": max(float((a - h).abs().max()) for a, h in zip(grads_a, grads_h,
+                                                                    strict=True)),
+            "counts": (counts_a, counts_h)}
+
+
+def collective_matmul_times(link=None, tokens=512, d_model=512, hidden=2048, repeats=5,
+                            world_size=None, timeout=30.0):
+    """On this rank, the column-parallel layer's forward (float32; ``tokens / N`` tokens per
+    rank, ``hidden / N`` output features), every rank starting together, medians of
+    ``repeats`` after one warm-up: ``"gather"`` (the ring all-gather alone), ``"apart"``
+    (all-gather, then the matmul), ``"hidden"`` (:func:`sequence_parallel.collective_matmul`),
+    and inside it ``"exposed"`` (its waits: the gather's time the products did not cover) and
+    ``"product"`` (one block's product); ``"message"``: one block's time on the emulated
+    ``link`` (α + bytes / B; 0 without a link); ``"timeline"``: the last collective matmul's
+    spans. None outside ``world_size``. Introduced in notebooks/09_model_parallelism.ipynb."""
+    import time
+
+    from course_lib.runtime import netem
+    from course_lib.runtime.timeline import Timeline
+    from course_lib.sequence_parallel import collective_matmul, gather_sequence
+    comm = subgroup_comm(world_size, timeout)
+    if comm is None:
+        return None
+    comm.link = netem.make_link(link) if link else None
+    n, tp = comm.world_size, TensorParallel(comm)
+    g = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(1, tokens // n, d_model, generator=g)
+    weight, bias = torch.randn(hidden // n, d_model, generator=g), torch.zeros(hidden // n)
+    runs = {"gather": [], "apart": [], "hidden": [], "exposed": [], "product": []}
+    for _ in range(repeats + 1):
+        for name in ("gather", "apart", "hidden"):
+            tl = Timeline(comm.rank)
+            comm.barrier()
+            start = netem.start_together(comm)
+            if name == "gather":
+                gather_sequence(x, tp)
+            elif name == "apart":
+                nn.functional.linear(gather_sequence(x, tp), weight, bias)
+            else:
+                collective_matmul(x, weight, bias, tp, timeline=tl)
+            runs[name].append(time.monotonic() - start)
+        spans = {cat: [e.end - e.start for e in tl.events if e.cat == cat]
+                 for cat in ("wait", "compute")}
+        runs["exposed"].append(sum(spans["wait"]))
+        runs["product"].append(sum(spans["compute"]) / n)
+    times = {k: sorted(v[1:])[repeats // 2] for k, v in runs.items()}
+    times["message"] = comm.link.seconds(x.numel() * x.element_size()) if comm.link else 0.0
+    return {**times, "timeline": tl}
+
+
+def hidden_fraction(reports):
+    """From every rank's :func:`collective_matmul_times`: the share of the all-gather's time
+    the collective matmul hid, measured (1 - its exposed waits / the gather alone, the mean
+    over the ranks) and by the α-β model (min(1, m / c): a block's product m covers its
+    message c), with the means of m, c and the step times. Introduced in
+    notebooks/09_model_parallelism.ipynb."""
+    reports = [r for r in reports if r is not None]
+    mean = {k: sum(r[k] for r in reports) / len(reports)
+            for k in ("gather", "apart", "hidden", "exposed", "product", "message")}
+    measured = sum(1 - r["exposed"] / r["gather"] for r in reports) / len(reports)
+    m, c = mean["product"], mean["message"]
+    return {"measured": measured, "model": min(1.0, m / c) if c else 1.0, **mean}
