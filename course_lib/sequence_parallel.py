@@ -117,11 +117,12 @@ def collective_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       tp: TensorParallel, phase: str = "forward",
                       timeline: Timeline = DISABLED) -> torch.Tensor:
     """``F.linear(gather_sequence(x, tp), weight, bias)`` with the all-gather cut into the ring's
-    steps and hidden behind the matmul: at each of N steps this rank posts the block of tokens
-    it holds to its right neighbour (and a receive from its left), multiplies that block while
-    it travels, then waits. The same result and the same N-1 messages as the ring all-gather;
-    the gather costs only what the products do not cover (``timeline``: each product and each
-    wait, as spans). Introduced in notebooks/09_model_parallelism.ipynb."""
+    steps and hidden behind the matmul: at each of N steps this rank multiplies the block of
+    tokens it holds; in the first N-1 it first posts that block to its right neighbour (and a
+    receive from its left) and waits for both after the product. The same result and the same
+    N-1 messages as the ring all-gather; the gather costs only what the products do not cover
+    (``timeline``: each product and each wait, as spans).
+    Introduced in notebooks/09_model_parallelism.ipynb."""
     comm, n, r = tp.comm, tp.world_size, tp.rank
     t = x.shape[1]  # tokens per rank
     out = x.new_empty(x.shape[0], n * t, weight.shape[0])

@@ -242,7 +242,7 @@ def hidden_fraction(reports):
     """From every rank's :func:`collective_matmul_times`: the share of the all-gather's time
     the collective matmul hid, measured (1 - its exposed waits / the gather alone, the mean
     over the ranks) and by the α-β model (min(1, m / c): a block's product m covers its
-    message c), with the means of m, c and the step times. Introduced in
+    message c), with the means of m, c, the gather and both forwards. Introduced in
     notebooks/09_model_parallelism.ipynb."""
     reports = [r for r in reports if r is not None]
     mean = {k: sum(r[k] for r in reports) / len(reports)
