@@ -109,12 +109,12 @@ def run_order_on_rank(payload, num_microbatches, num_layers=4):
                                         num_layers=num_layers)
 
 
-def check_1f1b_order(student_fn: Callable, cluster=None) -> bool:
-    """Lab 09, exercise 1: ``one_f_one_b(stage, num_stages, num_microbatches)`` returns the
-    1F1B order of that stage; checked case by case, in the simulator, then (with ``cluster``)
-    run for real on its ranks against one process."""
-    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
-    name = "check_1f1b_order"
+def _check_cases(name: str, student_fn: Callable, schedule: str, steps: str,
+                 diagnose: Callable) -> bool:
+    """Every case of ORDER_CASES against ``pipeline.schedule_order(schedule, ...)``: True when
+    all match, False (after the notice) when the exercise is not written yet; a CheckFailed
+    with ``diagnose``'s hint at the first case that differs."""
+    __tracebackhide__ = True
     for number, (stage, N, M) in enumerate(ORDER_CASES, start=1):
         where = f"{name}: case {number}/{len(ORDER_CASES)} (stage {stage} of {N}, M = {M})"
         try:
@@ -123,25 +123,43 @@ def check_1f1b_order(student_fn: Callable, cluster=None) -> bool:
             return not_implemented(name)
         except Exception as err:
             raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}\n"
-                              f"Hint: return a list of ('F', m) and ('B', m) pairs.") from err
-        expected = pipeline.schedule_order("1f1b", stage, N, M)
+                              f"Hint: return a list of {steps} pairs.") from err
+        expected = pipeline.schedule_order(schedule, stage, N, M)
         if got != expected:
             raise CheckFailed(f"{where}\n{sequence_difference(expected, got)}\n"
-                              f"Hint: {_diagnose_order(stage, N, M, got)}")
+                              f"Hint: {diagnose(stage, N, M, got)}")
+    return True
+
+
+def _run_on_ranks(name: str, student_fn: Callable, cluster, how: str = "") -> None:
+    """The student's order run for real on every rank of ``cluster`` with M = 1, 3, 6 micro-
+    batches, against one process."""
+    __tracebackhide__ = True
+    payload = pack_function(student_fn)
+    for M in (1, 3, 6):
+        reports = cluster.run(run_order_on_rank, payload, M)
+        worst = max(r["grad"] for r in reports)
+        if worst > 1e-10 or reports[-1]["loss"] > 1e-10:
+            raise CheckFailed(f"{name}: on {cluster.n} ranks with M = {M} the gradients "
+                              f"differ from one process by {worst:.3g}\nHint: the order "
+                              "is right, so look at how the function is called.")
+    print(f"  run on {cluster.n} ranks{how}, M = 1, 3, 6: gradients equal one process's")
+
+
+def check_1f1b_order(student_fn: Callable, cluster=None) -> bool:
+    """Lab 09, exercise 1: ``one_f_one_b(stage, num_stages, num_microbatches)`` returns the
+    1F1B order of that stage; checked case by case, in the simulator, then (with ``cluster``)
+    run for real on its ranks against one process."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    name = "check_1f1b_order"
+    if not _check_cases(name, student_fn, "1f1b", "('F', m) and ('B', m)", _diagnose_order):
+        return False
     N, M = 4, 8
     sim = pipeline.simulate("1f1b", N, M, orders=[_order(student_fn, s, N, M) for s in range(N)])
     print(f"  simulated, N = {N}, M = {M}: bubble {sim.bubble:.3f} (formula "
           f"{pipeline.bubble_fraction(N, M):.3f}), live micro-batches per stage {sim.peak_live}")
     if cluster is not None:
-        payload = pack_function(student_fn)
-        for M in (1, 3, 6):
-            reports = cluster.run(run_order_on_rank, payload, M)
-            worst = max(r["grad"] for r in reports)
-            if worst > 1e-10 or reports[-1]["loss"] > 1e-10:
-                raise CheckFailed(f"{name}: on {cluster.n} ranks with M = {M} the gradients "
-                                  f"differ from one process by {worst:.3g}\nHint: the order "
-                                  "is right, so look at how the function is called.")
-        print(f"  run on {cluster.n} ranks, M = 1, 3, 6: gradients equal one process's")
+        _run_on_ranks(name, student_fn, cluster)
     print(f"✓ {name}: {len(ORDER_CASES)}/{len(ORDER_CASES)} cases match the reference")
     return True
 
@@ -788,20 +806,9 @@ def check_zb_h1_order(student_fn: Callable, cluster=None) -> bool:
     with a split backward on its ranks against one process."""
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     name = "check_zb_h1_order"
-    for number, (stage, N, M) in enumerate(ORDER_CASES, start=1):
-        where = f"{name}: case {number}/{len(ORDER_CASES)} (stage {stage} of {N}, M = {M})"
-        try:
-            got = _order(student_fn, stage, N, M)
-        except NotImplementedError:
-            return not_implemented(name)
-        except Exception as err:
-            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}\n"
-                              f"Hint: return a list of ('F', m), ('B', m) and ('W', m) "
-                              "pairs.") from err
-        expected = pipeline.schedule_order("zb-h1", stage, N, M)
-        if got != expected:
-            raise CheckFailed(f"{where}\n{sequence_difference(expected, got)}\n"
-                              f"Hint: {_diagnose_zb_h1(stage, N, M, got)}")
+    if not _check_cases(name, student_fn, "zb-h1", "('F', m), ('B', m) and ('W', m)",
+                        _diagnose_zb_h1):
+        return False
     N, M = 4, 8
     orders = [_order(student_fn, s, N, M) for s in range(N)]
     sim, one = pipeline.simulate("zb-h1", N, M, orders=orders), pipeline.simulate("1f1b", N, M)
@@ -809,15 +816,6 @@ def check_zb_h1_order(student_fn: Callable, cluster=None) -> bool:
           f"{one.bubble:.3f}; idle slots {sim.makespan - 3 * M:g} against "
           f"{one.makespan - 3 * M:g}), live micro-batches per stage {sim.peak_live}")
     if cluster is not None:
-        payload = pack_function(student_fn)
-        for M in (1, 3, 6):
-            reports = cluster.run(run_order_on_rank, payload, M)
-            worst = max(r["grad"] for r in reports)
-            if worst > 1e-10 or reports[-1]["loss"] > 1e-10:
-                raise CheckFailed(f"{name}: on {cluster.n} ranks with M = {M} the gradients "
-                                  f"differ from one process by {worst:.3g}\nHint: the order "
-                                  "is right, so look at how the function is called.")
-        print(f"  run on {cluster.n} ranks with B and W apart, M = 1, 3, 6: gradients equal "
-              "one process's")
+        _run_on_ranks(name, student_fn, cluster, " with B and W apart")
     print(f"✓ {name}: {len(ORDER_CASES)}/{len(ORDER_CASES)} cases match the reference")
     return True
