@@ -16,6 +16,16 @@ independent models, then one-shot averaging). Between averages the ranks' models
 loss recorded is that of their average, computed for the record only (not counted as traffic).
 torch DDP with its fp16 and PowerSGD communication hooks, trained the same way and recorded in
 the same form for comparison, is in :mod:`course_lib.testing.local_sgd`.
+
+**DiLoCo** (Douillard et al. 2023) grew out of local SGD: H inner steps of AdamW on every rank,
+then one outer step on the model the ranks share, whose gradient is the *pseudo-gradient*
+Δ = θ_shared - mean over ranks of θ_local (how far the ranks moved, averaged), applied by SGD
+with Nesterov momentum (:func:`outer_step`). It sends one allreduce of the parameters every H
+steps where data-parallel AdamW sends one of the gradients every step: 1/H of the bytes.
+**Streaming DiLoCo** (Douillard et al. 2025) cuts the parameters into F fragments that sync in
+turn, H/F steps apart: the same bytes per H steps, 1/F of them at a time.
+:func:`diloco_on_rank` runs both and data-parallel AdamW, counting the bytes each rank's
+communicator sent.
 """
 
 from __future__ import annotations
@@ -29,8 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib import compression, data, models, sharding
-from course_lib.comm import DEFAULT_TIMEOUT
+from course_lib import collectives, compression, data, models, sharding
+from course_lib.comm import DEFAULT_TIMEOUT, get_comm
 
 if TYPE_CHECKING:
     from course_lib.runtime.cluster import Cluster
@@ -170,6 +180,84 @@ def compressed_sgd_on_rank(compression_name: str = "none", ratio: float = 0.01,
     return run_result(name[compression_name], history, rep, theta, comp.bytes_sent, steps)
 
 
+def outer_step(shared: torch.Tensor, local_mean: torch.Tensor, momentum: torch.Tensor,
+               lr: float = 0.7, mu: float = 0.9) -> None:
+    """DiLoCo's outer step, in place: the pseudo-gradient Δ = ``shared`` - ``local_mean`` (the
+    way back from where the ranks went, as a gradient points uphill), then SGD with Nesterov
+    momentum: ``momentum`` ← μ·momentum + Δ, ``shared`` ← shared - lr·(Δ + μ·momentum), as
+    ``torch.optim.SGD(nesterov=True)`` does. Introduced in
+    notebooks/08_local_sgd_and_compression.ipynb."""
+    delta = shared - local_mean
+    momentum.mul_(mu).add_(delta)
+    shared.sub_(lr * (delta + mu * momentum))
+
+
+def fragment_sync_steps(sync_every: int, fragments: int) -> list[int]:
+    """When each fragment syncs within a period of ``sync_every`` inner steps (1-based, mod
+    sync_every): fragment f at ⌊sync_every (f + 1) / fragments⌋, as torchft's Streaming DiLoCo.
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
+    if fragments < 1 or sync_every % fragments:
+        raise ValueError(f"sync_every = {sync_every} must be a multiple of fragments = "
+                         f"{fragments} >= 1: one fragment syncs at a time")
+    return [sync_every * (f + 1) // fragments % sync_every for f in range(fragments)]
+
+
+def diloco_on_rank(sync_every: int | None = 10, fragments: int = 1, steps: int = 200,
+                   batch_size: int = 32, inner_lr: float = 3e-3, outer_lr: float = 0.7,
+                   outer_momentum: float = 0.9, hidden: Sequence[int] = (64,),
+                   eval_every: int = 20, seed: int = 0, dtype: str = "float32",
+                   outer: bytes | None = None,
+                   timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    """On every rank: AdamW on its shard, and every ``sync_every`` steps a DiLoCo outer step
+    (``fragments`` > 1: Streaming DiLoCo, fragment f of the flat parameters syncing at
+    :func:`fragment_sync_steps`); ``sync_every=None``: data-parallel AdamW, the gradients
+    averaged every step. Every allreduce is the course's ring over this rank's communicator,
+    whose ``bytes_sent`` is the record's bytes; ``peak_sync_bytes``: the most one sync sent.
+    The loss recorded is the shared model's (DiLoCo) or the one model's (AdamW). ``outer``: a
+    cloudpickled function in place of :func:`outer_step` (lab 08 sends the student's).
+    Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
+    outer_fn = outer_step if outer is None else cloudpickle.loads(outer)
+    comm = get_comm("torch", timeout=timeout)
+    N = comm.world_size
+    rep = Replica(comm.rank, N, batch_size, hidden, seed, dtype)
+    local = torch.nn.Parameter(rep.theta.clone())
+    inner = torch.optim.AdamW([local], lr=inner_lr)
+    P = local.numel()
+    bounds = [sharding.shard_bounds(P, f, fragments) for f in range(fragments)]
+    when = fragment_sync_steps(sync_every, fragments) if sync_every else []
+    shared = rep.theta.clone()
+    momenta = torch.zeros_like(shared)  # the outer optimizer's state, fragment by fragment
+    history = {"step": [], "bytes": [], "loss": [], "accuracy": []}
+    record_point(history, 0, 0.0, *rep.evaluate(shared))
+    peak = 0
+    for step in range(1, steps + 1):
+        _, g = rep.grad(local.detach())
+        if sync_every is None:  # data parallel: the mean gradient, every step
+            before = comm.bytes_sent
+            g = collectives.allreduce(g.contiguous(), comm, check=False) / N
+            peak = max(peak, comm.bytes_sent - before)
+        local.grad = g
+        inner.step()
+        for f, (a, b) in enumerate(bounds):
+            if sync_every and step % sync_every == when[f]:
+                before = comm.bytes_sent
+                mean = collectives.allreduce(local.detach()[a:b].clone(), comm, check=False) / N
+                peak = max(peak, comm.bytes_sent - before)
+                outer_fn(shared[a:b], mean, momenta[a:b], outer_lr, outer_momentum)
+                with torch.no_grad():
+                    local[a:b] = shared[a:b]  # every rank starts again from the shared model
+        if step % eval_every == 0 or step == steps:
+            record_point(history, step, comm.bytes_sent,
+                         *rep.evaluate(local.detach() if sync_every is None else shared))
+    if sync_every is None:
+        name = "data-parallel AdamW"
+    else:
+        name = f"DiLoCo H={sync_every}" + (f", {fragments} fragments" if fragments > 1 else "")
+    final = local.detach() if sync_every is None else shared
+    return run_result(name, history, rep, final, comm.bytes_sent, steps,
+                      peak_sync_bytes=peak, sync_every=sync_every, fragments=fragments)
+
+
 def powersgd_elements(shapes: Sequence[Sequence[int]], rank: int,
                       min_compression_rate: float = 2) -> int:
     """Elements PowerSGD allreduces per step for parameters of these ``shapes``: a tensor seen
@@ -203,6 +291,15 @@ def run_local_sgd(cluster: Cluster, sync_every: int | None = 1, timeout: float =
     if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
         raise ValueError(f"sync_every must be an integer >= 1 or None, got {sync_every!r}")
     return rank0_result(cluster.run(local_sgd_on_rank, sync_every, **kwargs, timeout=timeout))
+
+
+def run_diloco(cluster: Cluster, sync_every: int | None = 10, fragments: int = 1,
+               timeout: float = 120, **kwargs: Any) -> dict[str, Any]:
+    """:func:`diloco_on_rank` on every rank of ``cluster`` (``sync_every=None``: data-parallel
+    AdamW); rank 0's record. Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
+    fragment_sync_steps(sync_every or fragments, fragments)  # refused here, before any rank runs
+    return rank0_result(cluster.run(diloco_on_rank, sync_every, fragments, **kwargs,
+                                    timeout=timeout))
 
 
 def run_compressed(cluster: Cluster, compression_name: str = "none", ratio: float = 0.01,

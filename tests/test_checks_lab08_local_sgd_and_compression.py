@@ -190,3 +190,48 @@ def test_training_check_passes_the_reference_and_fails_an_exchange_that_forgets(
     with pytest.raises(CheckFailed, match=r"without error feedback the loss is .*, not clearly "
                                           r"worse than with it"):
         checks_compression.check_training(exchange_with(returns="zeros"), cluster)
+
+
+# ---------------------------------------------------------------- exercise 3: DiLoCo's outer step
+def outer_with(flip=False, nesterov=True, momentum_kept=True, in_place=True):
+    """DiLoCo's outer step written out, with knobs for the usual mistakes."""
+    def outer_step(shared, local_mean, momentum, lr=0.7, mu=0.9):
+        delta = local_mean - shared if flip else shared - local_mean
+        new = mu * momentum + delta
+        if momentum_kept:
+            momentum.copy_(new)
+        step = lr * (delta + mu * new) if nesterov else lr * new
+        if in_place:
+            shared.sub_(step)
+        else:
+            shared = shared - step  # noqa: F841  (rebinds the name only)
+    return outer_step
+
+
+def average_only(shared, local_mean, momentum, lr=0.7, mu=0.9):
+    shared.copy_(local_mean)
+
+
+def changes_local_mean(shared, local_mean, momentum, lr=0.7, mu=0.9):
+    local_mean.sub_(shared)  # Δ computed in the caller's tensor, negated
+    momentum.mul_(mu).sub_(local_mean)
+    shared.add_(lr * (local_mean - mu * momentum))
+
+
+@pytest.mark.parametrize("wrong,hint", [
+    (outer_with(flip=True), "points the wrong way"),
+    (outer_with(nesterov=False), "that is plain momentum"),
+    (outer_with(momentum_kept=False), "momentum is not what it should be"),
+    (outer_with(in_place=False), "shared did not change: update it in place"),
+    (average_only, "that is local SGD"),
+    (changes_local_mean, "local_mean is the ranks' average, read only"),
+])
+def test_outer_step_check_names_the_mistake(wrong, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks_compression.check_outer_step(wrong)
+
+
+def test_outer_step_check_passes_the_reference_and_trains_diloco_with_it(cluster, capsys):
+    assert checks_compression.check_outer_step(outer_with(), cluster) is True
+    out = capsys.readouterr().out
+    assert "DiLoCo H=10 on 2 ranks" in out and "4/4 cases" in out

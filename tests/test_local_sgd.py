@@ -70,3 +70,41 @@ def test_torch_hooks_send_what_their_shapes_say(cluster):
     assert power["hook_elements_per_step"] == 276  # the hook's own count
     assert power["bytes_total"] == 2 * 4810 * 4 + 38 * 276 * 4  # 2 plain steps, then PowerSGD
     assert power["loss"][-1] < 0.5 * power["loss"][0]
+
+
+def test_the_outer_step_is_torchs_nesterov_sgd_on_the_pseudo_gradient():
+    import torch
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randn(10, generator=g, dtype=torch.float64)
+    momentum = torch.zeros(10, dtype=torch.float64)
+    param = torch.nn.Parameter(shared.clone())
+    sgd = torch.optim.SGD([param], lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(3):
+        local_mean = shared + torch.randn(10, generator=g, dtype=torch.float64)
+        param.grad = param.detach() - local_mean  # Δ: the way back to the shared model
+        sgd.step()
+        local_sgd.outer_step(shared, local_mean, momentum, lr=0.7, mu=0.9)
+        torch.testing.assert_close(shared, param.detach(), rtol=0, atol=1e-15)
+
+
+def test_fragments_sync_in_turn_and_one_at_a_time():
+    assert local_sgd.fragment_sync_steps(10, 5) == [2, 4, 6, 8, 0]
+    assert local_sgd.fragment_sync_steps(8, 1) == [0]
+    with pytest.raises(ValueError, match="multiple of fragments"):
+        local_sgd.fragment_sync_steps(10, 4)
+
+
+def test_diloco_sends_one_h_th_of_ddp_and_streaming_a_fragment_at_a_time(cluster):
+    ddp = local_sgd.run_diloco(cluster, None, steps=40, eval_every=40)
+    diloco = local_sgd.run_diloco(cluster, 10, steps=40, eval_every=40)
+    streaming = local_sgd.run_diloco(cluster, 10, 5, steps=40, eval_every=40)
+    assert ddp["bytes_total"] == 10 * diloco["bytes_total"]  # counted by the communicator
+    assert ddp["peak_sync_bytes"] == diloco["peak_sync_bytes"]  # one allreduce of the model
+    # a fifth of the parameters per sync (up to how fragments split into ring chunks)
+    assert streaming["peak_sync_bytes"] * 5 == pytest.approx(diloco["peak_sync_bytes"],
+                                                             rel=0.01)
+    assert streaming["bytes_total"] == pytest.approx(diloco["bytes_total"], rel=0.01)
+    for run in (ddp, diloco, streaming):
+        assert run["loss"][-1] < 0.5 * run["loss"][0], run["name"]
+    with pytest.raises(ValueError, match="multiple of fragments"):
+        local_sgd.run_diloco(cluster, 10, 3)

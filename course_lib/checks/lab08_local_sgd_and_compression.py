@@ -1,11 +1,15 @@
-"""Lab 08 checks: top-k with error feedback, its exchange between ranks, and training with it.
+"""Lab 08 checks: top-k with error feedback, its exchange between ranks, training with it, and
+DiLoCo's outer step.
 
 Introduced in labs/08_local_sgd_and_compression.ipynb, on the framework of
 :mod:`course_lib.checks`: ``check_topk_compress(topk_compress)`` (in this process, by properties,
 since top-k may break ties any way), ``check_topk_allreduce(topk_allreduce, cluster)`` (on every
 rank, against the reference, counting the bytes handed to the collectives with
 :class:`CollectiveCounter`) and ``check_training(topk_allreduce, cluster)`` (training with and
-without error feedback, next to the reference and to uncompressed SGD).
+without error feedback, next to the reference and to uncompressed SGD);
+``check_outer_step(outer_step, cluster)`` (in this process against ``torch.optim.SGD`` with
+Nesterov momentum on the pseudo-gradient, the usual mistakes named, then DiLoCo trained on the
+ranks with the student's outer step against the reference's).
 """
 
 from __future__ import annotations
@@ -423,4 +427,127 @@ def check_training(student_fn: Callable, cluster, ratio=0.01, steps=200, margin=
     print(f"✓ {name}: with error feedback loss {loss['error feedback']:.4f} (float32 SGD "
           f"{loss['float32']:.4f}) sending {ef['bytes_per_step'] / dense['bytes_per_step']:.1%} "
           f"of the bytes; without it {loss['no error feedback']:.4f}")
+    return True
+
+
+# ---------------------------------------------------------------- exercise 3: DiLoCo's outer step
+def _outer_cases(seed):
+    """(label, shared, local_mean, momentum, lr, mu), float64."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(n, scale=1.0):
+        return scale * torch.randn(n, generator=g, dtype=torch.float64)
+    shared = randn(12)
+    return [
+        ("the first sync: no momentum yet", shared, shared + randn(12, 0.1),
+         torch.zeros(12, dtype=torch.float64), 0.7, 0.9),
+        ("a later sync, momentum from before", shared, shared + randn(12, 0.1), randn(12, 0.05),
+         0.7, 0.9),
+        ("lr 0.5, mu 0.5", randn(30), randn(30), randn(30), 0.5, 0.5),
+        ("mu 0: no momentum", randn(7), randn(7), randn(7), 0.3, 0.0),
+    ]
+
+
+def _torch_outer(shared, local_mean, momentum, lr, mu):
+    """The reference: torch's SGD with Nesterov momentum, its momentum buffer preset, on the
+    gradient shared - local_mean. Returns (shared, momentum) after one step (with mu = 0 torch
+    keeps no buffer: the momentum is then mu·momentum + Δ = Δ)."""
+    import torch
+    param = torch.nn.Parameter(shared.clone())
+    sgd = torch.optim.SGD([param], lr=lr, momentum=mu, nesterov=mu > 0)
+    param.grad = shared - local_mean
+    if mu > 0:
+        sgd.state[param]["momentum_buffer"] = momentum.clone()
+    sgd.step()
+    after = sgd.state[param].get("momentum_buffer", shared - local_mean)
+    return param.detach(), after.clone()
+
+
+def _outer_mistakes(shared, local_mean, momentum, lr, mu):
+    """What the usual mistakes give, as (shared after, momentum after, hint)."""
+    delta, flipped = shared - local_mean, local_mean - shared
+    new_b = mu * momentum + delta
+    return [
+        (shared - lr * (flipped + mu * (mu * momentum + flipped)), mu * momentum + flipped,
+         "the pseudo-gradient points the wrong way: Δ = shared - local_mean (the way back from "
+         "where the ranks went, as a gradient points uphill); subtracting it moves the shared "
+         "model towards the ranks."),
+        (shared - lr * new_b, new_b,
+         "that is plain momentum, shared - lr·(mu·momentum + Δ) (or Nesterov with the old "
+         "momentum, the same thing): Nesterov looks one step ahead, shared - lr·(Δ + "
+         "mu·momentum) with momentum already updated to mu·momentum + Δ."),
+        (shared - lr * delta, momentum,
+         "the momentum is neither used nor updated: momentum ← mu·momentum + Δ, then the "
+         "Nesterov step."),
+        (local_mean, momentum,
+         "the shared model became the ranks' average: that is local SGD (lr 1, no momentum). "
+         "DiLoCo steps along Δ with its own learning rate and momentum."),
+    ]
+
+
+def _outer_hint(student_fn, probe):
+    """Which usual mistake the student's step makes, told on ``probe`` (a case with momentum
+    from before, where the mistakes all give different results)."""
+    import torch
+    _, shared, local_mean, momentum, lr, mu = probe
+    got = shared.clone()
+    student_fn(got, local_mean.clone(), momentum.clone(), lr, mu)
+    return next((hint for after, _, hint in _outer_mistakes(shared, local_mean, momentum, lr, mu)
+                 if torch.allclose(got, after, rtol=0, atol=1e-12)),
+                "Δ = shared - local_mean; momentum ← mu·momentum + Δ; shared ← shared - "
+                "lr·(Δ + mu·momentum).")
+
+
+def check_outer_step(student_fn: Callable, cluster=None, seed: int = 0) -> bool:
+    """Lab 08, exercise 3: ``outer_step(shared, local_mean, momentum, lr, mu)`` updates
+    ``shared`` and ``momentum`` in place as ``torch.optim.SGD(nesterov=True)`` on the
+    pseudo-gradient shared - local_mean; then (with ``cluster``) DiLoCo trained with it on the
+    ranks gives the reference's model."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    import torch
+    name = "check_outer_step"
+    cases = _outer_cases(seed)
+    for number, (label, shared, local_mean, momentum, lr, mu) in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases)} ({label}, lr {lr}, mu {mu})"
+        want_shared, want_b = _torch_outer(shared, local_mean, momentum, lr, mu)
+        got_shared, got_b, got_mean = shared.clone(), momentum.clone(), local_mean.clone()
+        try:
+            student_fn(got_shared, got_mean, got_b, lr, mu)
+        except NotImplementedError:
+            return not_implemented(name)
+        except Exception as err:
+            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}\n"
+                              "Hint: shared, local_mean and momentum are 1-D tensors; change "
+                              "shared and momentum in place (sub_, mul_, add_).") from err
+        if not torch.equal(got_mean, local_mean):
+            raise CheckFailed(f"{where}\n  local_mean changed\nHint: local_mean is the "
+                              "ranks' average, read only: compute Δ into a new tensor.")
+        if torch.allclose(got_shared, want_shared, rtol=0, atol=1e-12) and \
+                torch.allclose(got_b, want_b, rtol=0, atol=1e-12):
+            continue
+        if torch.equal(got_shared, shared) and not torch.allclose(want_shared, shared):
+            hint = ("shared did not change: update it in place (shared.sub_(...)); "
+                    "shared = shared - ... only rebinds your local name.")
+        elif torch.allclose(got_shared, want_shared, rtol=0, atol=1e-12):
+            hint = ("shared is right but momentum is not what it should be after the step: "
+                    "update it in place, momentum.mul_(mu).add_(Δ), so the next sync sees it.")
+        else:
+            hint = _outer_hint(student_fn, cases[1])
+        worst = float((got_shared - want_shared).abs().max())
+        raise CheckFailed(f"{where}\n  shared after your step differs from torch's SGD "
+                          f"(nesterov=True) by up to {worst:.3g}\nHint: {hint}")
+    if cluster is not None:
+        from course_lib import local_sgd
+        kw = dict(steps=60, eval_every=60)
+        mine = local_sgd.run_diloco(cluster, 10, outer=pack_function(student_fn), **kw)
+        reference = local_sgd.run_diloco(cluster, 10, **kw)
+        worst = float(np.abs(mine["theta"] - reference["theta"]).max())
+        if worst > 1e-5:
+            raise CheckFailed(f"{name}: DiLoCo on {cluster.n} ranks with your outer step ended "
+                              f"{worst:.3g} away from the reference's model\nHint: the cases "
+                              "passed, so look at what your function does with float32 views.")
+        print(f"  DiLoCo H=10 on {cluster.n} ranks, 60 steps: loss {mine['loss'][-1]:.3f}, the "
+              f"reference's {reference['loss'][-1]:.3f}")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} cases match torch's SGD with Nesterov momentum")
     return True
