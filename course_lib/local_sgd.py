@@ -1,8 +1,8 @@
 """Local SGD (k local steps, then average) and compressed data-parallel SGD, on real ranks.
 
 Introduced in notebooks/08_local_sgd_and_compression.ipynb. Every rank trains ``models.mlp`` on
-its shard of ``data.load_digits()`` with plain SGD, drawing its batches from a torch generator
-seeded per rank, and the ranks talk in one of two ways::
+its shard of ``data.load_digits()`` with plain SGD (AdamW for DiLoCo, below), drawing its
+batches from a torch generator seeded per rank, and the ranks talk in one of two ways::
 
     from course_lib import local_sgd
     local_sgd.run_local_sgd(cluster, sync_every=8)        # average the parameters every 8 steps
@@ -194,7 +194,9 @@ def outer_step(shared: torch.Tensor, local_mean: torch.Tensor, momentum: torch.T
 
 def fragment_sync_steps(sync_every: int, fragments: int) -> list[int]:
     """When each fragment syncs within a period of ``sync_every`` inner steps (1-based, mod
-    sync_every): fragment f at ⌊sync_every (f + 1) / fragments⌋, as torchft's Streaming DiLoCo.
+    sync_every): fragment f at ⌊sync_every (f + 1) / fragments⌋, one fragment every H/F steps in
+    turn, the same timing as torchft's Streaming DiLoCo (so fragment 0 first syncs after H/F
+    steps; the paper lets every fragment run H steps before its first sync).
     Introduced in notebooks/08_local_sgd_and_compression.ipynb."""
     if fragments < 1 or sync_every % fragments:
         raise ValueError(f"sync_every = {sync_every} must be a multiple of fragments = "
