@@ -1,7 +1,7 @@
 """Pipeline parallelism: a sequential model cut into stages, one per rank; micro-batches flow
 through them, activations forward and their gradients back, point to point.
 
-Introduced in notebooks/09_model_parallelism.ipynb. Three schedules, side by side:
+Introduced in notebooks/09_model_parallelism.ipynb. Five schedules, side by side:
 
 - ``"naive"``: the whole batch as one piece: while one stage works, the N-1 others wait.
 - ``"gpipe"``: M micro-batches, all forwards then all backwards (Huang et al. 2019). The idle
