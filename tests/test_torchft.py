@@ -90,3 +90,19 @@ def test_a_replica_without_a_lighthouse_says_what_it_waited_for(tmp_path):
     assert last.startswith("torchft replica 1: failed while waiting for the Lighthouse to "
                            "start: TimeoutError: no "), proc.stderr[-2000:]
     assert "lighthouse.port after 1 s" in last
+
+
+def test_torchfts_diloco_trains_the_course_diloco_to_float32_rounding(cluster):
+    """torchft's DiLoCo (a real Lighthouse, a Manager per replica group) and notebook 08's, on
+    the same data, model and optimizers: the same model after 20 steps (two outer steps), the
+    same bytes averaged."""
+    pytest.importorskip("torchft", reason="optional: pip install -c constraints.txt torchft")
+    import numpy as np
+
+    from course_lib import local_sgd
+    theirs = ft.torchft_diloco(replicas=2, sync_every=10, steps=20)
+    ours = local_sgd.run_diloco(cluster, 10, steps=20, eval_every=20)
+    assert np.abs(ours["theta"] - theirs["theta"]).max() < 1e-5
+    assert ours["loss"][-1] == pytest.approx(theirs["loss"], rel=1e-4)
+    # two syncs of the parameters: ours sends the ring's 2 (N-1)/N of them, N = 2
+    assert ours["bytes_total"] == theirs["bytes"] == 2 * theirs["theta"].size * 4

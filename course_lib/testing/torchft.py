@@ -519,3 +519,92 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+# ---------------------------------------------------------------- DiLoCo, beside notebook 08's
+def torchft_diloco(replicas=2, sync_every=10, steps=60, batch_size=32,
+                   hidden=(64,), inner_lr=3e-3, outer_lr=0.7, outer_momentum=0.9, seed=0,
+                   timeout=30.0):
+    """torchft's own DiLoCo (``torchft.local_sgd.DiLoCo``, a real Lighthouse and one
+    ``Manager`` per replica group over Gloo, the replica groups as threads of this process, as
+    torchft's integration tests run them) training what
+    :func:`course_lib.local_sgd.diloco_on_rank` trains: the same MLP, shards, batches, inner
+    AdamW and outer Nesterov SGD. Returns ``{"theta": replica 0's final parameters (flat, numpy),
+    "loss": their training loss, "bytes": bytes each replica handed to the Manager's
+    allreduce}``. Raises RuntimeError naming a replica that failed or did not finish within
+    ``timeout`` seconds per operation (4 timeouts in all). Introduced in
+    notebooks/08_local_sgd_and_compression.ipynb."""
+    _require()
+    import logging
+    from datetime import timedelta
+
+    # torchft's Rust side logs every quorum at INFO, read from RUST_LOG when it loads; its
+    # Manager warns at every quorum that Gloo has no NCCL flight recorder to reset
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.local_sgd import DiLoCo
+
+    from course_lib.local_sgd import Replica
+    wait = timedelta(seconds=timeout)
+    lighthouse = _rust_extension().LighthouseServer(bind="127.0.0.1:0", min_replicas=replicas)
+    address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]
+    # made one after another: the model's seed is global state, the threads would race on it
+    shards = [Replica(r, replicas, batch_size, hidden, seed, "float32") for r in range(replicas)]
+    results, failures = [None] * replicas, {}
+
+    def replica(r):
+        rep, model = shards[r], shards[r].model
+        inner = torch.optim.AdamW(model.parameters(), lr=inner_lr)
+        outer = torch.optim.SGD(model.parameters(), lr=outer_lr, momentum=outer_momentum,
+                                nesterov=True)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=wait)
+        manager = Manager(
+            pg=ProcessGroupGloo(timeout=wait), load_state_dict=None, state_dict=None,
+            min_replica_size=replicas, use_async_quorum=False, replica_id=f"replica_{r}",
+            store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+            lighthouse_addr=address, hostname="127.0.0.1", init_sync=False, timeout=wait,
+            quorum_timeout=wait, connect_timeout=wait)
+        handed = [0]
+        allreduce = manager.allreduce
+
+        def counted(tensor, *args, **kwargs):  # what DiLoCo hands the Manager to average
+            handed[0] += tensor.numel() * tensor.element_size()
+            return allreduce(tensor, *args, **kwargs)
+        manager.allreduce = counted
+        try:
+            with DiLoCo(manager, [model], inner, outer, sync_every=sync_every):
+                for _ in range(steps):
+                    idx = rep.next_batch()
+                    inner.zero_grad()
+                    F.cross_entropy(model(rep.X[idx]), rep.y[idx]).backward()
+                    inner.step()  # DiLoCo's hook: every sync_every steps, the outer step
+        finally:
+            manager.shutdown(wait=False)
+        theta = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+        results[r] = {"theta": theta.double().numpy().copy(), "bytes": handed[0],
+                      "loss": rep.evaluate(theta)[0]}
+
+    def guarded(r):
+        try:
+            replica(r)
+        except BaseException as e:  # noqa: BLE001  (reported below, by replica)
+            failures[r] = f"{type(e).__name__}: {e}"
+    threads = [threading.Thread(target=guarded, args=(r,), daemon=True) for r in range(replicas)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * timeout)
+    lighthouse.shutdown()
+    for r, t in enumerate(threads):
+        if t.is_alive():
+            failures[r] = f"not done after {4 * timeout:g} s"
+    if failures:
+        raise RuntimeError("torchft DiLoCo: " + "; ".join(f"replica {r}: {what}"
+                                                          for r, what in failures.items()))
+    return {**results[0], "replicas": results}
+
