@@ -217,3 +217,11 @@ def test_every_schedule_equals_one_process_with_ranks_as_threads(schedule):
             torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
     assert results[0 if v_shaped else -1].loss == pytest.approx(loss.item(), abs=1e-12)
     assert [r.peak_live for r in results] == P.simulate(schedule, N, M).peak_live
+
+
+def test_bench_torch_comparison_needs_real_layers_and_is_refused_before_any_engine():
+    from course_lib.testing import command_line
+    out = command_line.run("bench", "pipeline", "--schedules", "zb-v", "--torch")
+    assert out.returncode == 1 and "--torch times torch's schedules on real layers" in out.stderr
+    out = command_line.run("bench", "pipeline", "--schedules", "zb-x")
+    assert out.returncode == 2 and "zb-v" in out.stderr  # the schedules it knows, named

@@ -46,9 +46,7 @@ def measure(cluster, stages=(2, 4), schedules=("gpipe", "1f1b"), microbatches=(1
     from course_lib.testing.pipeline import measured_bubble, timed_step, torch_timed_step
     if max(stages) > cluster.n or min(stages) < 2:
         raise BenchError(f"stages must be in 2..{cluster.n} (the cluster's ranks)")
-    if torch_too and (not compute_layers or link or "naive" in schedules):
-        raise BenchError("--torch times torch's schedules on real layers (--compute) without "
-                         "--link, and torch has no naive schedule")
+    _check_torch_too(torch_too, compute_layers, link, schedules)
     rows = []
     for N in stages:
         for schedule in schedules:
@@ -85,6 +83,12 @@ def measure(cluster, stages=(2, 4), schedules=("gpipe", "1f1b"), microbatches=(1
                     torch_ms = 1e3 * max(r["seconds"] for r in theirs if r is not None)
                     rows[-1].update(torch_ms=torch_ms, vs_torch=seconds * 1e3 / torch_ms)
     return rows
+
+
+def _check_torch_too(torch_too, compute_layers, link, schedules):
+    if torch_too and (not compute_layers or link or "naive" in schedules):
+        raise BenchError("--torch times torch's schedules on real layers (--compute) without "
+                         "--link, and torch has no naive schedule")
 
 
 def _mean_span(reports, cat):
@@ -158,6 +162,7 @@ def main(args):
               "micro-batches >= 1", file=sys.stderr)
         return 2
     try:
+        _check_torch_too(args.torch, args.compute, args.link, schedules)  # before any engine
         with start_cluster(n=max(args.stages), timeout=600) as cluster:
             rows = measure(cluster, args.stages, schedules, args.microbatches,
                            args.forward_ms / 1e3, args.backward_ms / 1e3, args.compute,
