@@ -13,7 +13,8 @@ The tools: where every rank is (:mod:`course_lib.runtime.stacks`, in every ``Clu
 which collective disagreed (the course's agreement check, or :func:`detail_group`'s
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``); when ranks diverged (:func:`first_divergence` on per-step
 checksums); which samples each rank read (:func:`coverage`); where the time went
-(:func:`merged_trace` of every rank's ``torch.profiler`` trace, :func:`straggler`).
+(:func:`merged_trace` of every rank's ``torch.profiler`` trace, :func:`straggler`); who issued a
+collective fewer (:func:`flight_record`, PyTorch's flight recorder, and :func:`diverged`).
 """
 
 from __future__ import annotations
@@ -381,3 +382,67 @@ def across_hosts(interface: str | None = None, steps: int = 2, timeout: float = 
     remote = re.search(r"remote=\[([^\]]+)\]", failure or "")
     return {"ok": all(p.returncode == 0 for p in procs), "seconds": time.perf_counter() - start,
             "error": failure, "remote": remote.group(1) if remote else None}
+
+
+# ---------------------------------------------------------------- the flight recorder
+def flight_record(after: int = 0) -> list[dict]:
+    """This rank's flight recorder: the collectives of the default process group it issued
+    after number ``after``, oldest first, as PyTorch records them (on Gloo too, with no setting
+    needed): ``{"seq", "op", "sizes", "dtypes"}``. Introduced in
+    notebooks/17_debugging_clinic.ipynb."""
+    import json
+
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+    entries = json.loads(_dump_fr_trace_json(True, False)).get("entries", [])  # none yet: no key
+    return [{"seq": e["collective_seq_id"], "op": e["profiling_name"].split(":")[-1],
+             "sizes": e["input_sizes"], "dtypes": e["input_dtypes"]}
+            for e in entries if not e["is_p2p"] and e["process_group"][1] == "default_pg"
+            and e["collective_seq_id"] > after]
+
+
+def skipped_collective(skip_rank: int = 1, skip_step: int = 2, steps: int = 4,
+                       timeout: float = 2.0) -> dict:
+    """On every rank: ``steps`` allreduces of the same size, but rank ``skip_rank`` skips
+    the one numbered ``skip_step`` from 0 (the record numbers them from 1). Gloo pairs its next
+    call with the others' skipped one (same sizes: nothing to notice) until the last allreduce
+    waits for a partner that never comes; each wait has a deadline of ``timeout`` s. Returns
+    ``{"rank", "record": this job's flight record, "error": what timed out here, or None}``.
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    import datetime
+
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    before = max((e["seq"] for e in flight_record()), default=0)  # earlier jobs' collectives
+    error = None
+    for number in range(steps):
+        if rank == skip_rank and number == skip_step:
+            continue  # the bug: a collective behind a condition only this rank takes
+        work = dist.all_reduce(torch.ones(8), async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            error = (f"rank {rank}: allreduce #{number + 1} did not finish within "
+                     f"{timeout:g} s ({e})")
+            break
+    return {"rank": rank, "record": flight_record(before), "error": error}
+
+
+def diverged(records: list[list[dict]]) -> str:
+    """From every rank's :func:`flight_record`: where the ranks part, named — the first
+    collective (by number) that some rank issued differently (another op or sizes) or never
+    issued, and which ranks those are (the ones against the majority).
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    longest = max(len(r) for r in records)
+    for i in range(longest):
+        seen = [(r[i]["op"], r[i]["sizes"]) if i < len(r) else None for r in records]
+        if len({repr(s) for s in seen}) == 1:
+            continue
+        most = max(({repr(s) for s in seen}), key=[repr(s) for s in seen].count)
+        odd = [rank for rank, s in enumerate(seen) if repr(s) != most]
+        usual = next(s for s in seen if repr(s) == most)
+        what = f"collective #{i + 1}" + (f" ({usual[0]} of {usual[1]})" if usual else "")
+        if all(seen[rank] is None for rank in odd):
+            return (f"{what}: rank(s) {odd} never issued it; they issued {len(records[odd[0]])} "
+                    f"collectives, the others {longest}")
+        return f"{what}: rank(s) {odd} issued {[seen[r] for r in odd]} instead"
+    return f"every rank issued the same {longest} collectives"

@@ -124,3 +124,26 @@ def test_the_wrong_interface_on_two_hosts_is_named_by_its_address():
     assert_no_hang(wrong["seconds"], 10, instead=60)  # Gloo's connect, not the 60 s deadline
     right = clinic.across_hosts(None, timeout=600)  # a hang guard: torch's imports under load
     assert right["ok"], right
+
+
+def test_the_flight_recorder_names_the_rank_that_skipped_a_collective():
+    """Rank 1 skips one of four allreduces of one size: Gloo pairs the rest without a word, the
+    last one times out on the others, and the ranks' flight records, diffed, name rank 1. On a
+    cluster of its own: the timed-out allreduces are left pending in its process group."""
+    from course_lib import start_cluster
+    with start_cluster(n=3, share=False) as own:
+        out = own.run(clinic.skipped_collective, 1, 2, 4, 2.0, timeout=120)
+    assert [o["error"] is None for o in out] == [False, True, False]
+    assert "allreduce #4 did not finish within 2 s" in out[0]["error"]
+    assert [len(o["record"]) for o in out] == [4, 3, 4]
+    assert all(e["op"] == "all_reduce" and e["sizes"] == [[8]] for o in out for e in o["record"])
+    assert clinic.diverged([o["record"] for o in out]) == (
+        "collective #4 (all_reduce of [[8]]): rank(s) [1] never issued it; they issued 3 "
+        "collectives, the others 4")
+    same = [[{"op": "broadcast", "sizes": [[2]]}]] * 2
+    assert clinic.diverged(same) == "every rank issued the same 1 collectives"
+    assert clinic.diverged([[{"op": "all_reduce", "sizes": [[2]]}],
+                            [{"op": "all_reduce", "sizes": [[3]]}],
+                            [{"op": "all_reduce", "sizes": [[2]]}]]) == (
+        "collective #1 (all_reduce of [[2]]): rank(s) [1] issued [('all_reduce', [[3]])] "
+        "instead")
