@@ -432,14 +432,16 @@ def diverged(records: list[list[dict]]) -> str:
     collective (by number) that some rank issued differently (another op or sizes) or never
     issued, and which ranks those are (the ones against the majority).
     Introduced in notebooks/17_debugging_clinic.ipynb."""
+    from collections import Counter
     longest = max(len(r) for r in records)
     for i in range(longest):
         seen = [(r[i]["op"], r[i]["sizes"]) if i < len(r) else None for r in records]
-        if len({repr(s) for s in seen}) == 1:
+        keys = [repr(s) for s in seen]  # sizes are lists: compared by their text
+        if len(set(keys)) == 1:
             continue
-        most = max(({repr(s) for s in seen}), key=[repr(s) for s in seen].count)
-        odd = [rank for rank, s in enumerate(seen) if repr(s) != most]
-        usual = next(s for s in seen if repr(s) == most)
+        most = Counter(keys).most_common(1)[0][0]  # what the majority issued
+        odd = [rank for rank, key in enumerate(keys) if key != most]
+        usual = seen[keys.index(most)]
         what = f"collective #{i + 1}" + (f" ({usual[0]} of {usual[1]})" if usual else "")
         if all(seen[rank] is None for rank in odd):
             return (f"{what}: rank(s) {odd} never issued it; they issued {len(records[odd[0]])} "

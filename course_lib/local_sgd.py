@@ -232,19 +232,22 @@ def diloco_on_rank(sync_every: int | None = 10, fragments: int = 1, steps: int =
     history = {"step": [], "bytes": [], "loss": [], "accuracy": []}
     record_point(history, 0, 0.0, *rep.evaluate(shared))
     peak = 0
+
+    def mean_over_ranks(t):  # the course's ring; the most one call sent is kept
+        nonlocal peak
+        before = comm.bytes_sent
+        t = collectives.allreduce(t, comm, check=False) / N
+        peak = max(peak, comm.bytes_sent - before)
+        return t
     for step in range(1, steps + 1):
         _, g = rep.grad(local.detach())
         if sync_every is None:  # data parallel: the mean gradient, every step
-            before = comm.bytes_sent
-            g = collectives.allreduce(g.contiguous(), comm, check=False) / N
-            peak = max(peak, comm.bytes_sent - before)
+            g = mean_over_ranks(g.contiguous())
         local.grad = g
         inner.step()
         for f, (a, b) in enumerate(bounds):
             if sync_every and step % sync_every == when[f]:
-                before = comm.bytes_sent
-                mean = collectives.allreduce(local.detach()[a:b].clone(), comm, check=False) / N
-                peak = max(peak, comm.bytes_sent - before)
+                mean = mean_over_ranks(local.detach()[a:b].clone())
                 outer_fn(shared[a:b], mean, momenta[a:b], outer_lr, outer_momentum)
                 with torch.no_grad():
                     local[a:b] = shared[a:b]  # every rank starts again from the shared model

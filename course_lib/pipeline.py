@@ -120,6 +120,12 @@ def schedule_order(schedule: str, stage: int, num_stages: int,
     return split + [("W", m) for m in waiting]
 
 
+def v_places(stage: int, num_stages: int) -> list[int]:
+    """The two stages of 2N that rank ``stage`` holds in a V (ZB-V): ``stage`` on the way down,
+    2N-1-``stage`` on the way back up. Introduced in notebooks/09_model_parallelism.ipynb."""
+    return [stage, 2 * num_stages - 1 - stage]
+
+
 def zb_v_order(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int, int]]:
     """ZB-V (Qi et al. 2024): rank ``stage`` holds chunk 0 = stage ``stage`` and chunk 1 = stage
     2N-1-``stage`` of 2N; its ``(op, m, chunk)`` steps, op in F, B (input gradient), W (weight
@@ -218,7 +224,7 @@ def simulate(schedule: str, num_stages: int, num_microbatches: int, t_forward: f
 
     def virtual(s, chunk):  # chunk c of rank s: interleaved c * N + s, or a V
         if schedule == "zb-v":
-            return s if chunk == 0 else 2 * N - 1 - s
+            return v_places(s, N)[chunk]
         return chunk * N + s
     orders = [[(op, m, virtual(s, step[2]) if len(step) > 2 else s) for step in order
                for op, m in [step[:2]]] for s, order in enumerate(orders)]
@@ -465,7 +471,7 @@ def pipeline_step(stage_module: nn.Module | Sequence[nn.Module], comm: Comm,
     chunks = list(stage_module) if v_shaped else [stage_module]
     if v_shaped and len(chunks) != 2:
         raise ValueError(f"stage {stage}: zb-v runs two chunks per rank, got {len(chunks)}")
-    virtual = [stage, 2 * N - 1 - stage] if v_shaped else [stage]  # each chunk's place
+    virtual = v_places(stage, N) if v_shaped else [stage]  # each chunk's place
     last_place = 2 * N - 1 if v_shaped else N - 1
 
     def rank_of(place):  # the rank holding stage ``place`` of the model
@@ -602,4 +608,4 @@ def v_chunks(parts: Sequence[nn.Module], stage: int) -> list[nn.Module]:
     if len(parts) != 2 * N or not 0 <= stage < N:
         raise ValueError(f"zb-v cuts the model into 2N stages for N ranks: got {len(parts)} "
                          f"parts, stage {stage}")
-    return [parts[stage], parts[2 * N - 1 - stage]]
+    return [parts[place] for place in v_places(stage, N)]

@@ -103,7 +103,7 @@ def timed_step(schedule="1f1b", num_microbatches=8, forward_s=0.02, backward_s=0
             return make_mlp(max(1, round(compute_layers * share)), width, seed=seed,
                             dtype=torch.float32)
         return pipeline.SleepLayer(forward_s * share, backward_s * share)
-    stage = ([make_stage(0.5, rank), make_stage(0.5, 2 * comm.world_size - 1 - rank)]
+    stage = ([make_stage(0.5, k) for k in pipeline.v_places(rank, comm.world_size)]
              if schedule == "zb-v" else make_stage(1.0, rank))
     x, y = make_batch(batch or num_microbatches, width, dtype=torch.float32)
     for _ in range(steps):
@@ -135,7 +135,7 @@ def torch_timed_step(schedule="1f1b", num_microbatches=8, compute_layers=2, widt
         return None
     group = subgroup(world_size) or dist.group.WORLD
     N, rank, v_shaped = comm.world_size, comm.rank, schedule == "zb-v"
-    places = [rank, 2 * N - 1 - rank] if v_shaped else [rank]  # as timed_step's seeds
+    places = pipeline.v_places(rank, N) if v_shaped else [rank]  # as timed_step's seeds
     layers = max(1, round(compute_layers * (0.5 if v_shaped else 1.0)))
     stages = [pp.PipelineStage(make_mlp(layers, width, seed=k, dtype=torch.float32), k,
                                2 * N if v_shaped else N, torch.device("cpu"), group=group)
@@ -270,7 +270,7 @@ def torch_pipelining_matches(schedule="1f1b", num_microbatches=4, num_layers=6, 
     model = make_mlp(num_layers, width, seed)
     x, y = make_batch(batch, width, seed + 1)
     counts = pipeline.balance([1.0] * num_layers, 2 * N if v_shaped else N)
-    places = [rank, 2 * N - 1 - rank] if v_shaped else [rank]  # which stages this rank runs
+    places = pipeline.v_places(rank, N) if v_shaped else [rank]  # which stages this rank runs
     ours = [pipeline.split_model(copy.deepcopy(model), counts)[k] for k in places]
     theirs = [pipeline.split_model(copy.deepcopy(model), counts)[k] for k in places]
     first, last = 0 in places, len(counts) - 1 in places
