@@ -18,10 +18,14 @@ A training state (``training_state``) holds everything a bit-exact resume needs:
 optimizer, step and epoch, the position in the data, and every random generator. A sharded
 state (one part per rank) is written as one directory per step, every rank's file first and a
 commit marker last (as ``torch.distributed.checkpoint`` writes its ``.metadata`` last): a
-directory without its marker is a crash between ranks' writes, and is never loaded.
+directory without its marker is a crash between ranks' writes, and is never loaded. PyTorch's
+DCP is used the same way (``dcp_save``, one directory per step, ``dcp_latest``); what it adds is
+loading onto another layout, each rank reading the boxes its new shard shares with the saved
+ones (``reshard_reads``).
 
 One file, read top to bottom: one file written safely, numbered checkpoints of it, what a resume
-puts in them, the same per rank with a commit marker, and how often to write them.
+puts in them, the same per rank with a commit marker, DCP used the same way, and how often to
+write them.
 """
 
 from __future__ import annotations
@@ -337,6 +341,85 @@ def load_sharded(directory: str | Path, rank: int, world_size: int,
         except (OSError, CheckpointError) as e:
             report(f"skipping {folder}: {e}")
     return None, None
+
+
+# ---------------------------------------------------------------- PyTorch's DCP, one step each
+DCP_COMMIT = ".metadata"  # what torch.distributed.checkpoint writes last, on rank 0
+
+
+def dcp_save(state: dict, directory: str | Path, step: int, asynchronous: bool = False,
+             process_group=None, storage_bytes_per_s: float | None = None):
+    """``torch.distributed.checkpoint.save`` (``asynchronous``: ``async_save``, which returns a
+    future once the state is copied) of ``state`` into a directory of its own,
+    ``directory/step-{step:08d}``, so that a save that dies never touches an older one; DCP
+    commits it by writing ``.metadata`` last. Every rank calls it. The fault point
+    ``dcp-before-metadata`` sits between the data files and the commit.
+    ``storage_bytes_per_s`` emulates a slower storage (a shared file system's share): each
+    rank's write then lasts at least its bytes at that rate, waiting, not computing.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    import time
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    class Writer(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            start = time.monotonic()
+            written = super().write_data(plan, planner)  # done when it returns (one IO thread)
+            if storage_bytes_per_s:
+                size = sum(result.storage_data.length for result in written.value())
+                time.sleep(max(0.0, size / storage_bytes_per_s - (time.monotonic() - start)))
+            return written
+
+        def finish(self, metadata, results):
+            fault_points.point("dcp-before-metadata")
+            return super().finish(metadata, results)
+
+    folder = Path(directory) / f"step-{step:08d}"
+    save = dcp.async_save if asynchronous else dcp.save
+    alone = not torch.distributed.is_initialized()  # one process: no group to plan with
+    with warnings.catch_warnings():  # DCP warns that it saves "in a single process": we know
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return save(state, storage_writer=Writer(folder), process_group=process_group,
+                    no_dist=alone)
+
+
+def dcp_latest(directory: str | Path, report: Callable[[str], object] = print) -> Path | None:
+    """The newest ``step-*`` directory of ``directory`` that DCP committed (its ``.metadata``
+    is there), or None; the ones without it (a save that died) are reported and skipped.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    for _, folder in reversed(_steps(directory, _STEP_DIR)):
+        if (folder / DCP_COMMIT).exists():
+            return folder
+        report(f"skipping {folder}: no {DCP_COMMIT} (a save that died before its commit)")
+    return None
+
+
+def _ints(values):
+    return tuple(int(v) for v in values)
+
+
+def reshard_reads(saved: list[tuple[tuple[int, ...], tuple[int, ...]]],
+                  wanted: tuple[tuple[int, ...], tuple[int, ...]]) -> list[dict]:
+    """What a rank reads to fill its shard ``wanted`` = (offsets, sizes) of a tensor that was
+    saved as the chunks ``saved`` (one (offsets, sizes) box per writer): for every saved chunk
+    that overlaps the shard, the box they share, given as ``storage_offsets`` (inside the saved
+    chunk), ``dest_offsets`` (inside the shard) and ``lengths`` -- the fields of DCP's
+    ``ReadItem``. Loading on another layout is this intersection of boxes, per tensor.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    start, size = np.array(wanted[0]), np.array(wanted[1])
+    reads = []
+    for index, (chunk_start, chunk_size) in enumerate(saved):
+        chunk_start, chunk_size = np.array(chunk_start), np.array(chunk_size)
+        if chunk_start.shape != start.shape:
+            raise ValueError(f"saved chunk {index} has {len(chunk_start)} dimensions, the "
+                             f"shard {len(start)}")
+        low = np.maximum(start, chunk_start)                       # the shared box, per
+        high = np.minimum(start + size, chunk_start + chunk_size)  # dimension, ends excluded
+        if (low < high).all():                                     # touching is no overlap
+            reads.append({"chunk": index, "storage_offsets": _ints(low - chunk_start),
+                          "dest_offsets": _ints(low - start), "lengths": _ints(high - low)})
+    return reads
 
 
 # ---------------------------------------------------------------- how often

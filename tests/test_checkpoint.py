@@ -189,3 +189,40 @@ def test_bench_measures_saves_and_redoes_at_most_k_steps_per_failure(tmp_path):
     assert set(Path(tempfile.gettempdir()).glob("bench-ckpt-*")) <= left  # none left behind
     text = bench.format_tables(saves, rows, 0.002, 10)
     assert "ceiling" in text and "Young's sqrt(2CM)" in text
+
+
+def test_reshard_reads_are_the_boxes_a_shard_shares_with_the_saved_chunks():
+    saved = [((0, 0), (16, 256)), ((16, 0), (16, 256)), ((32, 0), (16, 256)), ((48, 0), (16, 256))]
+    # dp2 x tp2's rank 1: rows 0-31, columns 128-255: half a row block from files 0 and 1
+    assert C.reshard_reads(saved, ((0, 128), (32, 128))) == [
+        {"chunk": 0, "storage_offsets": (0, 128), "dest_offsets": (0, 0), "lengths": (16, 128)},
+        {"chunk": 1, "storage_offsets": (0, 128), "dest_offsets": (16, 0), "lengths": (16, 128)}]
+    # a shard across a boundary reads the end of one chunk and the start of the next
+    assert C.reshard_reads([((0,), (10,)), ((10,), (10,))], ((7,), (5,))) == [
+        {"chunk": 0, "storage_offsets": (7,), "dest_offsets": (0,), "lengths": (3,)},
+        {"chunk": 1, "storage_offsets": (0,), "dest_offsets": (3,), "lengths": (2,)}]
+    assert C.reshard_reads([((0,), (10,)), ((10,), (10,))], ((10,), (10,)))[0]["chunk"] == 1
+    # every element of the shard read exactly once, whatever the two layouts
+    for saved_n, wanted_n in ((4, 3), (3, 4), (5, 2), (1, 7)):
+        rows = 60
+        saved = [((i * rows // saved_n,), ((i + 1) * rows // saved_n - i * rows // saved_n,))
+                 for i in range(saved_n)]
+        for j in range(wanted_n):
+            start, end = j * rows // wanted_n, (j + 1) * rows // wanted_n
+            reads = C.reshard_reads(saved, ((start,), (end - start,)))
+            covered = sorted(x + r["dest_offsets"][0] for r in reads
+                             for x in range(r["lengths"][0]))
+            assert covered == list(range(end - start))
+    with pytest.raises(ValueError, match="saved chunk 0 has 1 dimensions, the shard 2"):
+        C.reshard_reads([((0,), (4,))], ((0, 0), (2, 2)))
+
+
+def test_dcp_latest_skips_a_step_without_its_metadata(tmp_path):
+    assert C.dcp_latest(tmp_path / "none", report=print) is None
+    for step in (1, 2):
+        C.dcp_save({"w": torch.full((5,), float(step))}, tmp_path, step)
+    (tmp_path / "step-00000003").mkdir()  # a save that died before .metadata
+    said = []
+    assert C.dcp_latest(tmp_path, report=said.append).name == "step-00000002"
+    assert said == [f"skipping {tmp_path / 'step-00000003'}: no .metadata (a save that died "
+                    "before its commit)"]

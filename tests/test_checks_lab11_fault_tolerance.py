@@ -636,3 +636,63 @@ def test_reference_run_is_reproducible_and_leaves_the_generators_alone():
     assert torch.equal(torch.get_rng_state(), before)
     assert all(torch.equal(a[16]["model"][k], b[16]["model"][k]) for k in a[16]["model"])
     assert not torch.equal(a[8]["model"]["0.weight"], a[12]["model"]["0.weight"])
+
+
+# ---------------------------------------------------------------- exercise 3
+def _reads(kind="right"):
+    """reshard_reads as the lab asks, or with one named mistake."""
+    def reshard_reads(saved, wanted):
+        offsets, sizes = wanted
+        out = []
+        for index, (chunk_offsets, chunk_sizes) in enumerate(saved):
+            dims = 1 if kind == "first-dimension-only" else len(offsets)
+            start = [max(a, b) for a, b in zip(offsets[:dims], chunk_offsets[:dims], strict=False)]
+            start += list(offsets[dims:])
+            end = [min(a + n, b + m) for a, n, b, m in zip(
+                offsets[:dims], sizes[:dims], chunk_offsets[:dims], chunk_sizes[:dims],
+                strict=False)]
+            end += [a + n for a, n in zip(offsets[dims:], sizes[dims:], strict=False)]
+            pairs = list(zip(start, end, strict=True))
+            shares = (all(s <= e for s, e in pairs) if kind == "touching-counts"
+                      else all(s < e for s, e in pairs))
+            if not shares:
+                continue
+            out.append({
+                "chunk": index,
+                "storage_offsets": tuple(start) if kind == "global-storage-offsets"
+                else tuple(s - b for s, b in zip(start, chunk_offsets, strict=False)),
+                "dest_offsets": tuple(start) if kind == "global-dest-offsets"
+                else tuple(s - a for s, a in zip(start, offsets, strict=False)),
+                "lengths": tuple(chunk_sizes) if kind == "chunk-lengths"
+                else tuple(e - s for s, e in zip(start, end, strict=False))})
+        return out[:1] if kind == "first-chunk-only" else out
+    return reshard_reads
+
+
+def test_reshard_check_passes_the_answer_and_the_library(capsys):
+    from course_lib.checkpoint import reshard_reads
+    assert checks.check_reshard_reads(_reads())
+    assert checks.check_reshard_reads(reshard_reads)
+    assert "6/6 layouts" in capsys.readouterr().out
+
+
+def test_reshard_check_returns_false_until_implemented(capsys):
+    def reshard_reads(saved, wanted):
+        raise NotImplementedError
+    assert checks.check_reshard_reads(reshard_reads) is False
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("touching-counts", "Ends are exclusive"),
+    ("global-storage-offsets", "counted from the saved chunk's first element"),
+    ("global-dest-offsets", "counted inside your shard"),
+    ("chunk-lengths", "min(ends) - max(starts)"),
+    ("first-chunk-only", "overlap the shard too and were not read"),
+    ("first-dimension-only", "in every dimension, not only the first"),
+])
+def test_reshard_check_names_the_mistake(mistake, hint):
+    with pytest.raises(CheckFailed, match="your reads") as failed:
+        checks.check_reshard_reads(_reads(mistake))
+    assert hint in str(failed.value)
+    if mistake == "first-chunk-only":
+        assert "16 element(s) unread, 0 wrong, 0 written twice" in str(failed.value)

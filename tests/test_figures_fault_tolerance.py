@@ -64,3 +64,25 @@ def test_checkpoint_interval_ticks_are_plain_minutes():
     assert not _tick_labels_overlap(ax)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["1", "2", "5", "10", "20", "60",
                                                             "180"]
+
+
+def test_resharding_labels_each_new_rank_with_the_files_it_reads():
+    saved = [((16 * r, 0), (16, 256)) for r in range(4)]
+    loaded = {0: ((0, 0), (32, 128)), 1: ((0, 128), (32, 128)), 2: ((32, 0), (32, 128)),
+              3: ((32, 128), (32, 128))}
+    left, right = figures.resharding((64, 256), saved, loaded, "2.weight", "as dp4 saved it",
+                                     "on dp2 x tp2")
+    assert len(left.patches) == 4 and len(right.patches) == 4 + 4  # the saved, then outlines
+    labels = sorted(t.get_text() for t in right.texts)
+    assert labels == ["rank 0\nreads 0, 1", "rank 1\nreads 0, 1", "rank 2\nreads 2, 3",
+                      "rank 3\nreads 2, 3"]
+    assert left.get_title() == "2.weight as dp4 saved it: 4 files"
+
+
+def test_async_save_bars_add_up_to_what_each_way_cost_the_run():
+    o = {"plain": 0.24, "save": 0.2, "blocked": 0.03, "during": 0.25, "wait": 0.0,
+         "hidden": 0.16}
+    (ax,) = figures.async_save({"disk": o})
+    ends = sorted(round(p.get_x() + p.get_width()) for p in ax.patches)
+    assert ends[-2:] == [280, 440]  # async: copy + steps + wait; blocking: save + steps
+    assert ax.get_title() == "disk: 160 of the save's 200 ms hidden"

@@ -6,6 +6,7 @@ Introduced in labs/11_fault_tolerance.ipynb, on the framework of :mod:`course_li
     from course_lib.checks import lab11_fault_tolerance as checks
     checks.check_atomic_save(atomic_save)
     checks.check_resume(save_checkpoint, resume)
+    checks.check_reshard_reads(reshard_reads)
 
 ``check_atomic_save`` first calls ``atomic_save(state, path)`` twice in this process (a new
 file, then over it) and loads ``path`` back. Then it runs the function in a new Python process
@@ -17,6 +18,13 @@ journaled, and the next one is SIGKILLed once half of the new checkpoint's bytes
 file. The previous checkpoint must still be at ``path``; the journal of the complete save says
 whether the new file was written beside ``path``, fsynced, then renamed over it, and what was
 left behind. A wrong answer comes back as what the code did.
+
+``check_reshard_reads`` gives the student's ``reshard_reads(saved, wanted)`` six layouts (1-D
+and 2-D, a shard across a boundary, one that starts where a chunk ends, chunks of unequal size)
+and compares its reads with ``course_lib.checkpoint.reshard_reads``; a wrong answer is filled
+into the shard from a numbered tensor to say what it leaves unread or reads wrong, and named
+(a touching chunk read, offsets counted in the full tensor, lengths of the chunk, a dimension
+left out).
 
 ``check_resume`` trains a small float64 MLP with Adam for 12 steps, calling the student's
 ``save_checkpoint(directory, step, model, optimizer)`` every 4, damages the newest checkpoint
@@ -1183,3 +1191,130 @@ def _check_resumed(where, kind, expected, got, model, optimizer, snaps, initial,
                           f"the run did not end at step {FINAL} where the uninterrupted one did: "
                           f"{problem}\nHint: restore everything the next steps read: the "
                           f"model, the optimizer (state and param_groups), the step.")
+
+
+# ---------------------------------------------------------------- exercise 3: resharding
+def _reshard_cases():
+    """(label, saved chunks, the shard wanted), each a mistake's trap."""
+    rows4 = [((16 * r, 0), (16, 256)) for r in range(4)]
+    return [
+        ("1-D, 4 chunks of 16 loaded as 2 of 32", [((16 * r,), (16,)) for r in range(4)],
+         ((32,), (32,))),
+        ("1-D, a shard across a boundary", [((0,), (10,)), ((10,), (10,))], ((7,), (5,))),
+        ("1-D, a shard that starts where a chunk ends", [((0,), (10,)), ((10,), (10,))],
+         ((10,), (10,))),
+        ("1-D, chunks of unequal sizes", [((0,), (4,)), ((4,), (3,)), ((7,), (3,))],
+         ((3,), (5,))),
+        ("2-D, dp4 rows loaded as dp2 x tp2's rank 1", rows4, ((0, 128), (32, 128))),
+        ("2-D, dp2 x tp2 blocks loaded as dp4's rank 1",
+         [((0, 0), (32, 128)), ((0, 128), (32, 128)), ((32, 0), (32, 128)),
+          ((32, 128), (32, 128))], ((16, 0), (16, 256))),
+    ]
+
+
+def _read_key(read):
+    return (int(read["chunk"]), tuple(int(x) for x in read["storage_offsets"]),
+            tuple(int(x) for x in read["dest_offsets"]), tuple(int(x) for x in read["lengths"]))
+
+
+def _fill(saved, wanted, reads):
+    """The shard filled by ``reads`` from the chunks of a tensor numbered 0, 1, 2, ... (-1
+    where unread), the shard it should be, and how many elements were written more than once."""
+    shape = [max(o[d] + s[d] for o, s in saved) for d in range(len(wanted[0]))]
+    full = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+    shard = torch.full(tuple(wanted[1]), -1, dtype=full.dtype)
+    hits = torch.zeros(tuple(wanted[1]), dtype=torch.int64)
+    for chunk, storage, dest, lengths in reads:
+        offsets, sizes = saved[chunk]
+        part = full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=False))]
+        where = tuple(slice(a, a + n) for a, n in zip(dest, lengths, strict=False))
+        shard[where] = part[tuple(slice(a, a + n) for a, n in zip(storage, lengths, strict=False))]
+        hits[where] += 1
+    want = full[tuple(slice(o, o + s) for o, s in zip(*wanted, strict=False))]
+    return shard, want, int((hits > 1).sum())
+
+
+def _reshard_hint(saved, wanted, got, want):
+    """What the student's reads got wrong, from how they differ from the right ones."""
+    right = {r[0]: r for r in want}
+    if any(min(storage + dest) < 0 for _, storage, dest, _ in got):
+        return ("an offset below 0: the overlap starts at max(shard's start, chunk's start) "
+                "and ends at min(their ends) in every dimension, not only the first.")
+    for chunk, storage, dest, lengths in got:
+        if any(n <= 0 for n in lengths):
+            return ("a read of length 0 (or less): a chunk that only touches the shard shares "
+                    "nothing with it. Ends are exclusive: chunk [0, 10) and shard [10, 20) do "
+                    "not overlap, so keep a chunk only when start < end in every dimension.")
+        if chunk not in right:
+            return (f"you read chunk {chunk}, which the shard does not overlap: keep a chunk "
+                    f"only when max(starts) < min(ends) in every dimension.")
+        r = right[chunk]
+        if storage != r[1]:
+            glob = tuple(a + o for a, o in zip(r[1], saved[chunk][0], strict=False))
+            if storage == glob:
+                return ("storage_offsets are counted from the saved chunk's first element, not "
+                        "the full tensor's: subtract the chunk's offsets from the overlap's "
+                        "start.")
+            return "storage_offsets: the overlap's start minus the saved chunk's offsets."
+        if dest != r[2]:
+            glob = tuple(a + o for a, o in zip(r[2], wanted[0], strict=False))
+            if dest == glob:
+                return ("dest_offsets are counted inside your shard, not the full tensor: "
+                        "subtract the shard's offsets from the overlap's start.")
+            return "dest_offsets: the overlap's start minus the shard's offsets."
+        if lengths != r[3]:
+            return ("lengths: the overlap's size in each dimension, min(ends) - max(starts), "
+                    "not the chunk's or the shard's size.")
+    missing = sorted(set(right) - {g[0] for g in got})
+    if missing:
+        return (f"chunk(s) {missing} overlap the shard too and were not read: go through every "
+                f"saved chunk, in every dimension.")
+    return "each read must appear once."
+
+
+def check_reshard_reads(student_fn) -> bool:
+    """Lab 11, exercise 3: ``reshard_reads(saved, wanted)`` returns, for each saved chunk that
+    overlaps the shard ``wanted``, the read DCP would make (chunk, storage_offsets,
+    dest_offsets, lengths); checked against ``course_lib.checkpoint.reshard_reads`` and by
+    filling the shard from a numbered tensor with the student's reads."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    from course_lib.checkpoint import reshard_reads
+    name = "check_reshard_reads"
+    cases = _reshard_cases()
+    for number, (label, saved, wanted) in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases)} ({label}), shard {wanted}"
+        try:
+            got = student_fn([tuple(map(tuple, c)) for c in saved], tuple(map(tuple, wanted)))
+        except NotImplementedError:
+            return not_implemented(name)
+        except Exception as err:
+            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}\n"
+                              "Hint: saved is a list of (offsets, sizes) tuples, wanted one "
+                              "(offsets, sizes); return a list of dicts.") from err
+        try:
+            got_keys = sorted(_read_key(r) for r in got)
+        except (TypeError, KeyError, ValueError) as err:
+            raise CheckFailed(f"{where}\n  your function returned {got!r:.200}\nHint: return "
+                              "a list of dicts with the keys chunk, storage_offsets, "
+                              "dest_offsets and lengths (tuples of ints).") from err
+        want_keys = sorted(_read_key(r) for r in reshard_reads(saved, wanted))
+        if got_keys == want_keys:
+            continue
+        lines = "\n".join(f"    {k}" for k in got_keys) or "    (none)"
+        expected = "\n".join(f"    {k}" for k in want_keys)
+        unread = ""
+        if all(all(n > 0 for n in k[3]) and k[0] < len(saved) for k in got_keys):
+            try:
+                shard, want, twice = _fill(saved, wanted, got_keys)
+                left = int((shard == -1).sum())
+                wrong = int(((shard != want) & (shard != -1)).sum())
+                unread = (f"\n  filled from your reads, the shard has {left} element(s) unread, "
+                          f"{wrong} wrong, {twice} written twice")
+            except (IndexError, RuntimeError):
+                unread = "\n  your reads fall outside their chunk or the shard"
+        raise CheckFailed(f"{where}\n  your reads (chunk, storage_offsets, dest_offsets, "
+                          f"lengths):\n{lines}\n  expected:\n{expected}{unread}\nHint: "
+                          f"{_reshard_hint(saved, wanted, got_keys, want_keys)}")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} layouts read as course_lib.checkpoint "
+          f"(and DCP's load planner) reads them")
+    return True

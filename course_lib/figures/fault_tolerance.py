@@ -45,17 +45,22 @@ def loss_with_restarts(log, reference_log=None, ax=None):
     return ax
 
 
-def checkpoint_interval(mtbf=3.0, cost=1 / 60, restart=5 / 60, work=200.0, ax=None):
+def checkpoint_interval(mtbf=3.0, cost=1 / 60, restart=5 / 60, work=200.0, intervals=None,
+                        hours=None, ax=None):
     """Simulated hours to finish ``work`` hours of work against the checkpoint interval, with
-    Young's sqrt(2CM) marked. Introduced in notebooks/11_fault_tolerance.ipynb."""
+    Young's sqrt(2CM) marked; ``intervals`` (hours) and their simulated ``hours``, if already
+    computed. Introduced in notebooks/11_fault_tolerance.ipynb."""
     import matplotlib.pyplot as plt
     import numpy as np
 
     from course_lib.checkpoint import time_to_finish, young_interval
     if ax is None:
         ax = plt.subplots(figsize=(7, 3.5))[1]
-    intervals = np.geomspace(0.02, 3, 16)
-    hours = [time_to_finish(t, work, mtbf, cost, restart) for t in intervals]
+    if intervals is None:
+        intervals = np.geomspace(0.02, 3, 16)
+    if hours is None:
+        hours = [time_to_finish(t, work, mtbf, cost, restart) for t in intervals]
+    intervals = np.asarray(intervals)
     young = young_interval(cost, mtbf)
     ax.semilogx(intervals * 60, hours, "o-", label="simulated")
     ax.axvline(young * 60, color="k", ls="--", lw=1,
@@ -174,4 +179,70 @@ def server_restart(result, axes=None):
     axes[1].set(xlabel="seconds", ylabel="batch loss", yscale="log")
     axes[0].legend(fontsize="small", loc="lower right")
     axes[1].legend(fontsize="small", loc="upper right")
+    return axes
+
+
+def resharding(shape, saved_boxes, loaded, name, saved_as="saved", loaded_as="loaded",
+               axes=None):
+    """One tensor of shape ``shape`` twice: as the writers saved it (``saved_boxes``, one
+    (offsets, sizes) box per saving rank, coloured by rank), and as another layout loads it
+    (``loaded``: rank -> its box), each new rank's box outlined and labelled with the saved
+    files it reads (those whose box it overlaps); ``saved_as`` and ``loaded_as`` name the two
+    layouts in the titles. Introduced in
+    notebooks/11_fault_tolerance.ipynb."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from course_lib.checkpoint import reshard_reads
+    if axes is None:
+        axes = plt.subplots(1, 2, figsize=(9, 2.8), sharey=True)[1]
+    for ax in axes:
+        for index, ((r0, c0), (rows, cols)) in enumerate(saved_boxes):
+            ax.add_patch(Rectangle((c0, r0), cols, rows, color=f"C{index}", alpha=0.45, lw=0))
+        ax.set(xlim=(0, shape[1]), ylim=(shape[0], 0), xlabel="column")
+    for index, ((r0, c0), (rows, cols)) in enumerate(saved_boxes):
+        axes[0].text(c0 + cols / 2, r0 + rows / 2, f"saved by rank {index}", ha="center",
+                     va="center", fontsize=8)
+    for rank, box in sorted(loaded.items()):
+        (r0, c0), (rows, cols) = box
+        axes[1].add_patch(Rectangle((c0, r0), cols, rows, fill=False, lw=2, ec="k"))
+        files = [read["chunk"] for read in reshard_reads(saved_boxes, box)]
+        axes[1].text(c0 + cols / 2, r0 + rows / 2,
+                     f"rank {rank}\nreads {', '.join(map(str, files))}", ha="center",
+                     va="center", fontsize=8)
+    axes[0].set_ylabel("row")
+    axes[0].set_title(f"{name} {saved_as}: {len(saved_boxes)} files", fontsize=10)
+    axes[1].set_title(f"{loaded_as}: each rank's block outlined", fontsize=10)
+    return axes
+
+
+def async_save(results, axes=None):
+    """The time a save costs the run, as bars: ``dcp.save`` then the next steps, against
+    ``async_save`` (the copy, the steps beside the write, any wait left for it), one panel per
+    storage. ``results``: label -> the dict of ``testing.checkpoint.async_save_overlap``.
+    Introduced in notebooks/11_fault_tolerance.ipynb."""
+    import matplotlib.pyplot as plt
+    if axes is None:
+        axes = plt.subplots(len(results), 1, figsize=(7, 1.1 + 1.0 * len(results)),
+                            sharex=True, squeeze=False)[1][:, 0]
+    for ax, (label, o) in zip(axes, results.items(), strict=False):
+        ms = {k: 1000 * v for k, v in o.items()}
+        rows = [("save, then the steps", [("save", ms["save"], "C3"),
+                                          ("steps", ms["plain"], "C0")]),
+                ("async_save", [("copy", ms["blocked"], "C1"), ("steps beside the write",
+                                                             ms["during"], "C0"),
+                                ("wait", ms["wait"], "C3")])]
+        for y, (_, parts) in enumerate(rows):
+            left = 0.0
+            for name, width, colour in parts:
+                ax.barh(y, width, left=left, color=colour, alpha=0.7 if name != "steps" else 0.5)
+                if width > 40:
+                    ax.text(left + width / 2, y, name, ha="center", va="center", fontsize=8)
+                left += width
+        ax.set_yticks([0, 1], [name for name, _ in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(f"{label}: {ms['hidden']:.0f} of the save's {ms['save']:.0f} ms hidden",
+                     fontsize=9)
+    axes[-1].set_xlabel("ms from the save's start")
+    axes[0].figure.tight_layout()
     return axes

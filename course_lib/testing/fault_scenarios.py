@@ -515,6 +515,44 @@ def disk_full_during_save(ctx):
     return seconds, said.splitlines()[-1]
 
 
+ASYNC_SAVE_KILLED = """\
+import sys, time, torch
+from course_lib import checkpoint
+from course_lib.runtime import fault_points
+folder = sys.argv[1]
+checkpoint.dcp_save({"w": torch.full((1000,), 1.0), "step": torch.tensor(1)}, folder, 1)
+fault_points.arm("dcp-before-metadata", "kill")
+checkpoint.dcp_save({"w": torch.full((1000,), 2.0), "step": torch.tensor(2)}, folder, 2,
+                    asynchronous=True)
+print("async_save returned", flush=True)
+time.sleep(60)  # training would go on here; the writer's thread is killed with its process
+"""
+
+
+@scenario("killed-during-async-save", "a process killed while DCP's async_save writes in the "
+          "background (data files written, .metadata not) loses nothing: the step before loads, "
+          "bit for bit", 5.0)
+def killed_during_async_save(ctx):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from course_lib import checkpoint
+    folder = ctx.tmp / "dcp"
+    done = subprocess.run([sys.executable, "-c", ASYNC_SAVE_KILLED, str(folder)],
+                          capture_output=True, text=True, timeout=120)
+    check(done.returncode == -signal.SIGKILL and "async_save returned" in done.stdout,
+          f"exit {done.returncode}: {(done.stdout + done.stderr)[-300:]}")
+    said = []
+    latest = checkpoint.dcp_latest(folder, report=said.append)
+    check(latest is not None and latest.name == "step-00000001", f"newest committed: {latest}")
+    check(len(said) == 1 and "step-00000002" in said[0], f"said {said}")
+    state = {"w": torch.zeros(1000), "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=latest, no_dist=True)
+    check(torch.equal(state["w"], torch.ones(1000)) and int(state["step"]) == 1,
+          f"step {int(state['step'])} loaded with values {state['w'].unique().tolist()}")
+    return None, said[0]
+
+
 # ---------------------------------------------------------------- 11-12: input, exposure
 def _bad_calls():
     """(what a student calls, the argument the error must name), none of them valid."""
