@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from course_lib import mesh as M
 from course_lib import planner
@@ -457,3 +458,47 @@ def test_the_measured_mesh_is_torchs_and_the_librarys(cluster):
     for _, shape, ranks in cases:
         assert ranks == [checks.library_mesh(r, shape) for r in range(math.prod(shape.values()))]
     assert tf.GPTConfig(context=16, d_model=16, n_heads=4) == checks.mesh_config(16, None)
+
+
+# ---------------------------------------------------------------- exercise 3: FP8 per block
+def _to_fp8_blocks(mistake=None):
+    def to_fp8_blocks(x, block):
+        blocks = x.float().unflatten(-1, (-1, block))
+        if mistake == "one scale for the tensor":
+            amax = x.abs().max().expand(blocks.shape[:-1]).unsqueeze(-1)
+        elif mistake == "max without abs":
+            amax = blocks.amax(-1, keepdim=True)
+        else:
+            amax = blocks.abs().amax(-1, keepdim=True)
+        scales = 448 / amax if mistake == "upside down" else amax / 448
+        if mistake != "no clamp":
+            scales = scales.clamp(min=torch.finfo(torch.float32).tiny)
+        q = (blocks / scales).to(torch.float8_e4m3fn).flatten(-2)
+        if mistake == "floats":
+            q = q.float()
+        return q, scales.squeeze(-1)
+    return to_fp8_blocks
+
+
+def test_fp8_check_passes_the_answer(capsys):
+    assert checks.check_to_fp8_blocks(_to_fp8_blocks())
+    assert "6/6 tensors" in capsys.readouterr().out
+
+
+def test_fp8_check_returns_false_until_implemented():
+    def to_fp8_blocks(x, block):
+        raise NotImplementedError
+    assert checks.check_to_fp8_blocks(to_fp8_blocks) is False
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("one scale for the tensor", "every block has the tensor's scale"),
+    ("max without abs", "largest *magnitude*"),
+    ("upside down", "the scale is upside down"),
+    ("no clamp", "a block of zeros has amax 0"),
+    ("floats", "expected torch.float8_e4m3fn"),
+])
+def test_fp8_check_names_the_mistake(mistake, hint):
+    with pytest.raises(CheckFailed) as failed:
+        checks.check_to_fp8_blocks(_to_fp8_blocks(mistake))
+    assert hint in str(failed.value)

@@ -20,3 +20,15 @@ def test_save_all_writes_both_figures(tmp_path):
     paths = figures.save_all(tmp_path)
     assert [p.name for p in paths] == ["16_plans.png", "16_published_runs.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_fp8_figure_draws_each_format_and_marks_the_saturated_step():
+    from course_lib.figures.planning_a_run import fp8_figure
+    errors = {"bf16": [0.002, 0.002], "e4m3, a scale per tensor": [0.03, 0.4],
+              "e4m3, a scale per 128": [0.03, 0.05]}
+    scaling = {"current": [0.03] * 4, "delayed": [0.03, 0.03, 0.8, 0.03],
+               "saturated": [0.0, 0.0, 0.78, 0.001]}
+    left, right = fp8_figure([1, 1e5], errors, scaling)
+    assert [line.get_label() for line in left.lines] == list(errors)
+    assert [t.get_text() for t in right.texts] == ["step 2: 78% of the numbers saturated"]
+    assert list(right.lines[1].get_ydata()) == scaling["delayed"]

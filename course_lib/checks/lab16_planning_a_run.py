@@ -7,6 +7,7 @@ In the lab, right under each exercise::
     checks.check_memory(my_memory, cluster)            # against bytes measured, here and on 4 ranks
     checks.check_coordinates(my_coordinates, cluster)  # against init_device_mesh on 4 ranks
     checks.check_groups(my_groups, cluster)            # and course_lib.mesh on larger meshes
+    checks.check_to_fp8_blocks(to_fp8_blocks)          # against course_lib.precision.to_fp8
 
 The first compares ``my_memory(cfg, layout, batch, length)`` (bytes per rank by kind, float64,
 AdamW) with what real runs held: one process in this kernel (the tensors held after a step,
@@ -17,6 +18,9 @@ without recomputation. A wrong count is matched against the usual mistakes, each
 the parts it is made of. The other two compare with torch's ``init_device_mesh`` on the cluster
 and with ``mesh.coordinates`` / ``mesh.mesh_groups`` on meshes of up to 24 ranks, and name
 column-major order, a group along the wrong dimension and a rank missing from its own group.
+The last compares an FP8 cast with one scale per block against ``precision.to_fp8`` bit for
+bit, on six tensors (an outlier, all negative, a block of zeros, numbers beyond 448, 3-D), and
+names an upside-down scale, one scale for the tensor, max without abs, a NaN from a zero block.
 """
 
 from __future__ import annotations
@@ -757,4 +761,91 @@ def check_groups(student_fn: Callable, cluster: Any) -> bool:
     print(f"✓ check_groups: every rank's groups along every dimension of {len(cases)} meshes "
           f"match ({len(TORCH_SHAPES)} against init_device_mesh on the cluster, "
           f"{len(LIBRARY_SHAPES)} against mesh.mesh_groups)")
+    return True
+
+
+# ---------------------------------------------------------------- exercise 3: FP8 per block
+def _fp8_cases():
+    """(label, x, block): each a mistake's trap."""
+    g = torch.Generator().manual_seed(0)
+    mixed = torch.randn(4, 16, generator=g)
+    mixed[:, 3] *= 1e4  # an outlier in the first block of each row
+    negative = -torch.rand(2, 8, generator=g) - 1  # every number negative
+    zeros = torch.randn(2, 8, generator=g)
+    zeros[1, 4:] = 0  # a block of zeros
+    return [("2 rows of 8, blocks of 4", torch.randn(2, 8, generator=g), 4),
+            ("an outlier in one block of each row", mixed, 8),
+            ("every number negative", negative, 4),
+            ("a block of zeros", zeros, 4),
+            ("numbers far beyond 448", 1e4 * torch.randn(3, 8, generator=g), 8),
+            ("3-D activations (batch, tokens, features)", torch.randn(2, 3, 8, generator=g), 4)]
+
+
+def _fp8_hint(x, block, q, scales):
+    """Which usual mistake a wrong (q, scales) is."""
+    from course_lib import precision
+    rows = x.float().unflatten(-1, (-1, block))
+    amax = rows.abs().amax(-1)
+    right = (amax / 448).clamp(min=torch.finfo(torch.float32).tiny)
+    if torch.isnan(scales).any() or torch.isnan(q.float()).any():
+        return ("a NaN: a block of zeros has amax 0, and 0/0 is NaN. Give such a block a "
+                "positive scale (clamp amax / 448 from below by a tiny positive number).")
+    if torch.allclose(scales, 448 / amax.clamp(min=1e-30), rtol=1e-5):
+        return "the scale is upside down: scale = amax / 448, and q = x / scale."
+    if torch.allclose(scales, torch.full_like(scales, float(x.abs().max()) / 448), rtol=1e-5):
+        return ("every block has the tensor's scale: take the amax of each block of `block` "
+                "numbers along the last dimension (x.unflatten(-1, (-1, block))).")
+    if torch.allclose(scales, (rows.amax(-1) / 448), rtol=1e-5):
+        return ("amax is the largest *magnitude*: x.abs() before the max (a block may be all "
+                "negative).")
+    if torch.allclose(scales, right, rtol=1e-5):
+        back = precision.from_fp8(q, scales, block)
+        if torch.allclose(back, x.float(), rtol=1 / 8):
+            return "the scales are right; cast x / scale to torch.float8_e4m3fn (round to nearest)."
+        return ("the scales are right but q is not x / scale in e4m3: divide each block by its "
+                "own scale (scales.unsqueeze(-1) against the blocks) and cast.")
+    return "scale = (amax of each block) / 448 along the last dimension, q = (x / scale) in e4m3."
+
+
+def check_to_fp8_blocks(student_fn: Callable) -> bool:
+    """Lab 16, exercise 3: ``to_fp8_blocks(x, block)`` returns ``(q, scales)``, x's numbers in
+    e4m3 with one float32 scale per ``block`` consecutive numbers of a row, as
+    ``course_lib.precision.to_fp8(x, "e4m3", block)``; compared bitwise, a wrong answer named."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    from course_lib import precision
+    name = "check_to_fp8_blocks"
+    cases = _fp8_cases()
+    for number, (label, x, block) in enumerate(cases, start=1):
+        where = (f"{name}: case {number}/{len(cases)} ({label}, shape {tuple(x.shape)}, "
+                 f"block {block})")
+        try:
+            got = student_fn(x.clone(), block)
+        except NotImplementedError:
+            return not_implemented(name)
+        except Exception as err:
+            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}\n"
+                              "Hint: split the last dimension into blocks with "
+                              "x.unflatten(-1, (-1, block)).") from err
+        want_q, want_scales = precision.to_fp8(x, "e4m3", block)
+        if not (isinstance(got, tuple) and len(got) == 2 and all(map(torch.is_tensor, got))):
+            raise CheckFailed(f"{where}\n  your function returned {type(got).__name__}\nHint: "
+                              "return (q, scales): two tensors.")
+        q, scales = got
+        if q.dtype != torch.float8_e4m3fn or q.shape != x.shape:
+            raise CheckFailed(f"{where}\n  q is {q.dtype} of shape {tuple(q.shape)}, expected "
+                              f"torch.float8_e4m3fn of shape {tuple(x.shape)}\nHint: q = "
+                              "(blocks / scales).to(torch.float8_e4m3fn), back in x's shape.")
+        if scales.shape != want_scales.shape:
+            raise CheckFailed(f"{where}\n  scales has shape {tuple(scales.shape)}, expected "
+                              f"{tuple(want_scales.shape)} (one per block of each row)")
+        scales = scales.float()
+        if torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and \
+                torch.allclose(scales, want_scales, rtol=1e-6, atol=0):
+            continue
+        error = precision.relative_error(precision.from_fp8(q, scales, block), x)
+        right = precision.relative_error(precision.from_fp8(want_q, want_scales, block), x)
+        raise CheckFailed(f"{where}\n  your q * scales is {error:.3g} away from x (relative), "
+                          f"the right cast's {right:.3g}\nHint: {_fp8_hint(x, block, q, scales)}")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} tensors cast as course_lib.precision.to_fp8 "
+          f"casts them, bit for bit")
     return True

@@ -129,3 +129,32 @@ def gpu_figure(report: dict):
                      f"{mem['length']} tokens, float32 + Adam")
     memory.legend(fontsize=10)
     return fig
+
+
+def fp8_figure(outliers, errors, scaling, axes=None):
+    """Two panels: the error of ordinary numbers beside an outlier, per format and scaling
+    (``precision.outlier_errors``), and each step's error under current and delayed scaling
+    when the activations jump (``precision.scaling_errors``), the saturated share marked.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    import matplotlib.pyplot as plt
+    if axes is None:
+        axes = plt.subplots(1, 2, figsize=(10, 3), layout="constrained")[1]
+    for name, values in errors.items():
+        axes[0].loglog(outliers, values, "o-", ms=4, label=name)
+    axes[0].set(xlabel="the outlier column's size (x the others)",
+                ylabel="relative error of the others", title="one scale per tensor or per block")
+    axes[0].legend(fontsize=8)
+    steps = range(len(scaling["current"]))
+    axes[1].semilogy(steps, scaling["current"], "o-", ms=3, label="current scaling")
+    axes[1].semilogy(steps, scaling["delayed"], "s--", ms=3, label="delayed scaling")
+    worst = max(steps, key=lambda s: scaling["saturated"][s])
+    axes[1].annotate(f"step {worst}: {scaling['saturated'][worst]:.0%} of the numbers saturated",
+                     (worst, scaling["delayed"][worst]), xytext=(-200, -4),
+                     textcoords="offset points", fontsize=8)
+    axes[1].yaxis.set_minor_formatter(plt.NullFormatter())
+    axes[1].set(xlabel="step", ylabel="relative error (e4m3)",
+                title="activations 16x larger from one step on")
+    axes[1].legend(fontsize=8, loc="center left")
+    for ax in axes:
+        ax.title.set_fontsize(10)
+    return axes
