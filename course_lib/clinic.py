@@ -448,3 +448,29 @@ def diverged(records: list[list[dict]]) -> str:
                     f"collectives, the others {longest}")
         return f"{what}: rank(s) {odd} issued {[seen[r] for r in odd]} instead"
     return f"every rank issued the same {longest} collectives"
+
+
+def late_for_barrier(late_rank: int = 2, timeout: float = 1.0) -> dict:
+    """On every rank: ``torch.distributed.monitored_barrier`` with a deadline of ``timeout``
+    s, which rank ``late_rank`` reaches 2 x ``timeout`` s late (stuck elsewhere: a data
+    loader, a disk, a branch). On Gloo rank 0 waits for each rank's message up to the
+    deadline and names every rank that did not come (``wait_all_ranks=True``); the others
+    hear of it by their own deadline. Runs on a group of its own (the default one may still
+    hold timed-out calls). Returns ``{"rank", "error": the first line of this rank's error, or
+    None}``. Introduced in notebooks/17_debugging_clinic.ipynb."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    group = dist.new_group(backend="gloo")
+    rank = dist.get_rank()
+    if rank == late_rank:
+        time.sleep(2 * timeout)
+    error = None
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout),
+                               wait_all_ranks=True)
+    except RuntimeError as e:
+        error = str(e).strip().splitlines()[0]
+    dist.destroy_process_group(group)
+    return {"rank": rank, "error": error}

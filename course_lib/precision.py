@@ -161,7 +161,8 @@ FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # forward; gradi
 
 
 def fp8_max(fmt: str) -> float:
-    """The largest finite number of an FP8 format: 448 (e4m3), 57,344 (e5m2)."""
+    """The largest finite number of an FP8 format: 448 (e4m3), 57,344 (e5m2).
+    Introduced in notebooks/16_planning_a_run.ipynb."""
     if fmt not in FP8:
         raise ValueError(f"fmt {fmt!r}: one of {sorted(FP8)}")
     return torch.finfo(FP8[fmt]).max
@@ -203,7 +204,8 @@ def from_fp8(q: torch.Tensor, scale: torch.Tensor, block: int | None = None) -> 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """``a @ b.T`` with both operands in e4m3 (per tensor, or per ``block``), the products
-    summed in float32: what an FP8 tensor core computes (``torch._scaled_mm``).
+    summed in float32: what ``torch._scaled_mm`` computes on a CPU (Hopper's FP8 tensor cores
+    sum in less precision unless the library promotes the partial sums).
     Introduced in notebooks/16_planning_a_run.ipynb."""
     return from_fp8(*to_fp8(a, "e4m3", block), block) @ from_fp8(*to_fp8(b, "e4m3", block),
                                                                   block).T
@@ -280,7 +282,7 @@ def fp8_all_gather(shard: torch.Tensor, comm: Any) -> torch.Tensor:
 
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """||approx - exact|| / ||exact||."""
+    """||approx - exact|| / ||exact||. Introduced in notebooks/16_planning_a_run.ipynb."""
     return float((approx.float() - exact).norm() / exact.norm())
 
 

@@ -133,6 +133,11 @@ def test_the_flight_recorder_names_the_rank_that_skipped_a_collective():
     from course_lib import start_cluster
     with start_cluster(n=3, share=False) as own:
         out = own.run(clinic.skipped_collective, 1, 2, 4, 2.0, timeout=120)
+        late = own.run(clinic.late_for_barrier, 2, 1.0, timeout=120)
+    # monitored_barrier: rank 0 names the late rank; the others are sent to rank 0's log
+    assert late[0]["error"] == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 1000 ms"
+    assert "Rank 1 successfully reached monitoredBarrier" in late[1]["error"]
+    assert late[2]["error"]  # it arrived when everyone had given up
     assert [o["error"] is None for o in out] == [False, True, False]
     assert "allreduce #4 did not finish within 2 s" in out[0]["error"]
     assert [len(o["record"]) for o in out] == [4, 3, 4]

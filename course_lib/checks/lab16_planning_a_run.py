@@ -18,9 +18,10 @@ without recomputation. A wrong count is matched against the usual mistakes, each
 the parts it is made of. The other two compare with torch's ``init_device_mesh`` on the cluster
 and with ``mesh.coordinates`` / ``mesh.mesh_groups`` on meshes of up to 24 ranks, and name
 column-major order, a group along the wrong dimension and a rank missing from its own group.
-The last compares an FP8 cast with one scale per block against ``precision.to_fp8`` bit for
-bit, on six tensors (an outlier, all negative, a block of zeros, numbers beyond 448, 3-D), and
-names an upside-down scale, one scale for the tensor, max without abs, a NaN from a zero block.
+The last compares an FP8 cast with one scale per block against ``precision.to_fp8`` (the FP8
+numbers bit for bit, the scales to float32's rounding) on six tensors (an outlier, all
+negative, a block of zeros, numbers beyond 448, 3-D), and names an upside-down scale, one
+scale for the tensor, max without abs, a NaN from a zero block.
 """
 
 from __future__ import annotations
@@ -847,5 +848,5 @@ def check_to_fp8_blocks(student_fn: Callable) -> bool:
         raise CheckFailed(f"{where}\n  your q * scales is {error:.3g} away from x (relative), "
                           f"the right cast's {right:.3g}\nHint: {_fp8_hint(x, block, q, scales)}")
     print(f"✓ {name}: {len(cases)}/{len(cases)} tensors cast as course_lib.precision.to_fp8 "
-          f"casts them, bit for bit")
+          f"casts them (q bit for bit)")
     return True
