@@ -93,6 +93,22 @@ def copy_rate(n_bytes: int = 2**30, repeats: int = 10, device: str = "cuda") -> 
     return 2 * n_bytes / timed(lambda: dst.copy_(src), repeats, device)
 
 
+def fp8_matmul(n: int = 8192, repeats: int = 10, device: str = "cuda") -> dict:
+    """An n x n by n x n product in FP8 (e4m3, one scale per tensor, ``torch._scaled_mm``,
+    bf16 out) against bf16: the FLOP/s of each and each result's error relative to float32.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    from course_lib import precision
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    (qa, sa), (qb, sb) = precision.to_fp8(a), precision.to_fp8(b)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    ways = {"fp8": lambda: torch._scaled_mm(qa, qb.T, scale_a=sa, scale_b=sb,  # b column-major
+                                            out_dtype=torch.bfloat16),
+            "bf16": lambda: a16 @ b16.T}
+    exact = a @ b.T
+    return {name: {"flops_per_s": 2 * n**3 / timed(fn, repeats, device),
+                   "error": precision.relative_error(fn(), exact)} for name, fn in ways.items()}
+
+
 def warm_up(device: str = "cuda") -> None:
     """Multiply matrices forward and backward once, so that cuBLAS has made its workspaces
     (32 MiB each on a Hopper GPU: one for this thread, more for autograd's backward thread):
@@ -244,7 +260,8 @@ def measure(device: str = "cuda", small: bool = False) -> dict:
               "matmul": {str(d).replace("torch.", ""): matmul_rate(
                   256 if small else 8192, d, device=device) for d in (torch.bfloat16,
                                                                       torch.float32)},
-              "copy": copy_rate(2**20 if small else 2**30, device=device)}
+              "copy": copy_rate(2**20 if small else 2**30, device=device),
+              "fp8": fp8_matmul(256 if small else 8192, device=device)}
     report["steps"] = [transformer_step(step_cfg, b, T, device, autocast, attention)
                        for autocast, attention in ((torch.bfloat16, causal_attention),
                                                    (torch.bfloat16, sdpa_attention),
@@ -268,6 +285,11 @@ def summary(report: dict) -> str:
         lines.append(f"matrix product {dtype}: {rate / 1e12:7.1f} TFLOP/s"
                      + (f" ({rate / peak:.0%} of the datasheet's {peak / 1e12:.0f})" if peak
                         else ""))
+    if "fp8" in report:  # reports stored before FP8 was measured have none
+        fp8, bf16 = report["fp8"]["fp8"], report["fp8"]["bf16"]
+        lines.append(f"matrix product fp8 (torch._scaled_mm): {fp8['flops_per_s'] / 1e12:.1f} "
+                     f"TFLOP/s, {fp8['flops_per_s'] / bf16['flops_per_s']:.2f}x bf16's; error "
+                     f"{fp8['error']:.1%} against float32, bf16's {bf16['error']:.2%}")
     peak = spec and spec["memory_bandwidth"]
     lines.append(f"copy: {report['copy'] / 1e12:.2f} TB/s read + written"
                  + (f" ({report['copy'] / peak:.0%} of {peak / 1e12:.2f})" if peak else ""))

@@ -139,4 +139,9 @@ def test_measurements_run_on_the_cpu():
     assert memory["measured"]["activations_saved"] == memory["planned"]["activations"]
     assert all(s["seconds"] > 0 and s["mfu"] is None for s in report["steps"])
     assert "matrix product bfloat16" in gpu.summary(report)
+    fp8 = report["fp8"]  # e4m3 rounds to 1/16, bf16 to 1/256
+    assert fp8["bf16"]["error"] < 1 / 256 < fp8["fp8"]["error"] < 1 / 16
+    assert "matrix product fp8 (torch._scaled_mm)" in gpu.summary(report)
+    del report["fp8"]  # a report stored before FP8 was measured still reads
+    assert "fp8" not in gpu.summary(report)
     assert planner.Layout().world_size == 1
