@@ -474,3 +474,68 @@ def late_for_barrier(late_rank: int = 2, timeout: float = 1.0) -> dict:
         error = str(e).strip().splitlines()[0]
     dist.destroy_process_group(group)
     return {"rank": rank, "error": error}
+
+
+_WAITING_RANK = """\
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+rank, store, seconds = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=seconds))
+if rank == 0:
+    print("waiting", os.getpid(), flush=True)
+    try:
+        dist.all_reduce(torch.ones(4))  # rank 1 never calls it: waits until the deadline
+    except RuntimeError:
+        pass
+else:
+    time.sleep(seconds)
+"""
+
+
+def native_stack(seconds: float = 8.0) -> str:
+    """What ``py-spy dump --native`` shows of a rank waiting in a collective: two processes
+    form a Gloo group (loopback only); rank 0 calls an allreduce that rank 1 never calls
+    (deadline ``seconds``), and while it waits its stack is dumped, Python frames and the C++
+    ones under them. Both processes are stopped after. Returns the dump, or why there is none
+    (py-spy missing, or not allowed to read another process). Introduced in
+    notebooks/17_debugging_clinic.ipynb."""
+    import shutil
+    import subprocess
+    import sys
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    if spy is None:
+        return "py-spy is not installed: pip install py-spy"
+    folder = tempfile.mkdtemp(prefix="course_lib-spy-")
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    ranks = [subprocess.Popen([sys.executable, "-c", _WAITING_RANK, str(r), f"{folder}/store",
+                               str(seconds)], stdout=subprocess.PIPE, text=True, env=env)
+             for r in range(2)]
+    try:
+        line = ranks[0].stdout.readline()  # after the group formed: within torch's import
+        if not line.startswith("waiting"):
+            return f"rank 0 did not start waiting: {line!r}"
+        time.sleep(1.0)  # into the allreduce's wait
+        dump = subprocess.run([spy, "dump", "--native", "--pid", line.split()[1]],
+                              capture_output=True, text=True, timeout=60)
+        return dump.stdout if dump.returncode == 0 else (
+            f"py-spy could not read the process: {dump.stderr.strip()[:300]}")
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def readable_stack(dump: str) -> list[str]:
+    """The lines of a ``py-spy dump --native`` a person reads first: the thread, the C++
+    frames of torch.distributed and Gloo (templates cut short), and the Python frames.
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    keep = []
+    for line in dump.splitlines():
+        text = line.strip()
+        if text.startswith("Thread") or re.search(r":\d+\)$", text):  # Python: (file:line)
+            keep.append(text)
+        elif re.match(r"(c10d|gloo)::", text):
+            keep.append(re.sub(r"<.*>", "<...>", text)[:110])
+    return keep

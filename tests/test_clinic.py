@@ -152,3 +152,22 @@ def test_the_flight_recorder_names_the_rank_that_skipped_a_collective():
                             [{"op": "all_reduce", "sizes": [[2]]}]]) == (
         "collective #1 (all_reduce of [[2]]): rank(s) [1] issued [('all_reduce', [[3]])] "
         "instead")
+
+
+def test_py_spy_shows_the_native_wait_under_a_rank_stuck_in_an_allreduce():
+    """clinic.native_stack: rank 0 of two waits in an allreduce rank 1 never calls; py-spy's
+    native dump shows torch's C++ wait under the Python call, and both processes are gone."""
+    import psutil
+    dump = clinic.native_stack()
+    if dump.startswith(("py-spy is not installed", "py-spy could not read")):
+        pytest.skip(f"{dump} (pip install py-spy; reading another process needs ptrace, "
+                    "allowed to root or with kernel.yama.ptrace_scope=0)")
+    lines = clinic.readable_stack(dump)
+    assert lines[0].startswith("Thread") and "c10d::Work::wait (libtorch_cpu.so)" in lines
+    assert any(line.startswith("all_reduce (torch/distributed/distributed_c10d.py:")
+               for line in lines)
+    assert lines[-1] == "<module> (<string>:9)"
+    left = [p for p in psutil.process_iter(["cmdline"])
+            if "dist.init_process_group(\"gloo\", init_method=f\"file://{store}\""
+            in " ".join(p.info["cmdline"] or [])]
+    assert not left
