@@ -453,8 +453,8 @@ def diverged(records: list[list[dict]]) -> str:
 def late_for_barrier(late_rank: int = 2, timeout: float = 1.0) -> dict:
     """On every rank: ``torch.distributed.monitored_barrier`` with a deadline of ``timeout``
     s, which rank ``late_rank`` reaches 2 x ``timeout`` s late (stuck elsewhere: a data
-    loader, a disk, a branch). On Gloo rank 0 waits for each rank's message up to the
-    deadline and names every rank that did not come (``wait_all_ranks=True``); the others
+    loader, a disk, a branch). On Gloo rank 0 waits for each rank's message in turn, each up to
+    the deadline (``wait_all_ranks=True``), and names every rank that did not come; the others
     hear of it by their own deadline. Runs on a group of its own (the default one may still
     hold timed-out calls). Returns ``{"rank", "error": the first line of this rank's error, or
     None}``. Introduced in notebooks/17_debugging_clinic.ipynb."""
