@@ -53,8 +53,11 @@ def _split_sequence(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def gather_sequence(x: torch.Tensor, tp: TensorParallel, phase: str = "forward") -> torch.Tensor:
     """Every rank's tokens ``(B, T/N, d)`` joined in rank order into ``(B, T, d)``: one ring
-    all-gather, counted. Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    all-gather, counted (at world size 1, ``x`` itself: nothing sent, nothing counted).
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     n = tp.world_size
+    if n == 1:
+        return x
     buf = x.new_zeros((n, *x.shape))
     buf[tp.rank] = x
     ring_allgather(buf, tp.comm, check=False)
@@ -65,8 +68,10 @@ def gather_sequence(x: torch.Tensor, tp: TensorParallel, phase: str = "forward")
 def reduce_scatter_sequence(x: torch.Tensor, tp: TensorParallel,
                             phase: str = "forward") -> torch.Tensor:
     """The sum over the ranks of ``x`` ``(B, T, d)``, of which this rank keeps its T/N tokens:
-    one ring reduce-scatter, counted. Introduced in
-    notebooks/14_transformers_and_long_sequences.ipynb."""
+    one ring reduce-scatter, counted (at world size 1, ``x`` itself: nothing sent, nothing
+    counted). Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
+    if tp.world_size == 1:
+        return x
     buf = _split_sequence(x, tp.world_size)
     ring_reduce_scatter(buf, tp.comm, check=False)
     tp.counts[phase] += 1

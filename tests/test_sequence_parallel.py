@@ -168,3 +168,11 @@ def test_the_hidden_fraction_is_measured_beside_its_model(cluster):
     assert result["model"] == pytest.approx(min(1, result["product"] / result["message"]))
     # holds under load: the emulated link sleeps until a block's modelled end, never less
     assert result["gather"] >= result["message"] and result["measured"] <= 1
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_at_world_size_1_nothing_is_sent_and_nothing_counted(reference, sequence_parallel):
+    block, x, _, out = reference
+    (r,), _ = run_block(reference, 1, sequence_parallel)
+    assert (r["out"] - out).abs().max() < 1e-12 and (r["dx"] - x.grad).abs().max() < 1e-12
+    assert r["counts"] == {"forward": 0, "backward": 0}
