@@ -110,3 +110,27 @@ def test_an_older_template_of_a_kept_cluster_leaves_the_new_ones_socket():
         new.wait()
         new.stdout.close()
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_template_under_a_deep_home_listens_where_a_socket_fits():
+    """A profile whose path leaves no room for a Unix socket's name (107 bytes): the template
+    listens in a private folder of the temporary directory instead, forks engines from there,
+    and removes its socket when it ends."""
+    tmp_path = Path(tempfile.mkdtemp(prefix="warm"))
+    profile = tmp_path / ("a-very-deep-home-directory-" * 4) / "profile_deep"
+    assert len(os.fsencode(profile)) > warm_start.MAX_SOCKET_PATH - 40
+    template = warm_start.start_template(str(profile), "deep")
+    try:
+        warm_start.wait_ready(template)
+        assert template.path.parent == warm_start.fallback_dir()
+        assert len(os.fsencode(template.path)) <= warm_start.MAX_SOCKET_PATH
+        assert template.path.parent.stat().st_mode & 0o777 == 0o700
+        pid = warm_start.fork_engine(template.path, "nothing.to.start", [], dict(os.environ),
+                                     str(tmp_path), str(tmp_path / "child.log"))
+        assert pid > 0
+    finally:
+        template.kill()
+        template.wait()
+        shutil.rmtree(tmp_path, ignore_errors=True)
+    short = warm_start.socket_path(str(tmp_path / "p"), "c")
+    assert short.parent == tmp_path / "p" / "security"  # where it fits, the profile as before

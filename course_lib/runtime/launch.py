@@ -236,9 +236,14 @@ def _kill_leftovers(select):
         kill_tree(pids)
     security = security_dir()
     # ipcontroller-{cluster id}-{client|engine}.json, and warm-{cluster id}-{random}.sock where
-    # a killed template listened (course_lib.runtime.warm_start)
-    for file in [*security.glob("ipcontroller-*.json"), *security.glob("warm-*.sock")] \
-            if security else ():
+    # a killed template listened (course_lib.runtime.warm_start; its fallback folder when the
+    # profile's path is too long for a socket)
+    from course_lib.runtime import warm_start
+    fallback = warm_start.fallback_dir(create=False)
+    files = [*security.glob("ipcontroller-*.json"), *security.glob("warm-*.sock")] \
+        if security else []
+    files += list(fallback.glob("warm-*.sock")) if fallback.is_dir() else []
+    for file in files:
         if select(file.stem.split("-", 1)[1].rsplit("-", 1)[0]):
             file.unlink(missing_ok=True)
     return list(found)

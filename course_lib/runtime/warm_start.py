@@ -67,11 +67,30 @@ def enabled() -> bool:
     return os.environ.get(WARM_ENV, "1") != "0"
 
 
+MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path on Linux (sun_path, less its NUL)
+
+
+def fallback_dir(create: bool = True) -> Path:
+    """Where templates listen when the profile's path is too long for a socket: a folder of
+    this user's alone in the temporary directory (made, mode 0700, unless ``create`` is
+    False). Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    import tempfile
+
+    from course_lib.runtime.launch import private_dir
+    path = Path(tempfile.gettempdir()) / f"course_lib-warm-{os.getuid()}"
+    return private_dir(path) if create else path
+
+
 def socket_path(profile_dir: str, cluster_id: str) -> Path:
     """Where a new template of cluster ``cluster_id`` listens: the profile's private security
     directory, under a name of its own: a template that ends removes its own socket, never a
-    newer one's. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    return Path(profile_dir) / "security" / f"warm-{cluster_id}-{uuid.uuid4().hex[:6]}.sock"
+    newer one's. Under a home directory so deep that the path would not fit a Unix socket,
+    :func:`fallback_dir` instead. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    name = f"warm-{cluster_id}-{uuid.uuid4().hex[:6]}.sock"
+    path = Path(profile_dir) / "security" / name
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        path = fallback_dir() / name
+    return path
 
 
 # ---------------------------------------------------------------- the template process
