@@ -530,7 +530,10 @@ def native_stack(seconds: float = 8.0) -> str:
 def readable_stack(dump: str) -> list[str]:
     """The lines of a ``py-spy dump --native`` a person reads first: the thread, the C++
     frames of torch.distributed and Gloo (templates cut short), and the Python frames.
+    A message instead of a dump (py-spy missing or refused) comes back as it is.
     Introduced in notebooks/17_debugging_clinic.ipynb."""
+    if not dump.startswith("Process "):
+        return [dump]
     keep = []
     for line in dump.splitlines():
         text = line.strip()
