@@ -43,6 +43,15 @@ PROFILE = "course_lib"  # a profile of our own, so `cluster clean` never touches
 SLURM_FILES = os.path.join(tempfile.gettempdir(), f"course_lib-slurm-{os.getuid()}")
 
 
+def warm_fallback_dir(create: bool = True) -> Path:
+    """Where warm-start templates listen when the profile's path is too long for a Unix
+    socket (``course_lib.runtime.warm_start``): ``course_lib-warm-<uid>`` in the temporary
+    directory, made this user's alone unless ``create`` is False.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    path = Path(tempfile.gettempdir()) / f"course_lib-warm-{os.getuid()}"
+    return private_dir(path) if create else path
+
+
 def private_dir(path: str | os.PathLike) -> Path:
     """``path`` as a folder only this user may enter: created with mode 0700, or refused when
     it exists and another user owns it or may enter it (on a shared machine, somebody else
@@ -238,8 +247,7 @@ def _kill_leftovers(select):
     # ipcontroller-{cluster id}-{client|engine}.json, and warm-{cluster id}-{random}.sock where
     # a killed template listened (course_lib.runtime.warm_start; its fallback folder when the
     # profile's path is too long for a socket)
-    from course_lib.runtime import warm_start
-    fallback = warm_start.fallback_dir(create=False)
+    fallback = warm_fallback_dir(create=False)
     files = [*security.glob("ipcontroller-*.json"), *security.glob("warm-*.sock")] \
         if security else []
     files += list(fallback.glob("warm-*.sock")) if fallback.is_dir() else []

@@ -74,11 +74,8 @@ def fallback_dir(create: bool = True) -> Path:
     """Where templates listen when the profile's path is too long for a socket: a folder of
     this user's alone in the temporary directory (made, mode 0700, unless ``create`` is
     False). Introduced in notebooks/00_welcome_and_cluster.ipynb."""
-    import tempfile
-
-    from course_lib.runtime.launch import private_dir
-    path = Path(tempfile.gettempdir()) / f"course_lib-warm-{os.getuid()}"
-    return private_dir(path) if create else path
+    from course_lib.runtime.launch import warm_fallback_dir
+    return warm_fallback_dir(create)
 
 
 def socket_path(profile_dir: str, cluster_id: str) -> Path:
