@@ -169,21 +169,29 @@ def dcp_save_trained(directory, steps=3, step=3, timeout=20.0):
     return {"rank": comm.rank, "layout": _layout(model), "full": full if comm.rank == 0 else None}
 
 
+def _load(model, optimizer, folder, no_dist=False, plan_of=None):
+    """``folder``'s DCP checkpoint loaded into ``model`` and ``optimizer`` (any layout): the
+    shapes to fill come from their own state dicts. Returns the reads DCP planned for tensor
+    ``plan_of`` of the model, if one is named."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optim_state = get_state_dict(model, optimizer)
+    reads = plan_of and dcp_read_plan({"model": model_state}, folder, f"model.{plan_of}")
+    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=folder,
+             no_dist=no_dist)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    return reads
+
+
 def dcp_load_resharded(directory, dp, tp, plan_of="2.weight", timeout=20.0):
     """On every rank: a fresh MLP (other numbers) on a dp x tp mesh, its state loaded by DCP
     from the newest committed step of ``directory``, whatever layout saved it. Rank 0 returns
     the full state; every rank its layout and the reads DCP planned for ``plan_of``.
     Introduced in notebooks/11_fault_tolerance.ipynb."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     _quiet_dtensor()
     comm = get_comm("torch", timeout=timeout)
     model, optimizer = _sharded(reshard_model(1), dp, tp)
-    model_state, optim_state = get_state_dict(model, optimizer)  # shapes to fill, sharded
-    folder = checkpoint.dcp_latest(directory)
-    reads = dcp_read_plan({"model": model_state}, folder, f"model.{plan_of}")
-    dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    reads = _load(model, optimizer, checkpoint.dcp_latest(directory), plan_of=plan_of)
     full = full_state(model, optimizer)
     return {"rank": comm.rank, "layout": _layout(model), "reads": reads,
             "full": full if comm.rank == 0 else None}
@@ -191,15 +199,10 @@ def dcp_load_resharded(directory, dp, tp, plan_of="2.weight", timeout=20.0):
 
 def dcp_load_one_process(directory):
     """The same load in this process alone, with no process group: a plain MLP and Adam."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     _quiet_dtensor()
     model = reshard_model(2)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optim": optim_state},
-             checkpoint_id=checkpoint.dcp_latest(directory), no_dist=True)
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    _load(model, optimizer, checkpoint.dcp_latest(directory), no_dist=True)
     return full_state(model, optimizer)
 
 
