@@ -179,7 +179,7 @@ class ParallelBlock(nn.Module):
         full = dict(block.named_parameters())
         for name, attribute in SHARD_NAMES.items():  # this rank's shard of every split tensor
             if "." not in attribute:
-                shard = _shard(name, full[name].detach(), r, n)
+                shard = tp_shard(name, full[name].detach(), r, n)
                 setattr(self, attribute, nn.Parameter(shard.clone()))
         self.act = block.mlp[1]
 
@@ -289,9 +289,10 @@ def allreduce_replicated_grads(blocks: list[ParallelBlock]) -> None:
                 p.grad = block.tp.allreduce(p.grad, "backward")
 
 
-def _shard(name: str, full: torch.Tensor, r: int, n: int) -> torch.Tensor:
+def tp_shard(name: str, full: torch.Tensor, r: int, n: int) -> torch.Tensor:
     """Rank r of n's part of the unsplit block's tensor ``name``: its heads' rows of Q, K and V
-    and its columns of the output projection, its hidden units of the MLP, the rest whole."""
+    and its columns of the output projection, its hidden units of the MLP, the rest whole.
+    Introduced in notebooks/14_transformers_and_long_sequences.ipynb."""
     if name in ("attn.qkv.weight", "attn.qkv.bias"):  # rows of [Q; K; V]: three pieces
         d = full.shape[0] // 3
         share = d // n
@@ -311,7 +312,7 @@ def shard_of(block: ParallelBlock, name: str, full: torch.Tensor) -> torch.Tenso
     notebooks/14_transformers_and_long_sequences.ipynb."""
     if name not in SHARD_NAMES:
         raise KeyError(name)
-    return _shard(name, full, block.tp.rank, block.tp.world_size)
+    return tp_shard(name, full, block.tp.rank, block.tp.world_size)
 
 
 SHARD_NAMES = {"attn.qkv.weight": "qkv_weight", "attn.qkv.bias": "qkv_bias",

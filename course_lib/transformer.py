@@ -86,16 +86,16 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor, attention: Callable = causal_attention) -> torch.Tensor:
-        B, T, d = x.shape
+        B, T, _ = x.shape
         # (B, T, 3d) -> three (B, heads, T, d / heads): each head attends on its own slice
-        q, k, v = (t.view(B, T, self.n_heads, d // self.n_heads).transpose(1, 2)
-                   for t in self.qkv(x).split(d, dim=-1))
-        y = attention(q, k, v).transpose(1, 2).reshape(B, T, d)  # the heads side by side again
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2)  # -1: the heads it holds
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        y = attention(q, k, v).transpose(1, 2).reshape(B, T, -1)  # the heads side by side again
         return self.proj(y)
 
 
@@ -149,11 +149,11 @@ class GPT(nn.Module):
                 positions: torch.Tensor | None = None, attention: Callable = causal_attention,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         T = idx.shape[-1]
+        last = T - 1 if positions is None else int(positions.max())  # (no data read: T alone)
+        if last >= self.cfg.context:
+            raise ValueError(f"position {last} is beyond the model's context {self.cfg.context}")
         if positions is None:
             positions = torch.arange(T, device=idx.device)
-        if int(positions.max()) >= self.cfg.context:
-            raise ValueError(f"position {int(positions.max())} is beyond the model's context "
-                             f"{self.cfg.context}")
         x = self.tok(idx) + self.pos(positions)
         if self.cfg.recompute == "attention":  # keep q, k, v; compute the T x T scores again
             attention = recomputed(attention)

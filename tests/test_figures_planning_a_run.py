@@ -32,3 +32,14 @@ def test_fp8_figure_draws_each_format_and_marks_the_saturated_step():
     assert [line.get_label() for line in left.lines] == list(errors)
     assert [t.get_text() for t in right.texts] == ["step 2: 78% of the numbers saturated"]
     assert list(right.lines[1].get_ydata()) == scaling["delayed"]
+
+
+def test_dry_run_figure_labels_each_kind_with_its_count():
+    from course_lib.dry_run import Collective
+    calls = 4 * [Collective("allreduce", "tp", 2**28)] + [Collective("all-gather", "dp", 2**28)]
+    held = dict(parameters=2**20, gradients=2**20, optimizer=2**21, activations=2**33)
+    left, right = figures.dry_run_figure(dict(collectives=calls, held=held), calls[:4], held)
+    assert [t.get_text() for t in left.texts] == ["1 call", "4 calls"]
+    assert [round(b.get_height(), 6) for b in left.patches] == [1.0, 4.0]  # GiB, float32
+    assert list(left.lines[0].get_ydata()) == [0.0, 4.0]  # the plan has no all-gather
+    assert right.get_yscale() == "log" and right.patches[3].get_height() == 8.0

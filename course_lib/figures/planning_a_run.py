@@ -158,3 +158,47 @@ def fp8_figure(outliers, errors, scaling, axes=None):
     for ax in axes:
         ax.title.set_fontsize(10)
     return axes
+
+
+def dry_run_figure(run: dict, planned: list, planned_memory: dict, axes=None):
+    """One rank's dry run (:func:`course_lib.dry_run.dry_run`) against the plan: left, the GiB
+    its collectives carry by kind and dimension (whole tensors), each bar labelled with its
+    count, the plan's marked; right, the bytes it holds by kind, the plan's marked.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
+    import matplotlib.pyplot as plt
+    if axes is None:
+        axes = plt.subplots(1, 2, figsize=(10, 3), layout="constrained")[1]
+
+    def by_kind(collectives):
+        out: dict = {}
+        for c in collectives:
+            n, gib = out.get((c.kind, c.dim), (0, 0.0))
+            out[(c.kind, c.dim)] = (n + 1, gib + 4 * c.elements / 2**30)  # float32
+        return out
+    seen, want = by_kind(run["collectives"]), by_kind(planned)
+    names = sorted(set(seen) | set(want))
+    labels = [f"{kind}\nover {dim}" for kind, dim in names]
+    x = np.arange(len(names))
+    bars = axes[0].bar(x, [seen.get(k, (0, 0))[1] for k in names], color="C0",
+                       label="recorded")
+    counts = [seen.get(k, (0, 0))[0] for k in names]
+    axes[0].bar_label(bars, [f"{n} call{'s' * (n != 1)}" for n in counts], fontsize=8,
+                      label_type="center", color="white")
+    axes[0].plot(x, [want.get(k, (0, 0))[1] for k in names], "k_", ms=30, mew=2,
+                 label="planned")
+    axes[0].set_xticks(x, labels, fontsize=8)
+    axes[0].set(ylabel="GiB in the step's collectives", title="what one rank's step sends for")
+    axes[0].margins(y=0.15)
+    axes[0].legend(fontsize=8)
+    held = run["held"]
+    x = np.arange(len(MEMORY))
+    axes[1].bar(x, [held[k] / 2**30 for k in MEMORY], color=[f"C{i}" for i in range(4)])
+    axes[1].plot(x, [planned_memory[k] / 2**30 for k in MEMORY], "k_", ms=30, mew=2,
+                 label="planned")
+    axes[1].set_yscale("log")
+    axes[1].set_xticks(x, MEMORY, fontsize=8)
+    axes[1].set(ylabel="GiB on the rank (held: the bars)", title="what it holds")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.title.set_fontsize(10)
+    return axes
