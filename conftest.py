@@ -1,6 +1,6 @@
 """Every pytest run of this repository: when it executes notebooks (nbval), their clusters are
-kept running from one notebook to the next (``course_lib.runtime.cluster.SHARED_ENV``) and stopped at
-the end. The library's own tests (``tests/``) start real clusters, as a student does."""
+kept running from one notebook to the next (``course_lib.runtime.cluster.SHARED_ENV``) and
+stopped at the end. The library's own tests (``tests/``) start real clusters, as a student does."""
 
 import os
 

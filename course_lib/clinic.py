@@ -408,8 +408,6 @@ def skipped_collective(skip_rank: int = 1, skip_step: int = 2, steps: int = 4,
     waits for a partner that never comes; each wait has a deadline of ``timeout`` s. Returns
     ``{"rank", "record": this job's flight record, "error": what timed out here, or None}``.
     Introduced in notebooks/17_debugging_clinic.ipynb."""
-    import datetime
-
     import torch.distributed as dist
     rank = dist.get_rank()
     before = max((e["seq"] for e in flight_record()), default=0)  # earlier jobs' collectives
@@ -417,37 +415,101 @@ def skipped_collective(skip_rank: int = 1, skip_step: int = 2, steps: int = 4,
     for number in range(steps):
         if rank == skip_rank and number == skip_step:
             continue  # the bug: a collective behind a condition only this rank takes
-        work = dist.all_reduce(torch.ones(8), async_op=True)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
-        except RuntimeError as e:
-            error = (f"rank {rank}: allreduce #{number + 1} did not finish within "
-                     f"{timeout:g} s ({e})")
+        error = allreduce_within(torch.ones(8), number, timeout)
+        if error:
             break
     return {"rank": rank, "record": flight_record(before), "error": error}
 
 
-def diverged(records: list[list[dict]]) -> str:
-    """From every rank's :func:`flight_record`: where the ranks part, named — the first
-    collective (by number) that some rank issued differently (another op or sizes) or never
-    issued, and which ranks those are (the ones against the majority).
-    Introduced in notebooks/17_debugging_clinic.ipynb."""
+def allreduce_within(tensor: torch.Tensor, number: int, timeout: float) -> str | None:
+    """``torch.distributed.all_reduce`` of ``tensor`` on the default group, waited for at most
+    ``timeout`` s: None when done, else what did not finish (this rank's allreduce #``number``
+    + 1). Introduced in notebooks/17_debugging_clinic.ipynb."""
+    import datetime
+
+    import torch.distributed as dist
+    work = dist.all_reduce(tensor, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        return (f"rank {dist.get_rank()}: allreduce #{number + 1} did not finish within "
+                f"{timeout:g} s ({e})")
+    return None
+
+
+def uneven_data(samples: int = 97, batch: int = 8, lr: float = 0.5,
+                timeout: float = 2.0) -> dict:
+    """On every rank: one epoch of data-parallel SGD over its own shard of the first
+    ``samples`` digits (:func:`sharding.shard_bounds`: the shards differ by a sample at most),
+    in batches of ``batch``, the gradients summed with ``torch.distributed.all_reduce`` (one
+    flat tensor, the same size on every rank) and averaged, each wait with a deadline of
+    ``timeout`` s. A rank whose shard makes one batch more waits at its last allreduce for
+    ranks that have finished: DDP's "uneven inputs", which its ``join()`` handles. Returns
+    ``{"rank", "batches", "record": this job's flight record, "error": what timed out here,
+    or None}``. Introduced in notebooks/17_debugging_clinic.ipynb."""
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    X, y, _, _ = data.load_digits()
+    X, y = torch.from_numpy(X), torch.from_numpy(y)
+    lo, hi = shard_bounds(samples, rank, world)
+    starts = range(lo, hi, batch)
+    before = max((e["seq"] for e in flight_record()), default=0)
+    model, error = make_model(), None
+    for number, start in enumerate(starts):
+        end = min(start + batch, hi)
+        loss = F.cross_entropy(model(X[start:end]), y[start:end])
+        model.zero_grad()
+        loss.backward()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        error = allreduce_within(flat, number, timeout)
+        if error:
+            break
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), flat.split([p.numel() for p in
+                                                             model.parameters()]), strict=True):
+                p -= lr * g.view_as(p) / world
+    return {"rank": rank, "batches": len(starts), "record": flight_record(before),
+            "error": error}
+
+
+def parting(records: list[list[dict]]) -> dict | None:
+    """From every rank's :func:`flight_record`: the first collective (numbered from 1 in the
+    records given) that some rank issued differently (another op or sizes) or never issued,
+    as ``{"collective", "ranks": the ranks against the majority, "issued": what each of them
+    issued there (None: nothing), "usual": what the majority issued (None: nothing)}``; None
+    when every rank issued the same. Introduced in notebooks/17_debugging_clinic.ipynb."""
     from collections import Counter
-    longest = max(len(r) for r in records)
-    for i in range(longest):
+    for i in range(max(map(len, records), default=0)):
         seen = [(r[i]["op"], r[i]["sizes"]) if i < len(r) else None for r in records]
         keys = [repr(s) for s in seen]  # sizes are lists: compared by their text
         if len(set(keys)) == 1:
             continue
         most = Counter(keys).most_common(1)[0][0]  # what the majority issued
         odd = [rank for rank, key in enumerate(keys) if key != most]
-        usual = seen[keys.index(most)]
-        what = f"collective #{i + 1}" + (f" ({usual[0]} of {usual[1]})" if usual else "")
-        if all(seen[rank] is None for rank in odd):
-            return (f"{what}: rank(s) {odd} never issued it; they issued {len(records[odd[0]])} "
-                    f"collectives, the others {longest}")
-        return f"{what}: rank(s) {odd} issued {[seen[r] for r in odd]} instead"
-    return f"every rank issued the same {longest} collectives"
+        return {"collective": i + 1, "ranks": odd, "issued": [seen[r] for r in odd],
+                "usual": seen[keys.index(most)]}
+    return None
+
+
+def diverged(records: list[list[dict]]) -> str:
+    """:func:`parting`, said in words: the first collective that some rank issued differently
+    or never issued, and which ranks those are (the ones against the majority).
+    Introduced in notebooks/17_debugging_clinic.ipynb."""
+    found = parting(records)
+    if found is None:
+        return f"every rank issued the same {len(records[0])} collectives"
+    usual, odd = found["usual"], found["ranks"]
+    what = f"collective #{found['collective']}"
+    if usual is None:  # the majority stopped before it
+        op, sizes = found["issued"][0]
+        return (f"{what} ({op} of {sizes}): only rank(s) {odd} issued it; the others issued "
+                f"{found['collective'] - 1} collectives")
+    what += f" ({usual[0]} of {usual[1]})"
+    if all(issued is None for issued in found["issued"]):
+        return (f"{what}: rank(s) {odd} never issued it; they issued "
+                f"{len(records[odd[0]])} collectives, the others "
+                f"{max(map(len, records))}")
+    return f"{what}: rank(s) {odd} issued {found['issued']} instead"
 
 
 def late_for_barrier(late_rank: int = 2, timeout: float = 1.0) -> dict:

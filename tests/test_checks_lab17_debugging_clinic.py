@@ -3,6 +3,8 @@ what the tool of notebook 17 shows for it (the error, the ranks' stacks, the fir
 the coverage, the update against one process); a wrong diagnosis gets the tool to use, never
 the fix; a template's NotImplementedError is a notice, not a failure."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -266,3 +268,65 @@ def test_templates_are_a_notice(cluster, capsys):
         raise NotImplementedError("exercise 3: fill in diagnosis_3")
     assert checks.check_job(3, diagnosis, template, cluster) is False
     assert checks.check_job(3, "divergence", template, cluster) is False
+
+
+# ---------------------------------------------------------------- exercise 6: the flight records
+def job_records():
+    """Records as clinic.uneven_data leaves them on 4 ranks: rank 0 one allreduce more."""
+    entry = [{"seq": 7 + i, "op": "all_reduce", "sizes": [[2410]], "dtypes": ["Double"]}
+             for i in range(4)]
+    return [entry, entry[:3], entry[:3], entry[:3]]
+
+
+def right_parting(records):
+    from collections import Counter
+    for i in range(max(map(len, records))):
+        seen = [repr((r[i]["op"], r[i]["sizes"])) if i < len(r) else None for r in records]
+        most = Counter(seen).most_common(1)[0][0]
+        if len(set(seen)) > 1:
+            return {"collective": i + 1, "ranks": [k for k, s in enumerate(seen) if s != most]}
+    return None
+
+
+def from_zero(records):
+    found = right_parting(records)
+    return found and {**found, "collective": found["collective"] - 1}
+
+
+def with_zip(records):
+    for i, entries in enumerate(zip(*records, strict=False)):
+        if len({repr((e["op"], e["sizes"])) for e in entries}) > 1:
+            return right_parting([r[:i + 1] for r in records])
+    return None
+
+
+def ops_only(records):
+    return right_parting([[{**e, "sizes": None} for e in r] for r in records])
+
+
+def majority(records):
+    found = right_parting(records)
+    return found and {**found, "ranks": sorted(set(range(len(records))) - set(found["ranks"]))}
+
+
+def test_the_right_reading_of_the_records_passes(capsys):
+    assert checks.check_parting(right_parting, job_records()) is True
+    assert "✓ check_parting: 6/6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (from_zero, "you count from 0"),
+    (with_zip, "zip() stops at the shortest"),
+    (ops_only, "compare each collective's operation and its sizes"),
+    (majority, "you named the ranks that agree"),
+    (lambda records: 4, 'return {"collective": k, "ranks": [...]}'),
+])
+def test_each_mistaken_reading_is_named(mistake, hint):
+    with pytest.raises(CheckFailed, match=re.escape(hint)):
+        checks.check_parting(mistake, job_records())
+
+
+def test_the_template_is_a_notice_not_a_failure(capsys):
+    def parting(records):
+        raise NotImplementedError
+    assert checks.check_parting(parting, job_records()) is False

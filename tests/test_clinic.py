@@ -134,6 +134,16 @@ def test_the_flight_recorder_names_the_rank_that_skipped_a_collective():
     with start_cluster(n=3, share=False) as own:
         out = own.run(clinic.skipped_collective, 1, 2, 4, 2.0, timeout=120)
         late = own.run(clinic.late_for_barrier, 2, 1.0, timeout=120)
+    with start_cluster(n=3, share=False) as own:  # uneven shards: 33, 32, 32 digits
+        uneven = own.run(clinic.uneven_data, 97, 8, 0.5, 2.0, timeout=120)
+    assert [u["batches"] for u in uneven] == [5, 4, 4]
+    assert [u["error"] is None for u in uneven] == [False, True, True]
+    assert "allreduce #5 did not finish within 2 s" in uneven[0]["error"]
+    assert clinic.parting([u["record"] for u in uneven]) == {
+        "collective": 5, "ranks": [0], "issued": [("all_reduce", [[2410]])], "usual": None}
+    assert clinic.diverged([u["record"] for u in uneven]) == (
+        "collective #5 (all_reduce of [[2410]]): only rank(s) [0] issued it; the others issued "
+        "4 collectives")
     # monitored_barrier: rank 0 names the late rank; the others are sent to rank 0's log
     assert late[0]["error"] == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 1000 ms"
     assert "Rank 1 successfully reached monitoredBarrier" in late[1]["error"]

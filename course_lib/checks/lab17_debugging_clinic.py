@@ -283,3 +283,79 @@ def check_job(number: int, kind: str | Callable[[], str], fixed_step: Callable,
     print(f"✓ {name}: diagnosed as {kind!r}; fixed: {len(runs)} ranks train as one process "
           f"for {STEPS} steps")
     return True
+
+
+# ---------------------------------------------------------------- exercise 6: the flight records
+def _entry(op: str = "all_reduce", n: int = 2410, seq: int = 1) -> dict:
+    return {"seq": seq, "op": op, "sizes": [[n]], "dtypes": ["Double"]}
+
+
+def _planted_records() -> list[tuple[str, list[list[dict]]]]:
+    """Flight records with one known parting each (and one without), numbered from 41 as after
+    earlier jobs."""
+    def ranks(n, length=4, seq=41):
+        return [[_entry(seq=seq + i) for i in range(length)] for _ in range(n)]
+    skipped = ranks(4)
+    skipped[1] = skipped[1][:3]  # rank 1 skipped one: three where the others issued four
+    sizes = ranks(4)
+    sizes[2][1] = _entry(n=2048, seq=42)  # rank 2 reduced the weight alone at #2
+    ops = ranks(4)
+    ops[3][2] = _entry(op="broadcast", seq=43)  # rank 3 broadcast where the others reduced
+    two = ranks(5)
+    for r in (1, 4):
+        two[r] = two[r][:2]  # ranks 1 and 4 of 5 stopped after two
+    return [("rank 1 issued one collective fewer", skipped),
+            ("rank 2 issued another size at #2", sizes),
+            ("rank 3 issued another operation at #3", ops),
+            ("ranks 1 and 4 of 5 stopped after two collectives", two),
+            ("every rank issued the same four", ranks(3))]
+
+
+def check_parting(student_fn: Callable, records: list[list[dict]]) -> bool:
+    """Lab 17, exercise 6: ``parting(records)`` returns ``{"collective": k, "ranks": [...]}``,
+    the first collective (numbered from 1 in the records) at which the ranks' flight records
+    part and the ranks against the majority, or None when all agree, as ``clinic.parting``;
+    on the job's own ``records`` and on planted ones, a wrong answer named."""
+    __tracebackhide__ = True
+    name = "check_parting"
+    cases = [("the job's own records", records), *_planted_records()]
+    for number, (label, case) in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases)} ({label})"
+        try:
+            got = student_fn([list(r) for r in case])
+        except NotImplementedError:
+            return not_implemented(name)
+        except Exception as err:
+            raise CheckFailed(f"{where}\n  your function raised {type(err).__name__}: {err}\n"
+                              "Hint: the records may have different lengths.") from err
+        found = clinic.parting(case)
+        want = None if found is None else {k: found[k] for k in ("collective", "ranks")}
+        if got == want:
+            continue
+        raise CheckFailed(f"{where}\n  you returned {got!r}, expected {want!r}\nHint: "
+                          f"{_parting_hint(got, want, case)}")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} sets of flight records read as "
+          f"clinic.parting reads them")
+    return True
+
+
+def _parting_hint(got, want, records) -> str:
+    lengths = sorted({len(r) for r in records})
+    if want is None:
+        return "every rank issued the same collectives: return None."
+    if got is None or isinstance(got, dict) and got.get("collective", 0) > want["collective"]:
+        if len(lengths) > 1 and want["collective"] > lengths[0]:
+            return (f"the records hold {lengths} entries: zip() stops at the shortest, and a "
+                    "rank that issued fewer (or more) collectives goes unseen.")
+        return "compare each collective's operation and its sizes, not one of them alone."
+    if not (isinstance(got, dict) and {"collective", "ranks"} <= set(got)):
+        return 'return {"collective": k, "ranks": [...]}, or None when the records agree.'
+    if got["collective"] == want["collective"] - 1:
+        return ("you count from 0: number the collectives from 1, as the flight recorder "
+                "does.")
+    if got["collective"] != want["collective"]:
+        return "the first collective at which any rank differs: not a later one."
+    if set(got["ranks"]) == set(range(len(records))) - set(want["ranks"]):
+        return ("you named the ranks that agree: name those against the majority (the ranks "
+                "that parted).")
+    return "name every rank whose entry (or its absence) differs from the majority's."
