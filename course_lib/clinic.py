@@ -444,7 +444,8 @@ def uneven_data(samples: int = 97, batch: int = 8, lr: float = 0.5,
     in batches of ``batch``, the gradients summed with ``torch.distributed.all_reduce`` (one
     flat tensor, the same size on every rank) and averaged, each wait with a deadline of
     ``timeout`` s. A rank whose shard makes one batch more waits at its last allreduce for
-    ranks that have finished: DDP's "uneven inputs", which its ``join()`` handles. Returns
+    ranks that have finished: the "uneven inputs" that DDP's ``join()`` handles for DDP's own
+    allreduces. Returns
     ``{"rank", "batches", "record": this job's flight record, "error": what timed out here,
     or None}``. Introduced in notebooks/17_debugging_clinic.ipynb."""
     import torch.distributed as dist

@@ -84,8 +84,10 @@ def _forget_meshes() -> None:
     clear_redistribute_planner_cache()
 
 
-class _Recorder(TorchDispatchMode):
-    """Every collective dispatched while it is on, as :class:`Collective` s."""
+class Recorder(TorchDispatchMode):
+    """Every torch collective dispatched while it is on, as :class:`Collective` s; ``dims``
+    names the mesh dimension of each process group's name.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
 
     def __init__(self, dims: dict[str, str]) -> None:
         super().__init__()
@@ -185,7 +187,7 @@ def dry_run(cfg: GPTConfig, layout: Layout, batch: int, length: int, rank: int =
         model = parallelize_with_torch(model, mesh)
         model.to_empty(device="cpu")  # this rank's shards only: real, small, never read
         dims = {mesh[d].get_group().group_name: d for d in ("dp", "tp")}
-        recorder = _Recorder(dims)
+        recorder = Recorder(dims)
         with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
             for harmless in ("FSDP2-wrapped module", "Full backward hook"):  # notes on hooks
                 warnings.filterwarnings("ignore", message=harmless)
@@ -294,6 +296,6 @@ def gpt_config(model, context: int = 2048) -> GPTConfig:
                      n_heads=model.heads, n_layers=model.layers)
 
 
-__all__ = ["Collective", "check_fits", "compare", "describe", "dry_run", "fake_world",
+__all__ = ["Collective", "Recorder", "check_fits", "compare", "describe", "dry_run", "fake_world",
            "gpt_config", "parallelize_with_torch", "planned_collectives", "qkv_rows_by_rank",
            "ring_bytes"]

@@ -1,0 +1,280 @@
+"""FSDP as practitioners write it: ``fully_shard`` applied module by module, an ordinary
+optimizer, the gradients synchronised inside ``backward``.
+
+Introduced in notebooks/10_sharded_data_parallelism.ipynb. :class:`zero.ZeroDataParallel`
+wraps a whole model and owns its optimizer; PyTorch's FSDP2 (and torchtitan, and CS336's
+assignment) is written the other way round::
+
+    for block in model.blocks:
+        fully_shard(block, comm)              # one unit per block, bottom up
+    fully_shard(model, comm)                  # the rest (embeddings, final norm): the root
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # over this rank's shards
+    loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()
+
+Each call makes one **unit** of the parameters of ``module`` that no unit below claimed. Every
+parameter is cut by rows (dimension 0) into N pieces of ceil(rows / N) rows, as ``torch.chunk``
+cuts it, and this rank keeps its piece as a plain tensor: the registered parameter, float32,
+the master weight the optimizer updates (FSDP2 wraps the same piece in a ``DTensor`` that also
+records the global shape; here the unit records it). Before the unit's forward its pieces are
+all-gathered, as FSDP2 does, in one collective: each rank's pieces concatenated, each padded to
+its ceil(rows / N) rows, make N equal chunks of one flat buffer (the *copy-in*), which the ring
+all-gather fills and each parameter's rows are read back from (the *copy-out*). The module then
+computes with the whole parameters, which are freed after its forward (``reshard_after_forward``)
+and gathered again when the gradient of its output arrives; the root (the unit whose forward no
+other unit's surrounds) keeps them for the backward that follows at once, as FSDP2's does. When
+every gradient of the unit is in, they are reduce-scattered in the same layout and this rank's
+piece of their mean becomes the piece's ``.grad``: ``loss.backward()`` leaves the optimizer
+nothing to wait for.
+
+A :class:`MixedPrecisionPolicy` per unit gathers and computes in ``param_dtype``, reduces in
+``reduce_dtype`` and returns ``output_dtype``, while the pieces and their gradients stay in the
+model's float32. Parameters in no unit (say the LayerNorms, when only Linear and Embedding
+layers are wrapped) stay whole on every rank: :func:`replicate` all-reduces their gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from course_lib.collectives import allreduce, ring_allgather, ring_reduce_scatter
+from course_lib.comm import Comm
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """A unit's dtypes, as FSDP2's: its parameters gathered and computed in ``param_dtype``,
+    its gradients reduce-scattered in ``reduce_dtype`` (None: ``param_dtype``), its output
+    cast to ``output_dtype`` (None: left as computed); floating-point inputs cast to
+    ``param_dtype`` when ``cast_forward_inputs``. Introduced in
+    notebooks/10_sharded_data_parallelism.ipynb."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+def _cast(x, dtype):
+    """Floating-point tensors in (nested) tuples, lists and dicts cast to ``dtype``."""
+    if dtype is None:
+        return x
+    if torch.is_tensor(x):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast(v, dtype) for k, v in x.items()}
+    return x
+
+
+def _tensors(x):
+    """The tensors in (nested) tuples, lists and dicts."""
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
+_running = threading.local()  # the units whose forward runs now, on this thread (this rank)
+
+
+class Unit:
+    """One ``fully_shard`` call's parameters: where each is registered, its global shape, this
+    rank's piece (the registered parameter) and, while gathered, its whole tensor.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+
+    def __init__(self, module: nn.Module, comm: Comm, policy: MixedPrecisionPolicy | None,
+                 reshard_after_forward: bool) -> None:
+        self.module, self.comm = module, comm
+        self.policy = policy or MixedPrecisionPolicy()
+        self.reshard_after_forward = reshard_after_forward
+        N, r = comm.world_size, comm.rank
+        self.places, self.shapes, self.pieces, self.whole = [], [], [], []
+        for owner in module.modules():
+            for name, p in list(owner.named_parameters(recurse=False)):
+                if hasattr(p, "_fsdp_unit") or not p.requires_grad:
+                    continue  # another unit's piece, or frozen: whole on every rank
+                rows = p.shape[0] if p.dim() else 1
+                per = math.ceil(rows / N)
+                piece = nn.Parameter(p.detach().reshape(rows, -1)[r * per:(r + 1) * per]
+                                     .clone().reshape(-1, *p.shape[1:]))
+                piece._fsdp_unit = self
+                owner._parameters[name] = piece  # what model.parameters() now yields
+                self.places.append((owner, name))
+                self.shapes.append(p.shape)
+                self.pieces.append(piece)
+                self.whole.append(None)
+        if not self.pieces:
+            raise ValueError(f"fully_shard: {type(module).__name__} has no trainable parameter "
+                             "that another unit has not taken")
+        # the gathered layout: each rank's chunk holds its piece of every parameter, padded
+        self.padded = [math.ceil((s[0] if len(s) else 1) / N) * (math.prod(s[1:]) or 1)
+                       for s in self.shapes]
+        self.chunk = sum(self.padded)
+        self.gathered = self.root = False
+        self.grads_in = 0
+
+    # ------------------------------------------------------------ the two collectives
+    def gather(self) -> None:
+        """All-gather every piece (in ``param_dtype``) and register the whole parameters."""
+        if self.gathered:
+            return
+        N, r, dtype = self.comm.world_size, self.comm.rank, self._param_dtype()
+        flat = torch.zeros(N * self.chunk, dtype=dtype)
+        mine, at = flat[r * self.chunk:(r + 1) * self.chunk], 0
+        for piece, padded in zip(self.pieces, self.padded, strict=True):  # copy-in
+            mine[at:at + piece.numel()] = piece.detach().reshape(-1)
+            at += padded
+        ring_allgather(flat, self.comm, check=False)
+        table, at = flat.view(N, self.chunk), 0
+        for i, (shape, padded) in enumerate(zip(self.shapes, self.padded, strict=True)):
+            # copy-out: rank by rank, the padding dropped
+            whole = table[:, at:at + padded].reshape(-1)[:math.prod(shape) or 1].view(shape)
+            at += padded
+            if self.whole[i] is None:  # the first gather: a leaf that collects the gradient
+                self.whole[i] = nn.Parameter(whole.clone())
+                self.whole[i].register_post_accumulate_grad_hook(self._grad_in)
+            else:  # later ones refill its storage, which autograd may hold since the
+                w = self.whole[i].data  # forward (.data: no version bump, as for a reload)
+                w.untyped_storage().resize_(w.numel() * w.element_size())
+                w.copy_(whole)
+        for (owner, name), w in zip(self.places, self.whole, strict=True):
+            owner._parameters[name] = w
+        self.gathered = True
+
+    def reshard(self) -> None:
+        """Register the pieces again and free the whole parameters' storage."""
+        if not self.gathered:
+            return
+        for (owner, name), piece, w in zip(self.places, self.pieces, self.whole, strict=True):
+            owner._parameters[name] = piece
+            w.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def reduce_scatter(self) -> None:
+        """Sum every whole gradient (zeros where none came) over the ranks in
+        ``reduce_dtype``; this rank's piece of the mean is added to its piece's ``.grad``."""
+        N, r = self.comm.world_size, self.comm.rank
+        dtype = self.policy.reduce_dtype or self._param_dtype()
+        table, at = torch.zeros(N, self.chunk, dtype=dtype), 0
+        for w, shape, padded in zip(self.whole, self.shapes, self.padded, strict=True):
+            g = w.grad if w.grad is not None else torch.zeros(shape)
+            rows = shape[0] if len(shape) else 1
+            per = padded // (math.prod(shape[1:]) or 1)
+            rows_padded = torch.zeros(N * per, g.numel() // rows, dtype=dtype)
+            rows_padded[:rows] = g.reshape(rows, -1)
+            table[:, at:at + padded] = rows_padded.view(N, padded)
+            at += padded
+            w.grad = None
+        flat = table.view(-1)
+        ring_reduce_scatter(flat, self.comm, check=False)
+        mine, at = flat[r * self.chunk:(r + 1) * self.chunk] / N, 0
+        for piece, padded in zip(self.pieces, self.padded, strict=True):
+            g = mine[at:at + piece.numel()].view_as(piece).to(piece.dtype)
+            piece.grad = g if piece.grad is None else piece.grad + g
+            at += padded
+        self.grads_in = 0
+
+    # ------------------------------------------------------------ the hooks
+    def _param_dtype(self):
+        return self.policy.param_dtype or self.pieces[0].dtype
+
+    def _grad_in(self, whole: torch.Tensor) -> None:
+        self.grads_in += 1
+        if self.grads_in == len(self.whole):  # the unit's backward is done: sync, free
+            self.reduce_scatter()
+            self.reshard()
+
+    def before_forward(self, module, args, kwargs):
+        depth = getattr(_running, "depth", 0)
+        self.root = depth == 0  # no other unit's forward around it: the model's root
+        _running.depth = depth + 1
+        self.gather()
+        if self.policy.cast_forward_inputs:
+            return _cast(args, self.policy.param_dtype), _cast(kwargs, self.policy.param_dtype)
+        return args, kwargs
+
+    def after_forward(self, module, args, output):
+        _running.depth -= 1
+        output = _cast(output, self.policy.output_dtype)
+        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        # the root stays gathered when a backward follows at once (FSDP2 does the same)
+        if self.reshard_after_forward and not (self.root and needs_grad):
+            self.reshard()
+        if needs_grad:  # the first gradient to reach the output gathers again
+            for t in needs_grad:
+                t.register_hook(self._before_backward)
+        return output
+
+    def _before_backward(self, grad):
+        if not self.gathered:
+            self.gather()
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        return grad
+
+    def _after_backward(self) -> None:
+        """At the end of backward: a unit some of whose parameters got no gradient has not
+        synchronised yet; it does now (zeros for the missing ones), on every rank alike."""
+        if self.gathered and self.grads_in:
+            self.reduce_scatter()
+        self.reshard()
+
+
+def fully_shard(module: nn.Module, comm: Comm, mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``module``'s parameters that no unit below it took (see the module docstring):
+    its registered parameters become this rank's pieces, gathered around its forward and
+    backward, their gradients reduce-scattered during backward. Returns ``module``.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    unit = Unit(module, comm, mp_policy, reshard_after_forward)
+    module.register_forward_pre_hook(unit.before_forward, with_kwargs=True)
+    module.register_forward_hook(unit.after_forward)
+    units = module.__dict__.setdefault("_fsdp_units", [])
+    units.append(unit)
+    return module
+
+
+def replicate(module: nn.Module, comm: Comm) -> nn.Module:
+    """Every trainable parameter of ``module`` that no unit took stays whole on every rank:
+    its gradient is all-reduced (the mean over the ranks) as soon as it is accumulated.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    def average(p):
+        allreduce(p.grad, comm, "ring", check=False)
+        p.grad /= comm.world_size
+    for p in module.parameters():
+        if p.requires_grad and not hasattr(p, "_fsdp_unit"):
+            p.register_post_accumulate_grad_hook(average)
+    return module
+
+
+def units_in(module: nn.Module) -> list[Unit]:
+    """Every unit made by ``fully_shard`` on ``module`` or below it, bottom up.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    return [u for m in reversed(list(module.modules())) for u in m.__dict__.get("_fsdp_units", [])]
+
+
+def full_state_dict(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter by name, whole (each unit's pieces all-gathered, in their dtype), or
+    with ``grads`` their gradients' mean (None where none); every rank calls it.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    whole = {}
+    for unit in units_in(module):
+        N, r = unit.comm.world_size, unit.comm.rank
+        for piece, shape, padded in zip(unit.pieces, unit.shapes, unit.padded, strict=True):
+            source = piece.grad if grads else piece.detach()
+            flat = torch.zeros(N * padded, dtype=piece.dtype)
+            if source is not None:
+                flat[r * padded:r * padded + piece.numel()] = source.reshape(-1)
+            ring_allgather(flat, unit.comm, check=False)
+            whole[id(piece)] = flat.view(N, padded).reshape(-1)[:math.prod(shape) or 1] \
+                .view(shape)
+    return {name: whole.get(id(p), p.grad if grads else p.detach()) for name, p in
+            module.named_parameters()}

@@ -1,0 +1,171 @@
+"""fully_shard per module with an ordinary optimizer: the transformer trained on 2 and 4 ranks
+(threads, the recording transport) equals one process; the bytes each rank sends are the
+planner's; per-module mixed precision and replicated norms; uneven rows padded as FSDP2 pads."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from course_lib import dry_run, fsdp, planner
+from course_lib import transformer as tf
+from course_lib.comm.recording import run_ranks
+from course_lib.testing import fsdp as K
+
+CLUSTER_SIZE = 4  # the shared cluster of tests/conftest.py
+
+CFG = tf.GPTConfig(context=16, d_model=32, n_heads=4, n_layers=2)
+B, T, STEPS = 8, 16, 3
+
+
+def batches():
+    data, rng = tf.encode(tf.load_text()[:20_000]), np.random.default_rng(0)
+    return [tf.get_batch(data, B, T, rng) for _ in range(STEPS)]
+
+
+def one_process(make, batches, loss_of):
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches:
+        loss = loss_of(model, x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def gpt_loss(model, x, y):
+    return model(x, y)[1] / y.numel()
+
+
+def sharded_run(_, comm, make, wrap, batches, loss_of):
+    """On one rank: ``wrap(model, comm)``, AdamW over model.parameters(), its share of each
+    batch; the losses, the bytes sent in the first step and the whole parameters after."""
+    model = wrap(make(), comm)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, sent = [], []
+    n, r = comm.world_size, comm.rank
+    for x, y in batches:
+        share = slice(r * len(x) // n, (r + 1) * len(x) // n)
+        before = comm.bytes_sent
+        loss = loss_of(model, x[share], y[share])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sent.append(comm.bytes_sent - before)
+        losses.append(loss.item())
+    return losses, sent, fsdp.full_state_dict(model)
+
+
+def blocks_then_root(model, comm):
+    for block in model.blocks:
+        fsdp.fully_shard(block, comm)
+    return fsdp.fully_shard(model, comm)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_transformer_sharded_per_block_trains_as_one_process(n):
+    data = batches()
+    losses, want = one_process(lambda: tf.GPT(CFG).double(), data, gpt_loss)
+    out, _ = run_ranks(sharded_run, [None] * n, lambda: tf.GPT(CFG).double(),
+                       blocks_then_root, data, gpt_loss, check_sizes=False)
+    for _, _, whole in out:
+        assert whole.keys() == want.keys()
+        assert max(float((whole[k] - v).abs().max()) for k, v in want.items()) < 1e-10
+    mean = np.mean([o[0] for o in out], axis=0)  # each rank's mean over its equal share
+    assert np.abs(mean - losses).max() < 1e-12
+
+
+def test_the_optimizer_sees_this_ranks_pieces_and_a_step_sends_what_the_planner_counts():
+    n, data = 4, batches()
+
+    def check(_, comm):
+        model = blocks_then_root(tf.GPT(CFG).double(), comm)
+        pieces = list(model.parameters())
+        rows = [p.shape[0] for p in tf.GPT(CFG).parameters()]
+        assert [p.shape[0] for p in pieces] == [r // n for r in rows]  # dimension 0 / N
+        return sharded_run(None, comm, lambda: tf.GPT(CFG).double(), blocks_then_root,
+                           data, gpt_loss)[1]
+    sent, _ = run_ranks(check, [None] * n, check_sizes=False)
+    layout = planner.Layout(dp=n, zero=3)
+    planned = dry_run.planned_collectives(CFG, layout, B, T)  # the root gathered once
+    for r, bytes_per_step in enumerate(sent):
+        want = dry_run.ring_bytes(planned, layout, {"dp": r}, itemsize=8)["dp"]
+        assert bytes_per_step == [want] * STEPS
+
+
+class Net(nn.Module):
+    """Linear layers to shard and a LayerNorm to replicate, as CS336's assignment splits them."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(12, 10), nn.LayerNorm(10), nn.Linear(10, 3)
+        gen = torch.Generator().manual_seed(0)  # its own: the ranks' threads share the global
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.norm(self.up(x))))
+
+
+def net_loss(model, x, y):
+    return nn.functional.mse_loss(model(x).double(), y)
+
+
+def linears_sharded_norm_replicated(model, comm, policy=None):
+    for layer in (model.up, model.down):  # 10 rows over 4 ranks: 3, 3, 3, 1 (padded to 3)
+        fsdp.fully_shard(layer, comm, mp_policy=policy)
+    return fsdp.replicate(model, comm)
+
+
+def test_replicated_norms_and_uneven_rows_train_as_one_process():
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 12, generator=gen, dtype=torch.float64),
+             torch.randn(8, 3, generator=gen, dtype=torch.float64)) for _ in range(STEPS)]
+    losses, want = one_process(lambda: Net().double(), data, net_loss)
+    out, _ = run_ranks(sharded_run, [None] * 4, lambda: Net().double(),
+                       linears_sharded_norm_replicated, data, net_loss, check_sizes=False)
+    for _, _, whole in out:
+        assert max(float((whole[k] - v).abs().max()) for k, v in want.items()) < 1e-10
+
+
+def ring_bytes_of(torch_collectives, itemsize, reduce_itemsize, n=4):
+    """What the course's ring sends on rank 0 for torch's collectives: the all-gathers in the
+    parameters' dtype, the reduce-scatters in the reduce dtype."""
+    layout = planner.Layout(dp=n, zero=3)
+    sent = 0
+    for kind, size in (("all-gather", itemsize), ("reduce-scatter", reduce_itemsize)):
+        calls = [c for c in torch_collectives if c.kind == kind]
+        sent += dry_run.ring_bytes(calls, layout, {"dp": 0}, itemsize=size).get("dp", 0)
+    return sent
+
+
+def test_beside_torchs_fully_shard_in_float32(cluster):
+    """The same transformer, blocks and root sharded by the course and by torch on 4 ranks over
+    Gloo, 3 AdamW steps: the same losses, and parameters within float32's rounding of the
+    gradients' sums (the ring adds in another order than Gloo); the same collectives of the
+    same sizes, which the course's ring sends as the planner counts."""
+    for r in cluster.run(K.fully_shard_beside_torch):
+        assert r["losses"] == r["torch_losses"], r
+        assert r["diff"] < 1e-4, r
+        assert r["sent"] == [ring_bytes_of(calls, 4, 4) for calls in r["torch"]], r
+
+
+def test_beside_torchs_fully_shard_in_bf16_reducing_in_float32(cluster):
+    """With MixedPrecisionPolicy(bf16, reduce float32) on both: bit for bit the same parameters
+    (both gather the same bf16 copies of the same float32 pieces, and four bf16 numbers add up
+    exactly in float32, in any order); the gathers send half the bytes of float32's."""
+    for r in cluster.run(K.fully_shard_beside_torch, "bf16", "fp32"):
+        assert r["losses"] == r["torch_losses"] and r["diff"] == 0, r
+        assert r["sent"] == [ring_bytes_of(calls, 2, 4) for calls in r["torch"]], r
+
+
+def test_a_module_with_nothing_left_to_shard_is_refused():
+    def run(_, comm):
+        layer = fsdp.fully_shard(nn.Linear(4, 4), comm)
+        fsdp.fully_shard(layer, comm)
+    with pytest.raises(ValueError, match="Linear has no trainable parameter"):
+        run_ranks(run, [None] * 2, check_sizes=False)
