@@ -83,6 +83,76 @@ def _tensors(x):
     return []
 
 
+def _rows(shape) -> int:
+    return shape[0] if len(shape) else 1
+
+
+def padded_size(shape: torch.Size, world_size: int) -> int:
+    """The elements of one rank's piece of a parameter of ``shape``, padded: ceil(rows / N)
+    rows. Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    return math.ceil(_rows(shape) / world_size) * (math.prod(shape[1:]) or 1)
+
+
+def piece_of(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of ``tensor``: ceil(rows / N) of them from row rank x that, fewer
+    (or none) at the end, as ``torch.chunk`` cuts them. Introduced in
+    notebooks/10_sharded_data_parallelism.ipynb."""
+    per = math.ceil(_rows(tensor.shape) / world_size)
+    rows = tensor.reshape(_rows(tensor.shape), -1)[rank * per:(rank + 1) * per]
+    return rows.reshape(-1, *tensor.shape[1:]) if tensor.dim() else rows.reshape(-1)
+
+
+def gather_rows(pieces: list[torch.Tensor], shapes: list[torch.Size], comm: Comm,
+                dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Every parameter whole, from every rank's ``pieces`` (:func:`piece_of`), in one
+    collective: the *copy-in* lays this rank's pieces end to end, each padded to
+    :func:`padded_size`, as its chunk of a flat buffer; the ring all-gather fills the other
+    ranks' chunks; the *copy-out* reads each parameter's rows back, rank by rank, and drops the
+    padding. ``dtype``: what is sent (None: the pieces'). Introduced in
+    notebooks/10_sharded_data_parallelism.ipynb."""
+    N, r = comm.world_size, comm.rank
+    padded = [padded_size(shape, N) for shape in shapes]
+    chunk = sum(padded)
+    flat = torch.zeros(N * chunk, dtype=dtype or pieces[0].dtype)
+    mine, at = flat[r * chunk:(r + 1) * chunk], 0
+    for piece, size in zip(pieces, padded, strict=True):  # copy-in
+        mine[at:at + piece.numel()] = piece.detach().reshape(-1)
+        at += size
+    ring_allgather(flat, comm, check=False)
+    table, at, whole = flat.view(N, chunk), 0, []
+    for shape, size in zip(shapes, padded, strict=True):  # copy-out
+        whole.append(table[:, at:at + size].reshape(-1)[:math.prod(shape) or 1].view(shape))
+        at += size
+    return whole
+
+
+def reduce_scatter_rows(grads: list[torch.Tensor], comm: Comm,
+                        dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """This rank's rows (:func:`piece_of`) of the mean over the ranks of each whole gradient,
+    in one collective: the gradients laid out as :func:`gather_rows` lays the pieces (rank by
+    rank, each padded), the ring reduce-scatter leaves this rank the sum of its chunk, divided
+    by N and cut back into pieces. ``dtype``: what is sent (None: the gradients').
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    N, r = comm.world_size, comm.rank
+    padded = [padded_size(g.shape, N) for g in grads]
+    chunk = sum(padded)
+    table, at = torch.zeros(N, chunk, dtype=dtype or grads[0].dtype), 0
+    for g, size in zip(grads, padded, strict=True):
+        rows = torch.zeros(N * size, dtype=table.dtype)  # padded to N pieces of equal size
+        rows[:g.numel()] = g.reshape(-1)
+        table[:, at:at + size] = rows.view(N, size)
+        at += size
+    flat = table.view(-1)
+    ring_reduce_scatter(flat, comm, check=False)
+    mine = flat[r * chunk:(r + 1) * chunk] / N
+    out, at = [], 0
+    for g, size in zip(grads, padded, strict=True):
+        n = piece_of(g, r, N).numel()
+        out.append(mine[at:at + n].view(piece_of(g, r, N).shape))
+        at += size
+    return out
+
+
 _running = threading.local()  # the units whose forward runs now, on this thread (this rank)
 
 
@@ -102,10 +172,7 @@ class Unit:
             for name, p in list(owner.named_parameters(recurse=False)):
                 if hasattr(p, "_fsdp_unit") or not p.requires_grad:
                     continue  # another unit's piece, or frozen: whole on every rank
-                rows = p.shape[0] if p.dim() else 1
-                per = math.ceil(rows / N)
-                piece = nn.Parameter(p.detach().reshape(rows, -1)[r * per:(r + 1) * per]
-                                     .clone().reshape(-1, *p.shape[1:]))
+                piece = nn.Parameter(piece_of(p.detach(), r, N).clone())
                 piece._fsdp_unit = self
                 owner._parameters[name] = piece  # what model.parameters() now yields
                 self.places.append((owner, name))
@@ -115,10 +182,6 @@ class Unit:
         if not self.pieces:
             raise ValueError(f"fully_shard: {type(module).__name__} has no trainable parameter "
                              "that another unit has not taken")
-        # the gathered layout: each rank's chunk holds its piece of every parameter, padded
-        self.padded = [math.ceil((s[0] if len(s) else 1) / N) * (math.prod(s[1:]) or 1)
-                       for s in self.shapes]
-        self.chunk = sum(self.padded)
         self.gathered = self.root = False
         self.grads_in = 0
 
@@ -127,20 +190,10 @@ class Unit:
         """All-gather every piece (in ``param_dtype``) and register the whole parameters."""
         if self.gathered:
             return
-        N, r, dtype = self.comm.world_size, self.comm.rank, self._param_dtype()
-        flat = torch.zeros(N * self.chunk, dtype=dtype)
-        mine, at = flat[r * self.chunk:(r + 1) * self.chunk], 0
-        for piece, padded in zip(self.pieces, self.padded, strict=True):  # copy-in
-            mine[at:at + piece.numel()] = piece.detach().reshape(-1)
-            at += padded
-        ring_allgather(flat, self.comm, check=False)
-        table, at = flat.view(N, self.chunk), 0
-        for i, (shape, padded) in enumerate(zip(self.shapes, self.padded, strict=True)):
-            # copy-out: rank by rank, the padding dropped
-            whole = table[:, at:at + padded].reshape(-1)[:math.prod(shape) or 1].view(shape)
-            at += padded
+        wholes = gather_rows(self.pieces, self.shapes, self.comm, self._param_dtype())
+        for i, whole in enumerate(wholes):
             if self.whole[i] is None:  # the first gather: a leaf that collects the gradient
-                self.whole[i] = nn.Parameter(whole.clone())
+                self.whole[i] = nn.Parameter(whole.clone())  # storage of its own
                 self.whole[i].register_post_accumulate_grad_hook(self._grad_in)
             else:  # later ones refill its storage, which autograd may hold since the
                 w = self.whole[i].data  # forward (.data: no version bump, as for a reload)
@@ -162,25 +215,13 @@ class Unit:
     def reduce_scatter(self) -> None:
         """Sum every whole gradient (zeros where none came) over the ranks in
         ``reduce_dtype``; this rank's piece of the mean is added to its piece's ``.grad``."""
-        N, r = self.comm.world_size, self.comm.rank
-        dtype = self.policy.reduce_dtype or self._param_dtype()
-        table, at = torch.zeros(N, self.chunk, dtype=dtype), 0
-        for w, shape, padded in zip(self.whole, self.shapes, self.padded, strict=True):
-            g = w.grad if w.grad is not None else torch.zeros(shape)
-            rows = shape[0] if len(shape) else 1
-            per = padded // (math.prod(shape[1:]) or 1)
-            rows_padded = torch.zeros(N * per, g.numel() // rows, dtype=dtype)
-            rows_padded[:rows] = g.reshape(rows, -1)
-            table[:, at:at + padded] = rows_padded.view(N, padded)
-            at += padded
+        grads = [w.grad if w.grad is not None else torch.zeros(w.shape) for w in self.whole]
+        mine = reduce_scatter_rows(grads, self.comm,
+                                   self.policy.reduce_dtype or self._param_dtype())
+        for w, piece, g in zip(self.whole, self.pieces, mine, strict=True):
             w.grad = None
-        flat = table.view(-1)
-        ring_reduce_scatter(flat, self.comm, check=False)
-        mine, at = flat[r * self.chunk:(r + 1) * self.chunk] / N, 0
-        for piece, padded in zip(self.pieces, self.padded, strict=True):
-            g = mine[at:at + piece.numel()].view_as(piece).to(piece.dtype)
+            g = g.to(piece.dtype)
             piece.grad = g if piece.grad is None else piece.grad + g
-            at += padded
         self.grads_in = 0
 
     # ------------------------------------------------------------ the hooks
@@ -262,19 +303,15 @@ def units_in(module: nn.Module) -> list[Unit]:
 
 
 def full_state_dict(module: nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every parameter by name, whole (each unit's pieces all-gathered, in their dtype), or
-    with ``grads`` their gradients' mean (None where none); every rank calls it.
+    """Every parameter by name, whole (each unit's pieces gathered, :func:`gather_rows`), or
+    with ``grads`` their gradients' mean (zeros where a piece has none); every rank calls it.
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
     whole = {}
     for unit in units_in(module):
-        N, r = unit.comm.world_size, unit.comm.rank
-        for piece, shape, padded in zip(unit.pieces, unit.shapes, unit.padded, strict=True):
-            source = piece.grad if grads else piece.detach()
-            flat = torch.zeros(N * padded, dtype=piece.dtype)
-            if source is not None:
-                flat[r * padded:r * padded + piece.numel()] = source.reshape(-1)
-            ring_allgather(flat, unit.comm, check=False)
-            whole[id(piece)] = flat.view(N, padded).reshape(-1)[:math.prod(shape) or 1] \
-                .view(shape)
+        pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+                  for p in unit.pieces]
+        for piece, w in zip(unit.pieces, gather_rows(pieces, unit.shapes, unit.comm),
+                            strict=True):
+            whole[id(piece)] = w
     return {name: whole.get(id(p), p.grad if grads else p.detach()) for name, p in
             module.named_parameters()}

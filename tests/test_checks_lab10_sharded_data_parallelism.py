@@ -300,3 +300,78 @@ def test_memory_check_passes_the_paper_and_waits_for_an_answer(capsys):
     def unfinished(num_params, world_size, stage, optimizer_bytes=12, bytes_per_number=2):
         raise NotImplementedError
     assert checks.check_zero_memory_per_rank(unfinished) is False
+
+
+# ---------------------------------------------------------------- exercise 4: FSDP's rows
+def gather_rows(pieces, shapes, comm, all_gather, pad=True, by_rank=True):
+    import math
+    N, r = comm.world_size, comm.rank
+    if pad:
+        padded = [math.ceil((s[0] if len(s) else 1) / N) * math.prod(s[1:]) for s in shapes]
+    else:  # this rank's pieces as they are: the chunks differ from rank to rank if uneven
+        padded = [piece.numel() for piece in pieces]
+    chunk = sum(padded)
+    flat = torch.zeros(N * chunk, dtype=pieces[0].dtype)
+    at = r * chunk
+    for piece, size in zip(pieces, padded, strict=True):
+        flat[at:at + piece.numel()] = piece.reshape(-1)
+        at += size
+    all_gather(flat, comm)
+    table, at, whole = flat.view(N, chunk), 0, []
+    for shape, size in zip(shapes, padded, strict=True):
+        part = table[:, at:at + size] if by_rank else flat[N * at:N * (at + size)].view(N, size)
+        whole.append(part.reshape(-1)[:math.prod(shape)].view(shape))
+        at += size
+    return whole
+
+
+def reduce_scatter_rows(grads, comm, reduce_scatter, mean=True):
+    import math
+    N, r = comm.world_size, comm.rank
+    per = [math.ceil(g.shape[0] / N) for g in grads]
+    padded = [p * g[0].numel() for p, g in zip(per, grads, strict=True)]
+    chunk = sum(padded)
+    table, at = torch.zeros(N, chunk, dtype=grads[0].dtype), 0
+    for g, size in zip(grads, padded, strict=True):
+        rows = torch.zeros(N * size, dtype=g.dtype)
+        rows[:g.numel()] = g.reshape(-1)
+        table[:, at:at + size] = rows.view(N, size)
+        at += size
+    flat = table.reshape(-1)
+    reduce_scatter(flat, comm)
+    mine, out, at = flat[r * chunk:(r + 1) * chunk] / (N if mean else 1), [], 0
+    for g, p, size in zip(grads, per, padded, strict=True):
+        n = max(0, min(p, g.shape[0] - r * p)) * (size // p)
+        out.append(mine[at:at + n].view(-1, *g.shape[1:]))
+        at += size
+    return out
+
+
+def one_gather_per_parameter(pieces, shapes, comm, all_gather):
+    return [gather_rows([p], [s], comm, all_gather)[0] for p, s in zip(pieces, shapes,
+                                                                        strict=True)]
+
+
+def test_fsdp_rows_check_passes_the_reference(cluster, capsys):
+    assert checks.check_fsdp_rows(gather_rows, reduce_scatter_rows, reduce_scatter, all_gather,
+                                  cluster) is True
+    assert "✓ check_fsdp_rows: 3/3 units" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("gather, reduce, hint", [
+    (lambda *a: gather_rows(*a, pad=False), reduce_scatter_rows, "pad each piece"),
+    (lambda *a: gather_rows(*a, by_rank=False), reduce_scatter_rows,
+     "the buffer is rank by rank"),
+    (one_gather_per_parameter, reduce_scatter_rows, "you called the all-gather 2 times"),
+    (gather_rows, lambda *a: reduce_scatter_rows(*a, mean=False), "divide the sum by N"),
+])
+def test_fsdp_rows_check_names_the_mistake(cluster, gather, reduce, hint):
+    with pytest.raises(CheckFailed, match=hint):
+        checks.check_fsdp_rows(gather, reduce, reduce_scatter, all_gather, cluster)
+
+
+def test_fsdp_rows_check_waits_for_an_answer(cluster, capsys):
+    def gather(pieces, shapes, comm, all_gather):
+        raise NotImplementedError
+    assert checks.check_fsdp_rows(gather, reduce_scatter_rows, reduce_scatter, all_gather,
+                                  cluster) is False

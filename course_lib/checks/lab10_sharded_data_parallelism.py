@@ -547,3 +547,133 @@ def check_zero_memory_per_rank(student_fn) -> bool:
                           "parameters, the gradients and the optimizer state, and which of "
                           "them this stage divides by N.",
                      result_name="bytes per rank", rtol=1e-9, atol=0, diagnose=_memory_hint)
+
+
+# ---------------------------------------------------------------- exercise 4: FSDP's rows
+# (world size, shapes of one unit): rows that divide, rows that do not (10 over 4: 3, 3, 3, 1),
+# fewer rows than ranks (3 over 4: the last rank holds none), a bias, three dimensions
+ROWS_CASES = [(2, [(4, 3), (4,)]), (4, [(10, 3), (10,), (3, 2)]),
+              (3, [(5, 2, 2), (7,), (1, 4)])]
+
+
+def case_wholes(shapes, seed=0):
+    """The whole tensors of one case: seeded, the same on every rank (float64)."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64) for shape in shapes]
+
+
+def rows_on_rank(payload, shapes, world_size, timeout=STUDENT_TIMEOUT):
+    """On every rank: the student's ``gather_rows`` on this rank's pieces of the case's tensors
+    and ``reduce_scatter_rows`` on gradients that differ by rank ((rank + 1) x the tensors),
+    on the first ``world_size`` ranks (None on the others); what each returned (numpy arrays)
+    and how many collectives each called, or ``{"error"}``.
+    Introduced in labs/10_sharded_data_parallelism.ipynb."""
+    import cloudpickle
+
+    from course_lib import fsdp
+    from course_lib.comm.subgroups import subgroup_comm
+    comm = subgroup_comm(world_size, timeout)
+    if comm is None:
+        return None
+    gather_rows, reduce_scatter_rows, reduce_scatter, all_gather = (
+        cloudpickle.loads(p) for p in payload)
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+
+    def spy(fn, name):
+        def called(buf, comm):
+            calls[name] += 1
+            return fn(buf, comm)
+        return called
+    wholes = case_wholes(shapes)
+    pieces = [fsdp.piece_of(w, comm.rank, comm.world_size) for w in wholes]
+    out = {}
+    try:
+        got = gather_rows(pieces, [w.shape for w in wholes], comm, spy(all_gather, "all_gather"))
+        out["gathered"] = [np.asarray(t.detach()) for t in got]
+        grads = [(comm.rank + 1) * w for w in wholes]
+        got = reduce_scatter_rows(grads, comm, spy(reduce_scatter, "reduce_scatter"))
+        out["reduced"] = [np.asarray(t.detach()) for t in got]
+    except Exception as err:
+        out["error"] = _error_report(err)
+    out["calls"] = dict(calls)
+    return out
+
+
+def _rows_hint(kind, N, shapes, got, want, calls):
+    """What a wrong gather or reduce-scatter of rows did, from what it returned."""
+    if len(got) != len(want) or any(g.shape != w.shape for g, w in zip(got, want, strict=True)):
+        return (f"return one tensor per parameter, of its shape: "
+                f"{[tuple(w.shape) for w in want]}, you returned "
+                f"{[tuple(g.shape) for g in got]}.")
+    if calls != 1:
+        return (f"you called the {kind} {calls} times: lay this rank's pieces end to end in "
+                f"one flat buffer, one chunk per rank, and call it once (one collective per "
+                f"unit, as FSDP does).")
+    if kind == "reduce-scatter":
+        ratio = [float(np.sum(g * w) / np.sum(w * w)) for g, w in zip(got, want, strict=True)
+                 if np.any(w)]
+        if ratio and all(abs(k - N) < 1e-9 for k in ratio):
+            return f"each piece is {N} x the right one: divide the sum by N for the mean."
+    even = all(s[0] % N == 0 for s in (s if len(s) else (1,) for s in shapes))
+    if even:
+        return ("the buffer is rank by rank: chunk k holds rank k's pieces of every parameter "
+                "in turn; read each parameter's rows from every chunk, in rank order.")
+    return ("with rows that do not divide by N, pad each piece to ceil(rows / N) rows, so that "
+            "every rank's chunk has the same size and the ring's chunk k is rank k's pieces; "
+            "drop the padding when you read the rows back.")
+
+
+def check_fsdp_rows(gather_rows, reduce_scatter_rows, reduce_scatter, all_gather, cluster,
+                    timeout=STUDENT_TIMEOUT) -> bool:
+    """Lab 10, exercise 4: ``gather_rows(pieces, shapes, comm, all_gather)`` returns the whole
+    tensors from every rank's rows (``fsdp.piece_of``), ``reduce_scatter_rows(grads, comm,
+    reduce_scatter)`` this rank's rows of the gradients' mean, each with one collective, as
+    ``course_lib.fsdp`` does, on every case of :data:`ROWS_CASES` and every rank; a wrong
+    answer named. Introduced in labs/10_sharded_data_parallelism.ipynb."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    from course_lib import fsdp
+    name = "check_fsdp_rows"
+    fns = (gather_rows, reduce_scatter_rows, reduce_scatter, all_gather)
+    try:
+        payload = tuple(pack_function(fn) for fn in fns)
+    except Exception as e:
+        raise CheckFailed(f"{name}: your functions cannot be sent to the engines ({e}).\nHint: "
+                          "do not refer to the cluster or open files inside them.") from None
+    cases = [(N, shapes) for N, shapes in ROWS_CASES if N <= cluster.n]
+    for number, (N, shapes) in enumerate(cases, start=1):
+        where = f"{name}: case {number}/{len(cases)} (shapes {shapes} on {N} ranks)"
+        try:
+            reports = cluster.run(rows_on_rank, payload, shapes, N, timeout,
+                                  timeout=2 * timeout + 30)[:N]
+        except Exception as err:
+            _cluster_failure(where, err)
+        wholes = case_wholes(shapes)
+        mean = [w * (N + 1) / 2 for w in wholes]  # the mean of (rank + 1) x w over N ranks
+        for rank, report in enumerate(reports):
+            if "error" in report:
+                if report["error"]["type"] == "NotImplementedError":
+                    return not_implemented(name)
+                uneven = any((s[0] if len(s) else 1) % N for s in shapes)
+                hint = ("\nHint: with rows that do not divide by N, pad each piece to "
+                        "ceil(rows / N) rows: then every rank's buffer has the same size and "
+                        "chunk k is rank k's pieces." if uneven else "")
+                raise CheckFailed(f"{where}\n  rank {rank} raised "
+                                  f"{report['error']['text']}{hint}")
+            checks = (("all-gather", report["gathered"], [w.numpy() for w in wholes]),
+                      ("reduce-scatter", report["reduced"],
+                       [fsdp.piece_of(m, rank, N).numpy() for m in mean]))
+            for kind, got, want in checks:
+                calls = report["calls"]["all_gather" if kind == "all-gather"
+                                        else "reduce_scatter"]
+                right = len(got) == len(want) and all(_close(g, w) for g, w in
+                                                      zip(got, want, strict=True))
+                if right and calls == 1:
+                    continue
+                fn = "gather_rows" if kind == "all-gather" else "reduce_scatter_rows"
+                said = "is right" if right else "differs from the right rows"
+                raise CheckFailed(f"{where}\n  rank {rank}: what your {fn} returned {said}"
+                                  f"\nHint: {_rows_hint(kind, N, shapes, got, want, calls)}")
+    print(f"✓ {name}: {len(cases)}/{len(cases)} units gathered whole and reduce-scattered to "
+          f"each rank's rows of the mean, one collective each, on every rank")
+    return True
