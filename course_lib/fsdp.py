@@ -26,6 +26,11 @@ every gradient of the unit is in, they are reduce-scattered in the same layout a
 piece of their mean becomes the piece's ``.grad``: ``loss.backward()`` leaves the optimizer
 nothing to wait for.
 
+The collectives run on one thread per rank, in the order they were started (a GPU gives them
+a stream of its own), so the training thread computes meanwhile: the reduce-scatters overlap
+the rest of the backward, and with ``prefetch`` a unit starts the next unit's gather before it
+computes, at the cost of holding both units' whole parameters.
+
 A :class:`MixedPrecisionPolicy` per unit gathers and computes in ``param_dtype``, reduces in
 ``reduce_dtype`` and returns ``output_dtype``, while the pieces and their gradients stay in the
 model's float32. Parameters in no unit (say the LayerNorms, when only Linear and Embedding
@@ -36,6 +41,8 @@ from __future__ import annotations
 
 import math
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +50,7 @@ from torch import nn
 
 from course_lib.collectives import allreduce, ring_allgather, ring_reduce_scatter
 from course_lib.comm import Comm
+from course_lib.runtime.timeline import DISABLED, Timeline
 
 
 @dataclass(frozen=True)
@@ -153,7 +161,19 @@ def reduce_scatter_rows(grads: list[torch.Tensor], comm: Comm,
     return out
 
 
-_running = threading.local()  # the units whose forward runs now, on this thread (this rank)
+_running = threading.local()  # how many units' forwards run now, on this thread (this rank)
+
+
+def shared(comm: Comm) -> dict:
+    """What the units over one ``comm`` share: the one thread that runs their collectives, in
+    the order they are started (a GPU's communication stream; here a thread, so that the
+    training thread computes meanwhile), and the bytes of whole parameters held, now and at
+    most (``held``, ``peak``).
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    if "_fsdp" not in comm.__dict__:
+        comm._fsdp = {"thread": ThreadPoolExecutor(1, thread_name_prefix=f"fsdp-{comm.rank}"),
+                      "held": 0, "peak": 0, "lock": threading.Lock()}
+    return comm._fsdp
 
 
 class Unit:
@@ -162,10 +182,12 @@ class Unit:
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
 
     def __init__(self, module: nn.Module, comm: Comm, policy: MixedPrecisionPolicy | None,
-                 reshard_after_forward: bool) -> None:
-        self.module, self.comm = module, comm
+                 reshard_after_forward: bool, prefetch: bool = False,
+                 timeline: Timeline = DISABLED) -> None:
+        self.module, self.comm, self.shared = module, comm, shared(comm)
         self.policy = policy or MixedPrecisionPolicy()
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.timeline, self.name = timeline, type(module).__name__
         N, r = comm.world_size, comm.rank
         self.places, self.shapes, self.pieces, self.whole = [], [], [], []
         for owner in module.modules():
@@ -183,14 +205,42 @@ class Unit:
             raise ValueError(f"fully_shard: {type(module).__name__} has no trainable parameter "
                              "that another unit has not taken")
         self.gathered = self.root = False
+        self.pending: Future | None = None  # a gather started on the comm thread
+        self.reducing: Future | None = None  # a reduce-scatter started on it
         self.grads_in = 0
+        self.began = 0.0  # when its forward or backward started computing
+        self.order: list[Unit] = []  # the units in the order of the first forward (the root's)
 
     # ------------------------------------------------------------ the two collectives
+    def _on_comm_thread(self, cat: str, fn, *args) -> Future:
+        """``fn(*args)`` on the comm thread after what was started before it, as a span of the
+        timeline."""
+        def run():
+            with self.timeline.span(f"{cat} {self.name}", cat):
+                return fn(*args)
+        return self.shared["thread"].submit(run)
+
+    def _count(self, n_bytes: int) -> None:
+        with self.shared["lock"]:
+            self.shared["held"] += n_bytes
+            self.shared["peak"] = max(self.shared["peak"], self.shared["held"])
+
+    def start_gather(self) -> None:
+        """Start the all-gather of the pieces (in ``param_dtype``) on the comm thread, unless
+        the unit is gathered or its gather started already: a prefetch."""
+        if not self.gathered and self.pending is None:
+            self._count(self._whole_bytes())  # held from now on: what the gather fills
+            self.pending = self._on_comm_thread(
+                "all-gather", gather_rows, [p.detach() for p in self.pieces], self.shapes,
+                self.comm, self._param_dtype())
+
     def gather(self) -> None:
-        """All-gather every piece (in ``param_dtype``) and register the whole parameters."""
+        """Wait for the pieces' all-gather (starting it if no prefetch did) and register the
+        whole parameters."""
         if self.gathered:
             return
-        wholes = gather_rows(self.pieces, self.shapes, self.comm, self._param_dtype())
+        self.start_gather()
+        wholes, self.pending = self.pending.result(), None
         for i, whole in enumerate(wholes):
             if self.whole[i] is None:  # the first gather: a leaf that collects the gradient
                 self.whole[i] = nn.Parameter(whole.clone())  # storage of its own
@@ -210,27 +260,53 @@ class Unit:
         for (owner, name), piece, w in zip(self.places, self.pieces, self.whole, strict=True):
             owner._parameters[name] = piece
             w.untyped_storage().resize_(0)
+        self._count(-self._whole_bytes())
         self.gathered = False
 
     def reduce_scatter(self) -> None:
-        """Sum every whole gradient (zeros where none came) over the ranks in
-        ``reduce_dtype``; this rank's piece of the mean is added to its piece's ``.grad``."""
+        """Start summing every whole gradient (zeros where none came) over the ranks in
+        ``reduce_dtype`` on the comm thread, while the backward goes on; the whole gradients
+        are let go. :meth:`finish_reduce` adds this rank's piece of the mean to its ``.grad``."""
         grads = [w.grad if w.grad is not None else torch.zeros(w.shape) for w in self.whole]
-        mine = reduce_scatter_rows(grads, self.comm,
-                                   self.policy.reduce_dtype or self._param_dtype())
-        for w, piece, g in zip(self.whole, self.pieces, mine, strict=True):
+        for w in self.whole:
             w.grad = None
+        self.reducing = self._on_comm_thread(
+            "reduce-scatter", reduce_scatter_rows, grads, self.comm,
+            self.policy.reduce_dtype or self._param_dtype())
+        self.grads_in = 0
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter and add this rank's piece of the mean to each piece's
+        ``.grad`` (in the piece's dtype: several backwards add up, as in plain torch)."""
+        if self.reducing is None:
+            return
+        mine, self.reducing = self.reducing.result(), None
+        for piece, g in zip(self.pieces, mine, strict=True):
             g = g.to(piece.dtype)
             piece.grad = g if piece.grad is None else piece.grad + g
-        self.grads_in = 0
 
     # ------------------------------------------------------------ the hooks
     def _param_dtype(self):
         return self.policy.param_dtype or self.pieces[0].dtype
 
+    def _whole_bytes(self) -> int:
+        return sum(math.prod(s) for s in self.shapes) * self._param_dtype().itemsize
+
+    def _next(self, backward: bool = False) -> Unit | None:
+        """The unit that computes after this one, in the order of the first forward (None: none,
+        or not known yet); in backward the order runs back, from the root to the last unit."""
+        order = self.order
+        if self not in order or len(order) < 2:
+            return None
+        i = order.index(self) + (-1 if backward else 1)
+        return order[i] if i < len(order) else None  # order[-1]: the root's, in backward
+
     def _grad_in(self, whole: torch.Tensor) -> None:
         self.grads_in += 1
         if self.grads_in == len(self.whole):  # the unit's backward is done: sync, free
+            if not self.root:  # (the root's backward surrounds the others')
+                self.timeline.add(f"backward {self.name}", "backward", self.began,
+                                  time.perf_counter())
             self.reduce_scatter()
             self.reshard()
 
@@ -238,13 +314,26 @@ class Unit:
         depth = getattr(_running, "depth", 0)
         self.root = depth == 0  # no other unit's forward around it: the model's root
         _running.depth = depth + 1
+        if self.root:  # the units inside it record their order in its list
+            _running.order = self.order
+        self.order = _running.order
+        if self not in self.order:  # the first forward records the order
+            self.order.append(self)
+            self.name = f"{self.name} {len(self.order) - 1}"
         self.gather()
+        nxt = self._next()
+        if self.prefetch and nxt is not None:  # the next unit's gather, while this computes
+            nxt.start_gather()
+        self.began = time.perf_counter()
         if self.policy.cast_forward_inputs:
             return _cast(args, self.policy.param_dtype), _cast(kwargs, self.policy.param_dtype)
         return args, kwargs
 
     def after_forward(self, module, args, output):
         _running.depth -= 1
+        if not self.root:  # (the root's forward surrounds the others')
+            self.timeline.add(f"forward {self.name}", "forward", self.began,
+                              time.perf_counter())
         output = _cast(output, self.policy.output_dtype)
         needs_grad = [t for t in _tensors(output) if t.requires_grad]
         # the root stays gathered when a backward follows at once (FSDP2 does the same)
@@ -258,24 +347,35 @@ class Unit:
     def _before_backward(self, grad):
         if not self.gathered:
             self.gather()
+        nxt = self._next(backward=True)
+        if self.prefetch and nxt is not None:
+            nxt.start_gather()
+        self.began = time.perf_counter()
         torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         return grad
 
     def _after_backward(self) -> None:
         """At the end of backward: a unit some of whose parameters got no gradient has not
-        synchronised yet; it does now (zeros for the missing ones), on every rank alike."""
+        synchronised yet; it does now (zeros for the missing ones), on every rank alike; its
+        reduce-scatter is waited for, and a gather started for nothing is freed."""
         if self.gathered and self.grads_in:
             self.reduce_scatter()
+        self.finish_reduce()
+        if self.pending is not None:
+            self.gather()
         self.reshard()
 
 
 def fully_shard(module: nn.Module, comm: Comm, mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool = True) -> nn.Module:
+                reshard_after_forward: bool = True, prefetch: bool = False,
+                timeline: Timeline = DISABLED) -> nn.Module:
     """Shard ``module``'s parameters that no unit below it took (see the module docstring):
     its registered parameters become this rank's pieces, gathered around its forward and
-    backward, their gradients reduce-scattered during backward. Returns ``module``.
-    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
-    unit = Unit(module, comm, mp_policy, reshard_after_forward)
+    backward, their gradients reduce-scattered during backward. ``prefetch``: start the next
+    unit's gather (in the order of the first forward; in backward, the previous unit's) before
+    this one computes. ``timeline``: each gather, reduce-scatter, forward and backward as a
+    span. Returns ``module``. Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    unit = Unit(module, comm, mp_policy, reshard_after_forward, prefetch, timeline)
     module.register_forward_pre_hook(unit.before_forward, with_kwargs=True)
     module.register_forward_hook(unit.after_forward)
     units = module.__dict__.setdefault("_fsdp_units", [])
@@ -287,8 +387,8 @@ def replicate(module: nn.Module, comm: Comm) -> nn.Module:
     """Every trainable parameter of ``module`` that no unit took stays whole on every rank:
     its gradient is all-reduced (the mean over the ranks) as soon as it is accumulated.
     Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
-    def average(p):
-        allreduce(p.grad, comm, "ring", check=False)
+    def average(p):  # on the comm thread, in turn with the units' collectives
+        shared(comm)["thread"].submit(allreduce, p.grad, comm, "ring", check=False).result()
         p.grad /= comm.world_size
     for p in module.parameters():
         if p.requires_grad and not hasattr(p, "_fsdp_unit"):

@@ -169,3 +169,28 @@ def test_a_module_with_nothing_left_to_shard_is_refused():
         fsdp.fully_shard(layer, comm)
     with pytest.raises(ValueError, match="Linear has no trainable parameter"):
         run_ranks(run, [None] * 2, check_sizes=False)
+
+
+def test_prefetch_trains_the_same_and_holds_one_block_more():
+    """Prefetching the next unit's gather (forward and backward): the same parameters and bytes
+    as without, and at most one block more held at once: the root stays gathered through the
+    step, then one block (two with prefetch: the one computing and the next)."""
+    n, data = 4, batches()
+    losses, want = one_process(lambda: tf.GPT(CFG).double(), data, gpt_loss)
+
+    def run(_, comm, prefetch):
+        def wrap(model, comm):
+            for block in model.blocks:
+                fsdp.fully_shard(block, comm, prefetch=prefetch)
+            return fsdp.fully_shard(model, comm, prefetch=prefetch)
+        out = sharded_run(None, comm, lambda: tf.GPT(CFG).double(), wrap, data, gpt_loss)
+        return out, fsdp.shared(comm)["peak"]
+    root, block = 8 * 8768, 8 * 12704  # bytes of the whole root and of one whole block
+    sent = {}
+    for prefetch, peak in ((False, root + block), (True, root + 2 * block)):
+        out, _ = run_ranks(run, [None] * n, prefetch, check_sizes=False)
+        sent[prefetch] = [o[0][1] for o in out]
+        for (_, _, whole), held in out:
+            assert max(float((whole[k] - v).abs().max()) for k, v in want.items()) < 1e-10
+            assert held == peak, (prefetch, held)
+    assert sent[True] == sent[False]

@@ -33,11 +33,12 @@ if TYPE_CHECKING:  # for the annotations only: matplotlib is imported when a cha
 Event = namedtuple("Event", "name cat start end rank args")
 
 # Which lane of the Gantt chart a category is drawn in, and its colour.
-COMM_CATEGORIES = ("allreduce", "broadcast", "send", "recv")
+COMM_CATEGORIES = ("allreduce", "broadcast", "send", "recv", "all-gather", "reduce-scatter")
 COLOURS = {"compute": "tab:pink", "forward": "tab:blue", "backward": "tab:orange",
            "step": "tab:green", "wait": "tab:red", "allreduce": "tab:purple",
            "broadcast": "tab:brown", "data": "tab:gray", "recv": "tab:olive", "send": "tab:cyan",
-           "weight": "goldenrod"}  # a split backward's W, as in the simulated charts
+           "weight": "goldenrod",  # a split backward's W, as in the simulated charts
+           "all-gather": "tab:purple", "reduce-scatter": "tab:brown"}  # FSDP's
 
 
 @contextmanager

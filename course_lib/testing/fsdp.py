@@ -65,3 +65,39 @@ def fully_shard_beside_torch(param_dtype: str | None = None, reduce_dtype: str |
                       for name, p in theirs.named_parameters())
     dist.barrier()
     return out
+
+
+TIMED = tf.GPTConfig(context=64, d_model=64, n_heads=4)  # blocks that compute a while
+
+
+def prefetch_on_rank(prefetch: bool, link: str = "1GbE", steps: int = 3, batch: int = 32,
+                     config: tf.GPTConfig = TIMED) -> dict:
+    """The transformer (float32, ``config``) sharded per block and at the root by
+    :func:`fsdp.fully_shard`, with or without ``prefetch``, trained ``steps`` AdamW steps on
+    this rank's sequences over an emulated ``link``. Returns the last step's ``timeline``
+    (every gather, reduce-scatter, forward and backward), each step's ``seconds`` and the
+    ``peak`` bytes of whole parameters held at once.
+    Introduced in notebooks/10_sharded_data_parallelism.ipynb."""
+    import time
+
+    from course_lib.runtime import netem
+    from course_lib.runtime.timeline import Timeline
+    comm = get_comm("torch")
+    comm.link = netem.make_link(link)
+    timeline, model = Timeline(comm.rank), tf.GPT(config)
+    for block in model.blocks:
+        fsdp.fully_shard(block, comm, prefetch=prefetch, timeline=timeline)
+    fsdp.fully_shard(model, comm, prefetch=prefetch, timeline=timeline)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data, rng = tf.encode(tf.load_text()[:20_000]), np.random.default_rng(0)
+    rows = slice(*shard_bounds(batch, comm.rank, comm.world_size))
+    seconds = []
+    for _ in range(steps):
+        x, y = tf.get_batch(data, batch, config.context, rng)
+        timeline.clear()
+        start = time.perf_counter()
+        (model(x[rows], y[rows])[1] / y[rows].numel()).backward()
+        opt.step()
+        opt.zero_grad()
+        seconds.append(time.perf_counter() - start)
+    return {"timeline": timeline, "seconds": seconds, "peak": fsdp.shared(comm)["peak"]}
