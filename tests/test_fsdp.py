@@ -1,6 +1,8 @@
 """fully_shard per module with an ordinary optimizer: the transformer trained on 2 and 4 ranks
 (threads, the recording transport) equals one process; the bytes each rank sends are the
-planner's; per-module mixed precision and replicated norms; uneven rows padded as FSDP2 pads."""
+planner's; replicated norms and uneven rows padded as FSDP2 pads; beside torch's fully_shard
+(a cluster), in float32 and bf16; prefetch; and the cases of CS336's FSDP tests through a thin
+adapter (correctness in float32 and fp16, gradient sync)."""
 
 import numpy as np
 import pytest
@@ -194,3 +196,115 @@ def test_prefetch_trains_the_same_and_holds_one_block_more():
             assert max(float((whole[k] - v).abs().max()) for k, v in want.items()) < 1e-10
             assert held == peak, (prefetch, held)
     assert sent[True] == sent[False]
+
+
+# ------------------------------------------------- the cases of CS336's FSDP tests, by adapter
+class Toy(nn.Module):
+    """Embeddings and Linear layers to shard, RMSNorms to replicate (CS336's test model)."""
+
+    def __init__(self, vocab=100, d=64, hidden=128):
+        super().__init__()
+        self.embedding, self.norm1 = nn.Embedding(vocab, d), nn.RMSNorm(d)
+        self.linear1, self.norm2 = nn.Linear(d, hidden, bias=False), nn.RMSNorm(hidden)
+        self.linear2 = nn.Linear(hidden, d, bias=False)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        gen = torch.Generator().manual_seed(42)  # its own: the ranks' threads share the global
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+    def forward(self, x):
+        x = self.norm1(self.embedding(x))
+        x = self.norm2(torch.relu(self.linear1(x)))
+        return self.lm_head(self.linear2(x))
+
+
+def get_fsdp(model, comm, compute_dtype=None):
+    """The adapter: Linear and Embedding layers sharded (computing in ``compute_dtype``,
+    reducing in float32), everything else replicated."""
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for m in list(model.modules()):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            fsdp.fully_shard(m, comm, mp_policy=policy)
+    return fsdp.replicate(model, comm)
+
+
+class HalfCompute(nn.Module):
+    """One process's reference for a compute dtype: the layer's float32 weight cast for the
+    product (its gradient cast back by autograd), as the units compute."""
+
+    def __init__(self, layer, dtype):
+        super().__init__()
+        self.layer, self.dtype = layer, dtype
+
+    def forward(self, x):
+        w = self.layer.weight.to(self.dtype)
+        if isinstance(self.layer, nn.Embedding):
+            return nn.functional.embedding(x, w)
+        return nn.functional.linear(x.to(self.dtype), w)
+
+
+def reference(compute_dtype):
+    model = Toy()
+    if compute_dtype is not None:
+        for name in ("embedding", "linear1", "linear2", "lm_head"):
+            setattr(model, name, HalfCompute(getattr(model, name), compute_dtype))
+    return model
+
+
+def cs336_batches(steps=3):
+    """20 sequences of 8 tokens and a label each, shuffled after every step (the same on every
+    rank)."""
+    gen = torch.Generator().manual_seed(123)
+    x, y = torch.randint(0, 100, (20, 8), generator=gen), torch.randint(0, 100, (20,),
+                                                                        generator=gen)
+    out = []
+    for step in range(steps):
+        out.append((x, y))
+        perm = torch.randperm(20, generator=torch.Generator().manual_seed(42 + step))
+        x, y = x[perm], y[perm]
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype")  # RMSNorm: fp16 input, float32 weight
+@pytest.mark.parametrize("compute_dtype", [None, torch.float16], ids=["fp32", "fp16"])
+def test_cs336_correctness_case(compute_dtype):
+    """Three SGD steps on 2 ranks, each its half of 20 sequences, equal to one process on all
+    of them after every step (CS336's tolerances: 1e-6 in float32, 1e-4 computing in fp16)."""
+    data = cs336_batches()
+
+    def run(_, comm):
+        model = get_fsdp(Toy(), comm, compute_dtype)
+        one = reference(compute_dtype)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, one)]
+        rows, worst = slice(comm.rank * 10, (comm.rank + 1) * 10), 0.0
+        for x, y in data:
+            for m, opt, xs, ys in ((model, opts[0], x[rows], y[rows]), (one, opts[1], x, y)):
+                opt.zero_grad(set_to_none=True)
+                nn.functional.cross_entropy(m(xs)[:, -1, :].float(), ys).backward()
+                opt.step()
+            whole = fsdp.full_state_dict(model)
+            for name, p in one.named_parameters():
+                error = (whole[name.replace(".layer", "")] - p.detach()).abs().max()
+                worst = max(worst, float(error))
+        return worst
+    worst, _ = run_ranks(run, [None] * 2, check_sizes=False)
+    assert max(worst) < (1e-6 if compute_dtype is None else 1e-4), worst
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype")
+@pytest.mark.parametrize("compute_dtype", [None, torch.float16], ids=["fp32", "fp16"])
+def test_cs336_gradient_sync_case(compute_dtype):
+    """After backward on different data per rank: every parameter has a gradient of its own
+    shape in float32, and the replicated ones (the RMSNorms) are the same on both ranks."""
+    def run(_, comm):
+        model = get_fsdp(Toy(), comm, compute_dtype)
+        x = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(comm.rank))
+        model(x).float().sum().backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None and p.grad.shape == p.shape, name
+            assert p.grad.dtype == p.dtype == torch.float32, name
+        return {name: p.grad.clone() for name, p in model.named_parameters() if "norm" in name}
+    grads, _ = run_ranks(run, [None] * 2, check_sizes=False)
+    assert grads[0].keys() == {"norm1.weight", "norm2.weight"}
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
