@@ -377,6 +377,16 @@ def _step_failure(name, where, errors, fns, n, N):
                       f"Hint: {hint}") from cause
 
 
+def _payload(name, fns):
+    """The student's functions, packed for the engines; CheckFailed if they cannot be."""
+    __tracebackhide__ = True  # IPython shows the hint, not the check's frames
+    try:
+        return tuple(pack_function(fn) for fn in fns)
+    except Exception as e:
+        raise CheckFailed(f"{name}: your functions cannot be sent to the engines ({e}).\nHint: "
+                          "do not refer to the cluster or open files inside them.") from None
+
+
 def check_zero1_step(zero1_step, reduce_scatter, all_gather, cluster, seed=0,
                      timeout=STUDENT_TIMEOUT) -> bool:
     """Lab 10, exercise 2: ``zero1_step(params, grads, momentum_shard, comm, lr, momentum,
@@ -389,11 +399,7 @@ def check_zero1_step(zero1_step, reduce_scatter, all_gather, cluster, seed=0,
     __tracebackhide__ = True  # IPython shows the hint, not the check's frames
     name = "check_zero1_step"
     fns = (zero1_step, reduce_scatter, all_gather)
-    try:
-        payload = tuple(pack_function(fn) for fn in fns)
-    except Exception as e:
-        raise CheckFailed(f"{name}: your functions cannot be sent to the engines ({e}).\nHint: "
-                          "do not refer to the cluster or open files inside them.") from None
+    payload = _payload(name, fns)
     cases = [(N, n) for N, n in ZERO1_CASES if N <= cluster.n]
     for number, (N, n) in enumerate(cases, start=1):
         where = f"{name}: case {number}/{len(cases)} ({n} parameters on {N} ranks)"
@@ -635,11 +641,7 @@ def check_fsdp_rows(gather_rows, reduce_scatter_rows, reduce_scatter, all_gather
     from course_lib import fsdp
     name = "check_fsdp_rows"
     fns = (gather_rows, reduce_scatter_rows, reduce_scatter, all_gather)
-    try:
-        payload = tuple(pack_function(fn) for fn in fns)
-    except Exception as e:
-        raise CheckFailed(f"{name}: your functions cannot be sent to the engines ({e}).\nHint: "
-                          "do not refer to the cluster or open files inside them.") from None
+    payload = _payload(name, fns)
     cases = [(N, shapes) for N, shapes in ROWS_CASES if N <= cluster.n]
     for number, (N, shapes) in enumerate(cases, start=1):
         where = f"{name}: case {number}/{len(cases)} (shapes {shapes} on {N} ranks)"
