@@ -14,8 +14,9 @@ assignment) is written the other way round::
 Each call makes one **unit** of the parameters of ``module`` that no unit below claimed. Every
 parameter is cut by rows (dimension 0) into N pieces of ceil(rows / N) rows, as ``torch.chunk``
 cuts it, and this rank keeps its piece as a plain tensor: the registered parameter, float32,
-the master weight the optimizer updates (FSDP2 wraps the same piece in a ``DTensor`` that also
-records the global shape; here the unit records it). Before the unit's forward its pieces are
+the master weight the optimizer updates. FSDP2 wraps the same piece in a ``DTensor`` that also
+records the global shape; here the unit records it, so that the piece is an ordinary tensor to
+any optimizer, scheduler and ``state_dict``. Before the unit's forward its pieces are
 all-gathered, as FSDP2 does, in one collective: each rank's pieces concatenated, each padded to
 its ceil(rows / N) rows, make N equal chunks of one flat buffer (the *copy-in*), which the ring
 all-gather fills and each parameter's rows are read back from (the *copy-out*). The module then
@@ -289,6 +290,12 @@ class Unit:
     def _param_dtype(self):
         return self.policy.param_dtype or self.pieces[0].dtype
 
+    def _record(self, phase: str) -> None:
+        """This unit's forward or backward, from ``began`` to now, on the timeline (not the
+        root's: it surrounds the other units')."""
+        if not self.root:
+            self.timeline.add(f"{phase} {self.name}", phase, self.began, time.perf_counter())
+
     def _whole_bytes(self) -> int:
         return sum(math.prod(s) for s in self.shapes) * self._param_dtype().itemsize
 
@@ -304,9 +311,7 @@ class Unit:
     def _grad_in(self, whole: torch.Tensor) -> None:
         self.grads_in += 1
         if self.grads_in == len(self.whole):  # the unit's backward is done: sync, free
-            if not self.root:  # (the root's backward surrounds the others')
-                self.timeline.add(f"backward {self.name}", "backward", self.began,
-                                  time.perf_counter())
+            self._record("backward")
             self.reduce_scatter()
             self.reshard()
 
@@ -331,9 +336,7 @@ class Unit:
 
     def after_forward(self, module, args, output):
         _running.depth -= 1
-        if not self.root:  # (the root's forward surrounds the others')
-            self.timeline.add(f"forward {self.name}", "forward", self.began,
-                              time.perf_counter())
+        self._record("forward")
         output = _cast(output, self.policy.output_dtype)
         needs_grad = [t for t in _tensors(output) if t.requires_grad]
         # the root stays gathered when a backward follows at once (FSDP2 does the same)
