@@ -308,3 +308,45 @@ def test_cs336_gradient_sync_case(compute_dtype):
     grads, _ = run_ranks(run, [None] * 2, check_sizes=False)
     assert grads[0].keys() == {"norm1.weight", "norm2.weight"}
     assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+
+
+def test_the_whole_parameters_held_at_most_are_what_torchs_memory_tracker_sees():
+    """torch's FSDPMemTracker on its fully_shard (rank 0 of 4 on the fake process group, the
+    float32 transformer, two AdamW steps): at its peak it holds the root's whole parameters and
+    one block's, as the course's units hold at most without prefetch, and shards of the same
+    bytes."""
+    import warnings
+
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with dry_run.fake_world(0, 4), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP2's notes on hooks
+        mesh, theirs = init_device_mesh("cpu", (4,)), tf.GPT(K.CONFIG)
+        for block in theirs.blocks:
+            torch_fully_shard(block, mesh=mesh)
+        torch_fully_shard(theirs, mesh=mesh)
+        opt = torch.optim.AdamW(theirs.parameters())
+        tracker = FSDPMemTracker(theirs, opt)
+        tracker.track_inputs((x, x))
+        with tracker:
+            for _ in range(2):
+                theirs(x, x)[1].backward()
+                opt.step()
+                opt.zero_grad()
+                tracker.reset_mod_stats()
+        (by_kind,) = tracker.get_tracker_snapshot("peak").values()  # one device: the CPU
+        peak = {getattr(kind, "value", kind): n for kind, n in by_kind.items()}
+
+    def ours(_, comm):
+        model = blocks_then_root(tf.GPT(K.CONFIG), comm)
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            model(x[:, :16], x)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        return fsdp.shared(comm)["peak"], sum(p.numel() * 4 for p in model.parameters())
+    (held, pieces), *_ = run_ranks(ours, [None] * 4, check_sizes=False)[0]
+    assert peak["Unsharded Param"] == held == 4 * (8768 + 12704)
+    assert peak["Sharded Param"] == pieces
