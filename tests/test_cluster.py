@@ -349,3 +349,33 @@ def test_a_kernel_that_ends_without_stop_leaves_no_process_of_its_cluster():
         kernel.stdout.close()
     assert len(pids) >= 4  # the controller, the template, two engines (and their nannies)
     assert not [p for p in pids if alive(p)]
+
+
+def flaky_wait(monkeypatch):
+    """Client.wait_for_engines failing once, as when the controller misses an engine's
+    heartbeat (the engine runs, registered on its side, never counted); the calls made."""
+    real, calls = ipp.Client.wait_for_engines, []
+
+    def wait(self, n, *args, **kwargs):
+        calls.append(n)
+        if len(calls) == 1:
+            raise TimeoutError("one engine's heartbeat missed")
+        return real(self, n, *args, **kwargs)
+    monkeypatch.setattr(ipp.Client, "wait_for_engines", wait)
+    return calls
+
+
+def test_a_start_left_short_by_a_running_engine_starts_again(monkeypatch, capsys):
+    calls = flaky_wait(monkeypatch)
+    with C.start_cluster(n=2, share=False) as cluster:
+        assert len(cluster.engine_ids) == 2 and calls == [2, 2]
+    said = capsys.readouterr().out
+    assert "2 engines were not ready within" in said and "starting the cluster again" in said
+
+
+def test_a_start_left_short_by_a_dead_engine_fails_at_once(monkeypatch):
+    calls = flaky_wait(monkeypatch)
+    monkeypatch.setattr(C, "all_engines_running", lambda ipp_cluster: False)
+    with pytest.raises(C.EnginesNotReady, match="2 engines were not ready within"):
+        C.start_cluster(n=2, share=False)
+    assert calls == [2]

@@ -75,6 +75,16 @@ class ClusterError(RuntimeError):
     Introduced in notebooks/00_welcome_and_cluster.ipynb."""
 
 
+class EnginesNotReady(ClusterError):
+    """Fewer engines registered than were started, within the deadline; ``all_running``: every
+    engine process still runs (the controller missed one's heartbeat), so a new start can
+    succeed. Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+
+    def __init__(self, message: str, all_running: bool) -> None:
+        super().__init__(message)
+        self.all_running = all_running
+
+
 class ClusterTimeout(ClusterError, TimeoutError):
     """A call did not finish on some ranks before its deadline.
 
@@ -522,8 +532,23 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     (:mod:`course_lib.runtime.warm_start`; default: yes, unless ``COURSE_LIB_WARM=0``); False starts
     each engine as a fresh Python. share=False: engines of its own even where a test run
     shares clusters between notebooks (``SHARED_ENV``), for a notebook that kills engines on
-    purpose. Introduced in notebooks/00_welcome_and_cluster.ipynb.
+    purpose. If an engine runs but never registers (its heartbeat missed by the controller,
+    a rare race of ipyparallel's start), the cluster is started once more, saying so.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
+    args = (n, backend, engines, timeout, pg_timeout, threads, link, latency, warm, share)
+    try:
+        return _start_cluster(*args, **slurm)
+    except EnginesNotReady as short:
+        if not short.all_running:  # an engine died: starting again would fail the same way
+            raise
+        print(f"{str(short).split(';')[0]}, every engine running: starting the cluster again")
+        return _start_cluster(*args, **slurm)
+
+
+def _start_cluster(n, backend, engines, timeout, pg_timeout, threads, link, latency, warm,
+                   share, **slurm):
+    """:func:`start_cluster`, once."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     most = os.environ.get(MAX_ENGINES_ENV, "")
@@ -577,9 +602,10 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
         try:
             client.wait_for_engines(n, timeout=ipp_cluster.engine_timeout, interactive=False)
         except TimeoutError:
-            raise ClusterError(f"{n} engines were not ready within {ipp_cluster.engine_timeout:g}"
-                               f" s ({len(client.ids)} ready); {start_logs(ipp_cluster)}"
-                               ) from None
+            raise EnginesNotReady(f"{n} engines were not ready within "
+                                  f"{ipp_cluster.engine_timeout:g} s ({len(client.ids)} ready); "
+                                  f"{start_logs(ipp_cluster)}",
+                                  all_running=all_engines_running(ipp_cluster)) from None
         cluster = Cluster(ipp_cluster, client, n, backend, timeout, pg_timeout, threads, link,
                           shared=shared)
     except BaseException:
@@ -593,6 +619,14 @@ def start_cluster(n: int = 4, backend: str = "auto", engines: str = "local", tim
     if warm and not shared:  # the next start_cluster of this kernel finds its imports done
         warm_start.keep_spare(profile_dir)
     return cluster
+
+
+def all_engines_running(ipp_cluster) -> bool:
+    """Whether every engine process of ``ipp_cluster`` is still running.
+    Introduced in notebooks/00_welcome_and_cluster.ipynb."""
+    launchers = [launcher for engine_set in (ipp_cluster.engines or {}).values()
+                 for launcher in getattr(engine_set, "launchers", {}).values()]
+    return bool(launchers) and all(launcher.running for launcher in launchers)
 
 
 def start_logs(ipp_cluster, lines=6):
