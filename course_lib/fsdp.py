@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from course_lib.collectives import allreduce, ring_allgather, ring_reduce_scatter
 from course_lib.comm import Comm
@@ -72,24 +73,7 @@ def _cast(x, dtype):
     """Floating-point tensors in (nested) tuples, lists and dicts cast to ``dtype``."""
     if dtype is None:
         return x
-    if torch.is_tensor(x):
-        return x.to(dtype) if x.is_floating_point() else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(_cast(v, dtype) for v in x)
-    if isinstance(x, dict):
-        return {k: _cast(v, dtype) for k, v in x.items()}
-    return x
-
-
-def _tensors(x):
-    """The tensors in (nested) tuples, lists and dicts."""
-    if torch.is_tensor(x):
-        return [x]
-    if isinstance(x, (tuple, list)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, x)
 
 
 def _rows(shape) -> int:
@@ -338,7 +322,7 @@ class Unit:
         _running.depth -= 1
         self._record("forward")
         output = _cast(output, self.policy.output_dtype)
-        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        needs_grad = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
         # the root stays gathered when a backward follows at once (FSDP2 does the same)
         if self.reshard_after_forward and not (self.root and needs_grad):
             self.reshard()
