@@ -6,7 +6,7 @@
 #      planner's and ZeRO's memory against CUDA's allocator, every collective and parallelism
 #      on CUDA tensors (NCCL for 1 rank, Gloo for 2 and 4 on one GPU) -> OUT/gpu.json, .md;
 #   3. `pytest -m gpu tests/test_gpu.py`: the same, checked;
-#   4. nbval on the notebooks with GPU cells (05, 06, 10, 16).
+#   4. nbval on the notebooks with GPU cells (05, 06, 10, 16, 18).
 # Usage: scripts/gpu-check.sh [OUT]   (default ./gpu-check; STEPS="report tests notebooks" and
 # NOTEBOOKS=... pick what runs). Each step has its own deadline and
 # the next runs even if one fails; the exit status is the first failure's. Copy OUT/gpu.json to
@@ -71,7 +71,8 @@ print(MPI.COMM_WORLD.Get_rank(), MPI.Get_library_version().splitlines()[0], MPI.
       || echo "no working mpiexec"; } 2>&1 | tee "$OUT/machine.txt"
 STEPS=${STEPS:-report tests notebooks}  # e.g. STEPS=notebooks NOTEBOOKS=notebooks/05_*.ipynb
 NOTEBOOKS=${NOTEBOOKS:-notebooks/05_allreduce.ipynb notebooks/06_data_parallel_sgd.ipynb \
-notebooks/10_sharded_data_parallelism.ipynb notebooks/16_planning_a_run.ipynb}
+notebooks/10_sharded_data_parallelism.ipynb notebooks/16_planning_a_run.ipynb \
+notebooks/18_serving_across_devices.ipynb}
 case " $STEPS " in *" report "*)
     step report "${REPORT_S:-240}" "$PY" -m course_lib gpu-check --out "$OUT";; esac
 # the tests and the notebooks side by side (16 cores, one GPU); the report ran alone: its timings

@@ -16,7 +16,8 @@ def test_demo_runs_every_part_and_every_check_passes(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     for row in ["cluster", "batch GD", "SGD", "mini-batch SGD", "sum of 2 shard gradients",
                 "1F1B pipeline, 2 stages", "ZeRO-3, 2 ranks", "rank 1 killed, 2 ranks",
-                "ring attention, 2 ranks"]:
+                "ring attention, 2 ranks", "tensor-parallel decoding, 2 ranks",
+                "continuous (paged) vs static (contiguous) batching"]:
         assert row in out.stdout
     assert "✗" not in out.stdout
     assert (tmp_path / "demo_gd_loss_curves.png").stat().st_size > 10_000

@@ -219,7 +219,7 @@ def test_title_carries_the_file_number(path):
      ["not 11 (fault_tolerance)"]),
     ("in real systems it also counts steps, writes logs and saves checkpoints (notebook 10).",
      ["names 11 (fault_tolerance), not 10"]),
-    ("Notebook 18 (the broken jobs) shows it.", ["notebook 18 does not exist"]),
+    ("Notebook 19 (the broken jobs) shows it.", ["notebook 19 does not exist"]),
     ("[lab 05](../labs/05_all_reduce.ipynb), [lab 04](../labs/05_allreduce.ipynb)",
      ["link to ../labs/05_all_reduce.ipynb: no such file", "link 'lab 04' goes to",
       "05_all_reduce.ipynb: no such notebook or lab"]),

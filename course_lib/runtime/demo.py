@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from course_lib import chief, data, gd, hpsearch, hpsearch_loop, ps, sparse_problem, zero
+from course_lib import decoding, paged_attention, serving
 from course_lib import hogwild as hw
 from course_lib.bench import ddp as bench_ddp
 from course_lib.bench.allreduce import allreduce_rank_bench, format_size
@@ -33,6 +34,7 @@ from course_lib.testing import mesh as mesh_runs
 from course_lib.testing import moe as moe_runs
 from course_lib.testing import pipeline as pipeline_runs
 from course_lib.testing import zero as zero_runs
+from course_lib.transformer import GPT, GPTConfig
 
 Row = tuple[str, str, bool]  # (what, result, check passed)
 
@@ -284,9 +286,36 @@ def planning_a_run(cluster: Cluster, out_dir: Path) -> list[Row]:
              error < 1e-10 and not wrong)]
 
 
+def serving_across_devices(cluster: Cluster, out_dir: Path) -> list[Row]:
+    """Greedy decoding split over every rank by tensor parallelism (one head each) against one
+    process, and continuous batching with a paged cache against static batching with a
+    contiguous one, on the same requests and the same cache memory
+    (notebooks/18_serving_across_devices.ipynb)."""
+    cfg = GPTConfig(context=64, d_model=16 * cluster.n, n_heads=cluster.n)
+    model = GPT(cfg).eval()
+    prompts = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    ranks = cluster.run(serving.generate_on_rank, model.state_dict(), vars(cfg), prompts, 20)
+    alone = decoding.generate(model, prompts, 20)
+    same = all(torch.equal(r["tokens"], alone) for r in ranks)
+    rng = np.random.default_rng(0)
+    requests = [paged_attention.Request(rng.integers(0, 256, int(rng.integers(2, 12))).tolist(),
+                                        int(rng.integers(2, 50))) for _ in range(16)]
+    static = paged_attention.serve(model, requests, paged_attention.contiguous(cfg, 2),
+                                   policy="static")
+    paged = paged_attention.serve(model, requests, paged_attention.PagedKVCache(cfg, 16, 8))
+    answers = [r.tokens for r in static[0]] == [r.tokens for r in paged[0]]
+    rate = [paged_attention.summary(*run)["tokens_per_s"] for run in (paged, static)]
+    return [(f"tensor-parallel decoding, {cluster.n} ranks",
+             f"20 tokens of 2 prompts equal to one process: {same}; "
+             f"{ranks[0]['allreduces_per_step']} allreduces a token", same),
+            ("continuous (paged) vs static (contiguous) batching, 16 requests",
+             f"{rate[0]:.0f} vs {rate[1]:.0f} tokens/s, {len(paged[1])} vs {len(static[1])} "
+             f"steps; the same answers: {answers}", answers and len(paged[1]) < len(static[1]))]
+
+
 PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel,
          pipeline, sharded, fault_tolerance, hyperparameter_search, long_sequences,
-         mixture_of_experts, planning_a_run]
+         mixture_of_experts, planning_a_run, serving_across_devices]
 
 
 def _plot_losses(runs, best, path):

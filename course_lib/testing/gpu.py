@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from course_lib import gpu
+from course_lib import decoding, gpu
 from course_lib.comm import get_comm
 from course_lib.testing import ddp as ddp_testing
 from course_lib.testing import pipeline as pipeline_testing
@@ -144,6 +144,17 @@ def cluster_report(sizes: tuple[int, ...] = (1, 2, 4), device: str = "cuda",
     return report
 
 
+def decode_summary(decode: dict) -> str:
+    """One line per batch of :func:`decoding.decode_report`: tokens/s and its share of the
+    bandwidth roof. Introduced in notebooks/18_serving_across_devices.ipynb."""
+    lines = [f"decode ({decode['parameters'] / 1e9:.2f}B parameters, bf16, roof at "
+             f"{decode['bandwidth'] / 1e12:.2f} TB/s):"]
+    for b, got, roof in zip(decode["batches"], decode["tokens_per_s"],
+                            decode["roof_tokens_per_s"], strict=True):
+        lines.append(f"  batch {b:>4}: {got:10.0f} tokens/s, {got / roof:.0%} of the roof")
+    return "\n".join(lines)
+
+
 def main(out: Path, small: bool = False, clusters: bool = True) -> int:
     """``python -m course_lib gpu-check``: measure, run the cluster checks, write
     ``out/gpu.json`` (what :func:`gpu.reference` reads once copied to ``course_lib/reference``)
@@ -151,7 +162,9 @@ def main(out: Path, small: bool = False, clusters: bool = True) -> int:
     Introduced in notebooks/16_planning_a_run.ipynb."""
     device = "cuda" if torch.cuda.is_available() and not small else "cpu"
     report = gpu.measure(device, small=small or device == "cpu")
-    text = gpu.summary(report)
+    # notebook 18's decode tokens/s against the bandwidth roof
+    report["decode"] = decoding.decode_report(device, small=small or device == "cpu")
+    text = gpu.summary(report) + "\n" + decode_summary(report["decode"])
     print(text, flush=True)
     if clusters:
         zero = {"layers": 3, "width": 64} if device == "cpu" else None
