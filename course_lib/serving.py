@@ -4,9 +4,9 @@ Introduced in notebooks/18_serving_across_devices.ipynb. A model too large for o
 served split by **tensor parallelism** (notebook 14's Megatron block): each rank holds its heads
 of attention and its columns of the MLP, and caches the keys and values of its own heads only;
 every token then costs two allreduces per block (after attention, after the MLP) of
-``batch x d_model`` numbers. Those messages are small and there is one per layer per token, so
-their latency, not their bytes, sets the price: inside a server over NVLink it is a few
-microseconds, between servers tens, and that is why serving keeps TP inside a node::
+``batch x d_model`` numbers. In decode those messages are small and latency sets their price; with
+large batches and in prefill their bytes do, and NVLink carries ten times what a server's network
+does: that is why serving keeps TP inside a node::
 
     split = tensor_parallel_model(model, TensorParallel(comm))   # on every rank
     tokens = decoding.generate(split, prompt, 50)               # the same tokens as one process

@@ -5,7 +5,7 @@ so that a GPU run finds no mistake a CPU could have found."""
 import pytest
 import torch
 
-from course_lib import gpu, planner
+from course_lib import decoding, gpu, planner
 from course_lib.runtime.engine import engine_info
 from course_lib.testing import gpu as testing
 from tests.conftest import shared_cluster
@@ -119,6 +119,18 @@ def test_the_triton_flash_kernel_equals_torchs_attention_and_is_timed_beside_it(
     print(f"causal attention forward, 4 x 16 heads x 2048 x 64, fp32: {ms}")
 
 
+@on_gpu
+def test_decode_tokens_per_second_stay_under_the_bandwidth_roof():
+    """Notebook 18's decode of a 6.4 B-parameter bf16 model: tokens/s at most the roof that
+    reading every weight once a step sets, and rising with the batch while memory-bound (the
+    share of the roof reached is the report's figure, not the test's)."""
+    report = decoding.decode_report("cuda")
+    print(testing.decode_summary(report))
+    for got, roof in zip(report["tokens_per_s"], report["roof_tokens_per_s"], strict=True):
+        assert 0 < got <= 1.05 * roof
+    assert report["tokens_per_s"][1] > report["tokens_per_s"][0]
+
+
 # ---------------------------------------------------------------- the same code, CPU tensors
 def test_checks_run_on_cpu_tensors(cluster):
     """Every check above, with CPU tensors on the 2-rank test cluster: nothing differs."""
@@ -145,3 +157,5 @@ def test_measurements_run_on_the_cpu():
     del report["fp8"]  # a report stored before FP8 was measured still reads
     assert "fp8" not in gpu.summary(report)
     assert planner.Layout().world_size == 1
+    decode = decoding.decode_report("cpu", small=True, batches=(1, 2))
+    assert "batch    2" in testing.decode_summary(decode)
