@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from course_lib import costmodel, planner
+from course_lib import costmodel, gpu, planner
 from course_lib.comm import get_comm
 from course_lib.decoding import Decoder, kv_bytes_per_token, pick
 from course_lib.sequence_parallel import ParallelBlock
@@ -103,12 +103,8 @@ def hop_seconds(comm, n_bytes: int, repeats: int = 20) -> float:
     Introduced in notebooks/18_serving_across_devices.ipynb."""
     right, left = (comm.rank + 1) % comm.world_size, (comm.rank - 1) % comm.world_size
     message = torch.zeros(max(1, n_bytes // 4))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        comm.sendrecv(message, right, torch.empty_like(message), left)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return gpu.timed(lambda: comm.sendrecv(message, right, torch.empty_like(message), left),
+                     repeats, device="cpu")
 
 
 def allreduce_seconds_per_token(cfg: GPTConfig, batch: int, world_size: int,

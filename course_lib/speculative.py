@@ -22,13 +22,13 @@ tokens on average (:func:`expected_tokens`) for one target forward and ``k`` dra
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from course_lib import gpu
 from course_lib.decoding import Decoder
 
 
@@ -96,13 +96,12 @@ def feed_seconds(model: nn.Module | NGramDraft, prompt: torch.Tensor, n_tokens: 
     decoder = model if isinstance(model, NGramDraft) else Decoder(model)
     decoder.truncate(0)
     decoder.feed(prompt)
-    new, times = prompt[:, -n_tokens:], []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    new = prompt[:, -n_tokens:]
+
+    def forward():
         decoder.feed(new)
-        times.append(time.perf_counter() - start)
         decoder.truncate(prompt.shape[-1])
-    return sorted(times)[len(times) // 2]
+    return gpu.timed(forward, repeats, device="cpu")
 
 
 class NGramDraft:

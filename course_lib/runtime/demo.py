@@ -17,8 +17,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from course_lib import chief, data, gd, hpsearch, hpsearch_loop, ps, sparse_problem, zero
-from course_lib import decoding, paged_attention, serving
+from course_lib import (
+    chief,
+    data,
+    decoding,
+    gd,
+    hpsearch,
+    hpsearch_loop,
+    paged_attention,
+    ps,
+    serving,
+    sparse_problem,
+    zero,
+)
 from course_lib import hogwild as hw
 from course_lib.bench import ddp as bench_ddp
 from course_lib.bench.allreduce import allreduce_rank_bench, format_size
