@@ -161,25 +161,30 @@ TPU_V5E = Chip("TPU v5e", 16e9, 8.1e11, 1.97e14)
 H100 = Chip("H100 SXM", 80e9, 3.35e12, 989e12)
 
 
-def serving_memory(model: ServedModel, batch: int, length: int, chips: int = 1,
+def serving_memory(model: ServedModel, batch: int, length: int, tp: int = 1, pp: int = 1,
                    itemsize: float = 2, kv_itemsize: float | None = None) -> dict[str, float]:
-    """Bytes per chip when ``chips`` chips share the weights and the cache of ``batch``
-    requests of ``length`` tokens evenly (tensor parallelism over the heads, or pipeline stages
-    over the layers: either divides both). ``kv_itemsize`` defaults to ``itemsize``.
+    """Bytes per chip when ``tp x pp`` chips serve ``batch`` requests of ``length`` tokens:
+    tensor parallelism over ``tp`` chips splits every layer's weights and key/value heads (a
+    head is whole on a chip: with fewer key/value heads than ``tp``, each is held by several
+    chips), ``pp`` pipeline stages split the layers. ``kv_itemsize`` defaults to ``itemsize``.
     Introduced in notebooks/18_serving_across_devices.ipynb."""
-    kv = kv_bytes_per_token(model.n_layers, model.kv_heads, model.head_dim, 1)
+    kv_heads = max(model.kv_heads / tp, 1)  # per chip: at least one whole head
+    per_token = kv_bytes_per_token(model.n_layers, 1, model.head_dim, 1) * kv_heads / pp
     kv_itemsize = itemsize if kv_itemsize is None else kv_itemsize
-    return {"weights": model.params * itemsize / chips,
-            "kv_cache": batch * length * kv * kv_itemsize / chips}
+    return {"weights": model.params * itemsize / (tp * pp),
+            "kv_cache": batch * length * per_token * kv_itemsize}
 
 
-def decode_step_time(model: ServedModel, batch: int, length: int, chips: int, chip: Chip,
-                     itemsize: float = 2) -> float:
-    """Seconds of one decode step on the roofline: reading the weights and the cache once
-    over the chips' bandwidth, or ``2 params batch`` FLOPs, whichever takes longer.
-    Introduced in notebooks/18_serving_across_devices.ipynb."""
-    held = sum(serving_memory(model, batch, length, chips, itemsize).values())
-    return max(held / chip.bandwidth, 2 * model.params * batch / (chips * chip.flops))
+def decode_step_time(model: ServedModel, batch: int, length: int, chip: Chip, tp: int = 1,
+                     pp: int = 1, itemsize: float = 2) -> float:
+    """Seconds for one token of every request to come out, on the roofline: each of the ``pp``
+    stages reads its weights and cache once over its ``tp`` chips' bandwidth (or does its
+    ``2 params batch / pp`` FLOPs, whichever takes longer), one stage after the other. Pipeline
+    stages divide the memory but not this time; they keep every stage busy only with ``pp``
+    batches in flight. Introduced in notebooks/18_serving_across_devices.ipynb."""
+    held = sum(serving_memory(model, batch, length, tp, pp, itemsize).values())
+    stage = max(held / chip.bandwidth, 2 * model.params * batch / (tp * pp * chip.flops))
+    return pp * stage
 
 
 def critical_batch(chip: Chip, itemsize: float = 2) -> float:

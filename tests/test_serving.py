@@ -38,16 +38,30 @@ def test_the_alpha_beta_price_of_a_token():
 
 
 def test_the_scaling_books_llama_3_70b_on_eight_v5e():
-    held = serving.serving_memory(serving.LLAMA3_70B, 32, 8192, chips=1, itemsize=1)
+    held = serving.serving_memory(serving.LLAMA3_70B, 32, 8192, itemsize=1)
     assert held["weights"] == 70e9
     assert held["kv_cache"] == 32 * 8192 * 163_840  # 42.9 GB (the book rounds to 160 kB a token)
-    assert serving.serving_memory(serving.LLAMA3_70B, 32, 8192, 8, 1)["kv_cache"] * 8 == \
-        held["kv_cache"]
-    step = serving.decode_step_time(serving.LLAMA3_70B, 32, 8192, 8, serving.TPU_V5E, 1)
+    assert serving.serving_memory(serving.LLAMA3_70B, 32, 8192, tp=8, itemsize=1)["kv_cache"] \
+        * 8 == held["kv_cache"]
+    step = serving.decode_step_time(serving.LLAMA3_70B, 32, 8192, serving.TPU_V5E, tp=8,
+                                    itemsize=1)
     assert step == pytest.approx((70e9 + 32 * 8192 * 163_840) / (8 * 8.1e11))  # 17.4 ms
     assert 32 / step / 8 == pytest.approx(229, abs=1)  # tokens per second per chip
     assert serving.critical_batch(serving.TPU_V5E) == pytest.approx(1.97e14 / 8.1e11)
     assert serving.critical_batch(serving.TPU_V5E, 1) == pytest.approx(1.97e14 / 8.1e11 / 2)
     # past the critical batch the FLOPs take longer than the reads
-    big = serving.decode_step_time(serving.LLAMA3_70B, 4096, 16, 8, serving.TPU_V5E, 1)
+    big = serving.decode_step_time(serving.LLAMA3_70B, 4096, 16, serving.TPU_V5E, tp=8,
+                                   itemsize=1)
     assert big == pytest.approx(2 * 70e9 * 4096 / (8 * 1.97e14))
+
+
+def test_pipeline_stages_divide_the_memory_not_the_time_and_tp_past_the_kv_heads_replicates():
+    tp8 = serving.serving_memory(serving.LLAMA3_70B, 32, 8192, tp=8, itemsize=1)
+    pp8 = serving.serving_memory(serving.LLAMA3_70B, 32, 8192, pp=8, itemsize=1)
+    assert tp8 == pp8  # 8 key/value heads over 8 chips, or 80 layers over 8 stages
+    step = {name: serving.decode_step_time(serving.LLAMA3_70B, 32, 8192, serving.TPU_V5E,
+                                           itemsize=1, **{name: 8}) for name in ("tp", "pp")}
+    assert step["pp"] == pytest.approx(8 * step["tp"])  # a token crosses the stages in turn
+    # 16 chips of tensor parallelism for 8 key/value heads: each head on 2 chips
+    tp16 = serving.serving_memory(serving.LLAMA3_70B, 32, 8192, tp=16, itemsize=1)
+    assert tp16["weights"] == tp8["weights"] / 2 and tp16["kv_cache"] == tp8["kv_cache"]

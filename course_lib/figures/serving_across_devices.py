@@ -97,12 +97,14 @@ def speculative_figure(rows: list[dict]):
 def deployment_figure(model: serving.ServedModel = serving.LLAMA3_70B,
                       chip: serving.Chip = serving.TPU_V5E, chips: int = 8, length: int = 8192,
                       itemsize: float = 1):
-    """A deployment on paper: memory per chip by kind against the batch (the chip's memory
-    dashed), and each decode step's latency against throughput per chip as the batch grows.
+    """A deployment on paper, tensor-parallel over ``chips``: memory per chip by kind against
+    the batch (the chip's memory dashed), and each decode step's latency against throughput per
+    chip as the batch grows.
     Introduced in notebooks/18_serving_across_devices.ipynb."""
     import matplotlib.pyplot as plt
     batches = np.array([1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256])
-    held = [serving.serving_memory(model, int(b), length, chips, itemsize) for b in batches]
+    held = [serving.serving_memory(model, int(b), length, chips, itemsize=itemsize)
+            for b in batches]
     fig, (memory, frontier) = plt.subplots(1, 2, figsize=(11, 3.8), layout="constrained")
     memory.stackplot(batches, [h["weights"] / 1e9 for h in held],
                      [h["kv_cache"] / 1e9 for h in held], labels=["weights", "KV cache"])
@@ -111,10 +113,10 @@ def deployment_figure(model: serving.ServedModel = serving.LLAMA3_70B,
                title=f"{model.name}, {chips} chips, {length} tokens, {itemsize:g} byte numbers")
     memory.legend(fontsize=9)
     for context in (2048, 8192, 32768):
-        t = np.array([serving.decode_step_time(model, int(b), context, chips, chip, itemsize)
-                      for b in batches])
+        t = np.array([serving.decode_step_time(model, int(b), context, chip, chips,
+                                               itemsize=itemsize) for b in batches])
         fits = np.array([sum(serving.serving_memory(model, int(b), context, chips,
-                                                    itemsize).values()) <= chip.memory
+                                                    itemsize=itemsize).values()) <= chip.memory
                          for b in batches])
         frontier.plot((batches / t / chips)[fits], (t * 1e3)[fits], "o-",
                       label=f"{context} tokens")
