@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from course_lib import gpu
@@ -58,6 +59,17 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ values
 
 
+def sdpa_cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          start: int) -> torch.Tensor:
+    """:func:`cached_attention` by torch's fused ``scaled_dot_product_attention`` (the causal
+    mask shifted by ``start``, grouped-query heads by ``enable_gqa``): the native kernel the
+    benchmark compares with. Introduced in notebooks/18_serving_across_devices.ipynb."""
+    t, total = q.shape[-2], keys.shape[-2]
+    visible = torch.ones(t, total, dtype=torch.bool, device=q.device).tril(start)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible,
+                                          enable_gqa=keys.shape[1] != q.shape[1])
+
+
 class KVCache:
     """Keys and values of every position so far, per layer: ``(B, kv_heads, capacity, d)``
     each, allocated once for ``capacity`` positions (a contiguous cache: every sequence of the
@@ -66,11 +78,13 @@ class KVCache:
     Introduced in notebooks/18_serving_across_devices.ipynb."""
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 kernel: Callable = cached_attention) -> None:
         shape = (n_layers, batch, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.n_layers, self.kv_heads, self.capacity = n_layers, kv_heads, capacity
+        self.kernel = kernel  # cached_attention's arguments and result: another may replace it
         self.length = 0   # positions stored in every layer
         self.layer = 0    # the layer the next attend() call belongs to
 
@@ -88,7 +102,7 @@ class KVCache:
         if self.layer == 0:  # the last layer has stored them: the positions are in
             self.length += t
         end = start + t
-        return cached_attention(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], start)
+        return self.kernel(q, self.k[layer, :, :, :end], self.v[layer, :, :, :end], start)
 
     def truncate(self, length: int) -> None:
         """Forget the positions from ``length`` on (speculative decoding's rejected tokens)."""
@@ -116,7 +130,8 @@ class Decoder:
     then caches its own heads). Introduced in notebooks/18_serving_across_devices.ipynb."""
 
     def __init__(self, model: nn.Module, batch: int = 1, capacity: int | None = None,
-                 kv_heads: int | None = None, dtype: torch.dtype | None = None) -> None:
+                 kv_heads: int | None = None, dtype: torch.dtype | None = None,
+                 kernel: Callable = cached_attention) -> None:
         cfg = model.cfg
         head_dim = cfg.d_model // cfg.n_heads
         heads = getattr(model.blocks[0], "heads", cfg.n_heads)  # a TP block: this rank's heads
@@ -127,7 +142,7 @@ class Decoder:
         dtype = dtype or next(model.parameters()).dtype
         device = next(model.parameters()).device
         self.cache = KVCache(cfg.n_layers, batch, kv_heads, head_dim, capacity or cfg.context,
-                             dtype, device)
+                             dtype, device, kernel)
 
     @property
     def length(self) -> int:
@@ -208,13 +223,14 @@ def decode_intensity(params: int, batch: int, itemsize: int = 4, cache_bytes: in
 
 @torch.no_grad()
 def time_decode(model: GPT, batches: Sequence[int], context: int = 16, repeats: int = 5,
-                device: str = "cpu") -> list[float]:
+                device: str = "cpu", kernel: Callable = cached_attention) -> list[float]:
     """Seconds of one decode step (one new token for each of ``batch`` sequences, each with
-    ``context`` cached positions) for each batch size: the median of ``repeats``.
+    ``context`` cached positions) for each batch size: the median of ``repeats``. ``kernel``:
+    the attention over the cache (:func:`cached_attention`, or :func:`sdpa_cached_attention`).
     Introduced in notebooks/18_serving_across_devices.ipynb."""
     out = []
     for batch in batches:
-        decoder = Decoder(model, batch, capacity=context + 1)
+        decoder = Decoder(model, batch, capacity=context + 1, kernel=kernel)
         decoder.feed(torch.zeros(batch, context, dtype=torch.long, device=device))
         token = torch.zeros(batch, 1, dtype=torch.long, device=device)
 

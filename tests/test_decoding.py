@@ -46,6 +46,9 @@ def test_cached_attention_is_causal_attention_and_sdpas_grouped_query_attention(
     # the last 2 queries over all 6 keys: rows 4 and 5 of the whole
     torch.testing.assert_close(decoding.cached_attention(q[:, :, 4:], k, v, 4),
                                tf.causal_attention(q, k, v)[:, :, 4:])
+    for args in ((q, k, v, 0), (q[:, :, 4:], k, v, 4), (q[:, :, 3:], keys, values, 3)):
+        torch.testing.assert_close(decoding.sdpa_cached_attention(*args),
+                                   decoding.cached_attention(*args))
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
