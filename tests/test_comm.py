@@ -192,3 +192,14 @@ def test_during_puts_who_and_what_first_and_keeps_the_kind_of_error():
     with pytest.raises(ValueError, match="^not a comm error$"):  # anything else passes through
         with during("ring attention"):
             raise ValueError("not a comm error")
+
+
+def test_a_torch_wait_never_ends_before_its_deadline():
+    """torch's Work.wait keeps whole milliseconds: a deadline 0.99995 s away, truncated, would
+    fire 1 ms early; rounded up it never does (and 0 s is 1 ms, not "no deadline")."""
+    from datetime import timedelta
+
+    from course_lib.comm.base import whole_milliseconds
+    assert whole_milliseconds(0.99995) == timedelta(seconds=1)
+    assert whole_milliseconds(1.0) == timedelta(seconds=1)
+    assert whole_milliseconds(0.0) == whole_milliseconds(-1.0) == timedelta(milliseconds=1)

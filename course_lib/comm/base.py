@@ -12,6 +12,7 @@ One file a little over a lesson's length: the protocol's pieces (errors, :class:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -157,13 +158,20 @@ def during(what: str, error: type[CommError] | None = None) -> Iterator[None]:
         raise (error or type(e))(f"{what}: {e}") from e
 
 
+def whole_milliseconds(seconds: float) -> timedelta:
+    """``seconds`` rounded up to a whole millisecond, at least one: torch's ``Work.wait`` keeps
+    whole milliseconds (0.9999 s would become 999 ms, a deadline fired early) and takes 0 for
+    no deadline at all. Introduced in notebooks/02_parallel_computing.ipynb."""
+    return timedelta(milliseconds=max(1, math.ceil(seconds * 1000)))
+
+
 def wait_work(work: Any, timeout: float, what: str, error: type[Exception] | None = None) -> None:
     """Wait for a native collective (a torch.distributed ``Work``) with a deadline. Past it, or
     on failure, raise ``error`` (default :class:`CommTimeout`, or :class:`CommError` when it
     failed otherwise) naming this rank, ``what`` and the deadline.
     Introduced in notebooks/02_parallel_computing.ipynb."""
     try:
-        work.wait(timedelta(seconds=timeout))
+        work.wait(whole_milliseconds(timeout))
     except RuntimeError as e:
         import torch.distributed as dist  # only callers holding a torch Work get here (loaded)
         text = str(e)

@@ -27,6 +27,7 @@ from course_lib.comm.base import (
     Request,
     nbytes,
     wait_all,
+    whole_milliseconds,
 )
 from course_lib.runtime import netem
 
@@ -227,8 +228,7 @@ class TorchComm(Comm):
         if work is None:
             return True
         try:
-            # at least 1 ms: torch waits in whole milliseconds, and 0 means no deadline at all
-            work.wait(timedelta(seconds=max(timeout, 1e-3)))
+            work.wait(whole_milliseconds(timeout))  # never shorter than what is left
         except RuntimeError as e:
             if "imed out" in str(e) or "timeout" in str(e).lower():  # Gloo's "Timed out ..."
                 return False
