@@ -57,6 +57,16 @@ def test_named_numbered_and_opened_with_a_title(path):
     assert nb["metadata"]["kernelspec"]["name"] == "python3"
 
 
+@pytest.mark.parametrize("path", ALL, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_control_character_in_a_cell(path):
+    """A tab or carriage return in a cell is almost always LaTeX written into JSON without its
+    backslash doubled: "\\text" stored as "\\t" + "ext" renders as a tab and "ext"."""
+    nb = json.loads(path.read_text())
+    bad = [(i, repr(ch)) for i, c in enumerate(nb["cells"]) for ch in "".join(c["source"])
+           if ord(ch) < 32 and ch != "\n"]
+    assert bad == [], f"{path.name}: control characters in cells (index, char): {bad[:5]}"
+
+
 def test_labs_pair_with_notebooks_and_solutions():
     topics = {p.name[:2] for p in NOTEBOOKS}
     for lab in LABS:
