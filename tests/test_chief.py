@@ -25,10 +25,16 @@ def test_a_killed_worker_is_restarted_and_the_result_is_bit_exact(cluster, tmp_p
     run = chief.supervise(cluster, tmp_path / "ckpt", STEPS, K, report=said.append,
                           faults=["train-step:kill@13:rank=1"])
     assert run.restarts == 1 and "rank 1" in run.failures[0] and "restarting" in said[0]
-    assert run.recomputed == [2]  # killed before step 13: steps 11-12 again, from step 10
+    # rank 1 dies before its step 13; training resumes from step 10's checkpoint. The chief
+    # logged step 12 unless the restart stopped it between step 12's last allreduce and its log
+    # line (a chief descheduled there on a busy machine; seen once in a fresh-clone run): steps
+    # 11-12, or 11 alone, are logged twice
+    (again,) = run.recomputed
+    assert again in (1, 2)
     assert all(torch.equal(p, reference) for p in run.params)
     steps = [r["step"] for r in run.log if r["event"] == "step"]
-    assert steps[:12] == list(range(1, 13)) and steps[12:] == list(range(11, STEPS + 1))
+    assert steps[:10 + again] == list(range(1, 11 + again))
+    assert steps[10 + again:] == list(range(11, STEPS + 1))
 
 
 def test_the_chief_logs_for_tensorboard_and_a_restart_shows_each_step_once(cluster, tmp_path):
