@@ -24,7 +24,6 @@ from course_lib import (
     gd,
     hpsearch,
     hpsearch_loop,
-    paged_attention,
     ps,
     serving,
     sparse_problem,
@@ -32,6 +31,7 @@ from course_lib import (
 )
 from course_lib import hogwild as hw
 from course_lib.bench import ddp as bench_ddp
+from course_lib.bench import serving as bench_serving
 from course_lib.bench.allreduce import allreduce_rank_bench, format_size
 from course_lib.figures import hyperparameter_search as hpsearch_figures
 from course_lib.figures import save_figure
@@ -308,20 +308,15 @@ def serving_across_devices(cluster: Cluster, out_dir: Path) -> list[Row]:
     ranks = cluster.run(serving.generate_on_rank, model.state_dict(), vars(cfg), prompts, 20)
     alone = decoding.generate(model, prompts, 20)
     same = all(torch.equal(r["tokens"], alone) for r in ranks)
-    rng = np.random.default_rng(0)
-    requests = [paged_attention.Request(rng.integers(0, 256, int(rng.integers(2, 12))).tolist(),
-                                        int(rng.integers(2, 50))) for _ in range(16)]
-    static = paged_attention.serve(model, requests, paged_attention.contiguous(cfg, 2),
-                                   policy="static")
-    paged = paged_attention.serve(model, requests, paged_attention.PagedKVCache(cfg, 16, 8))
-    answers = [r.tokens for r in static[0]] == [r.tokens for r in paged[0]]
-    rate = [paged_attention.summary(*run)["tokens_per_s"] for run in (paged, static)]
+    static, paged = bench_serving.batching_rows(model, 16)  # the same requests, both ways
     return [(f"tensor-parallel decoding, {cluster.n} ranks",
              f"20 tokens of 2 prompts equal to one process: {same}; "
              f"{ranks[0]['allreduces_per_step']} allreduces a token", same),
             ("continuous (paged) vs static (contiguous) batching, 16 requests",
-             f"{rate[0]:.0f} vs {rate[1]:.0f} tokens/s, {len(paged[1])} vs {len(static[1])} "
-             f"steps; the same answers: {answers}", answers and len(paged[1]) < len(static[1]))]
+             f"{paged['tokens_per_s']:.0f} vs {static['tokens_per_s']:.0f} tokens/s, "
+             f"{paged['steps']} vs {static['steps']} steps; the same answers: "
+             f"{paged['same_answers']}",
+             paged["same_answers"] and paged["steps"] < static["steps"])]
 
 
 PARTS = [gradient_descent, full_gradient, allreduce, parameter_server, hogwild, data_parallel,
