@@ -38,3 +38,8 @@ def __getattr__(name: str):
         from course_lib.runtime import cluster
         return getattr(cluster, name)
     raise AttributeError(f"module 'course_lib' has no attribute {name!r}")
+
+
+if _os.environ.get("COURSE_LIB_SLIDE_TEXT"):  # runtime.slide_text: each figure shown, measured
+    from course_lib.runtime.slide_text import watch_slide_text as _watch_slide_text
+    _watch_slide_text()

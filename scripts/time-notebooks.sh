@@ -3,10 +3,15 @@
 # a time, as the README's table does; prints the table's row. Beside other work:
 #   scripts/busy.sh scripts/time-notebooks.sh
 #   scripts/time-notebooks.sh notebooks/14_*.ipynb notebooks/15_*.ipynb
+# KEEP=dir keeps the executed notebooks there (COURSE_LIB_SLIDE_TEXT=1 then shows, as an error
+# under the cell, each figure whose text a room cannot read on a slide).
 set -u
 cd "$(dirname "$0")/.."
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+if [ -n "${KEEP:-}" ]; then
+    out=$KEEP; mkdir -p "$out"
+else
+    out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
+fi
 [ $# -gt 0 ] || set -- notebooks/[0-9][0-9]_*.ipynb
 head="| notebook |"; rule="|---|"; row="| Run All (s) |"
 for nb in "$@"; do

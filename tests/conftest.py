@@ -79,3 +79,34 @@ def chromium():
             yield browser
         finally:
             browser.close()
+
+
+# Every figure a test draws is one a notebook shows, and a deck shows it on a 1280 x 720 slide:
+# its smallest text must be readable there (course_lib.runtime.slide_text). The
+# notebooks' own figures are measured the same way under nbval (COURSE_LIB_SLIDE_TEXT).
+_DRAWN = []
+
+
+def _track_figures():
+    import matplotlib.figure
+
+    init = matplotlib.figure.Figure.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _DRAWN.append(self)
+
+    matplotlib.figure.Figure.__init__ = tracked
+
+
+_track_figures()
+
+
+@pytest.fixture(autouse=True)
+def _figures_readable_on_a_slide():
+    _DRAWN.clear()
+    yield
+    from course_lib.runtime.slide_text import too_small_for_slides
+    problems = [p for p in map(too_small_for_slides, _DRAWN) if p]
+    _DRAWN.clear()
+    assert not problems, "\n".join(problems)

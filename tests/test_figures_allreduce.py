@@ -88,7 +88,7 @@ def test_naive_and_tree_messages_reduce_to_rank_0_and_broadcast_back(world_size)
         assert got == set(range(world_size))
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 6])
+@pytest.mark.parametrize("world_size", [2, 3, 4])  # notebook 05 draws 4, lab 05 3
 def test_ring_figure_has_one_panel_per_step(world_size):
     fig = fa.ring_steps_figure(world_size)
     assert len(fig.axes) == 2 * (world_size - 1)

@@ -3,6 +3,13 @@ writes its figures into ``images/``: ``python -m course_lib images`` calls them 
 
 from pathlib import Path
 
+from course_lib.runtime.slide_text import (  # noqa: F401  (the figure modules' floor)
+    for_slides,
+    least_points,
+    raise_small_text,
+    too_small_for_slides,
+)
+
 
 def save_figure(fig, out_dir, name, dpi=120):
     """Write ``fig`` as ``out_dir/name`` (laid out tight), close it, and return the path: the end
@@ -10,6 +17,7 @@ def save_figure(fig, out_dir, name, dpi=120):
     import matplotlib.pyplot as plt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    raise_small_text(fig)
     if fig.get_layout_engine() is None:  # a figure made with layout="constrained" keeps it
         fig.tight_layout()
     fig.savefig(out / name, dpi=dpi)

@@ -28,9 +28,11 @@ from matplotlib.patches import Patch, Rectangle
 from course_lib import costmodel
 from course_lib.collectives import TAG_AG, TAG_RS, ring_allreduce
 from course_lib.comm import Message, run_ranks
+from course_lib.figures import raise_small_text
 
 
 def _finish(fig, path):
+    raise_small_text(fig)
     if path is not None:
         fig.savefig(path, dpi=110, bbox_inches="tight")
     return fig

@@ -18,8 +18,11 @@ import matplotlib as mpl
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from course_lib.figures import raise_small_text
+
 
 def _finish(fig, path):
+    raise_small_text(fig)
     if path is not None:
         fig.savefig(path, dpi=110, bbox_inches="tight")
     return fig

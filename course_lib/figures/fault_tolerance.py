@@ -9,9 +9,10 @@ checkpoint interval, simulated and measured; a parameter server killed and resta
 
 from __future__ import annotations
 
-from course_lib.figures import save_figure
+from course_lib.figures import for_slides, save_figure
 
 
+@for_slides
 def loss_with_restarts(log, reference_log=None, ax=None):
     """Loss against global step for each attempt of a supervised run (from the chief's log),
     a vertical line at each failure, the recomputed steps shaded, over ``reference_log`` (the
@@ -45,6 +46,7 @@ def loss_with_restarts(log, reference_log=None, ax=None):
     return ax
 
 
+@for_slides
 def checkpoint_interval(mtbf=3.0, cost=1 / 60, restart=5 / 60, work=200.0, intervals=None,
                         hours=None, ax=None):
     """Simulated hours to finish ``work`` hours of work against the checkpoint interval, with
@@ -87,6 +89,7 @@ def save_all(out_dir):
     return [save_figure(checkpoint_interval().figure, out_dir, "11_checkpoint_interval.png")]
 
 
+@for_slides
 def measured_intervals(rows, young_steps, ax=None):
     """Measured time to finish against the checkpoint interval K (rows of
     ``bench.checkpoint.interval_rows``), with each run's failures and steps redone under its K,
@@ -113,6 +116,7 @@ def measured_intervals(rows, young_steps, ax=None):
     return ax
 
 
+@for_slides
 def tensorboard_and_log(scalars, log, axes=None):
     """The chief's two logs of one supervised run: left, the loss per step from TensorBoard's
     event files (``scalars``: ``[(step, value)]`` of ``tensorboard_view.read_scalars``) under
@@ -148,6 +152,7 @@ def tensorboard_and_log(scalars, log, axes=None):
     return axes
 
 
+@for_slides
 def server_restart(result, axes=None):
     """A parameter server killed and restarted (``ps.train(..., server_restarts=1)``): the
     server's version in each reply to each worker, and each worker's batch loss, against time;
@@ -182,6 +187,7 @@ def server_restart(result, axes=None):
     return axes
 
 
+@for_slides
 def resharding(shape, saved_boxes, loaded, name, saved_as="saved", loaded_as="loaded",
                axes=None):
     """One tensor of shape ``shape`` twice: as the writers saved it (``saved_boxes``, one
@@ -216,6 +222,7 @@ def resharding(shape, saved_boxes, loaded, name, saved_as="saved", loaded_as="lo
     return axes
 
 
+@for_slides
 def async_save(results, axes=None):
     """The time a save costs the run, as bars: ``dcp.save`` then the next steps, against
     ``async_save`` (the copy, the steps beside the write, any wait left for it), one panel per

@@ -17,9 +17,11 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from course_lib import data, gd, models
+from course_lib.figures import raise_small_text
 
 
 def _finish(fig, path):
+    raise_small_text(fig)
     if path is not None:
         fig.savefig(path, dpi=110, bbox_inches="tight")
     return fig

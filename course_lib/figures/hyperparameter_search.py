@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 
-from course_lib.figures import save_figure
+from course_lib.figures import for_slides, raise_small_text, save_figure
 
 
+@for_slides
 def gantt(results, axes=None):
     """One row per engine, one bar per job (coloured by rung, its configuration id written in
     it when there is room), white where the engine sat idle; one panel per search result.
@@ -47,6 +48,7 @@ def gantt(results, axes=None):
     return axes
 
 
+@for_slides
 def best_so_far(results, x="seconds", ax=None):
     """Best validation accuracy so far against ``x`` ("seconds" or "epochs" spent), one line
     per search (a list of results for one search over seeds: its median, and the range).
@@ -83,6 +85,7 @@ def time_to_reach(result, target):
     return (float(reached[0, 0]), int(reached[0, 1])) if len(reached) else None
 
 
+@for_slides
 def speedup(rows, ax=None):
     """Speed-up of each search against the number of engines (rows: dict(search, engines,
     seconds)), with the ideal line. Introduced in notebooks/13_hyperparameter_search.ipynb."""
@@ -143,6 +146,7 @@ class LivePlot:
         ax.title.set_fontsize(9)
         if jobs:
             ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        raise_small_text(fig)
         fig.tight_layout()
         self.updates += 1
         try:

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
+from course_lib.figures import for_slides
 from course_lib.stragglers import expected_step_time, simulate_step_times
 
 
+@for_slides
 def plot_accuracy_vs_batch(rows, ax=None):
     """Mean test accuracy (line) and every seed (dots) against the global batch size.
 
@@ -45,6 +47,7 @@ def plot_accuracy_vs_batch(rows, ax=None):
     return ax
 
 
+@for_slides
 def plot_straggler_table(rows, ax=None):
     """Stacked bars per rank: compute (dark) and time waiting in the allreduce (light).
 
@@ -68,6 +71,7 @@ def plot_straggler_table(rows, ax=None):
     return ax
 
 
+@for_slides
 def plot_order_statistics(workers=(1, 2, 4, 8, 16, 32, 64, 128, 256), backups=(0, 1, 2, 4),
                           mean_delay=1.0, num_steps=2000, ax=None):
     """Expected step time vs workers for several numbers of backups: formula (lines) and

@@ -13,12 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import pipeline
-from course_lib.figures import save_figure
+from course_lib.figures import for_slides, least_points, save_figure
 
 COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "goldenrod"}
 LIGHT = {"F": "#9ecae1", "B": "#fdbf86", "W": "#eedc9a"}  # a rank's second chunk of layers
 
 
+@for_slides
 def simulated_gantt(sim, ax, title=None, xmax=None, chunks=None):
     """One row per stage: its forwards (blue), backwards (orange) and weight gradients (gold,
     a split backward's W) with the micro-batch number where the box has room for it; white is
@@ -29,14 +30,15 @@ def simulated_gantt(sim, ax, title=None, xmax=None, chunks=None):
     ax.set_xlim(0, xmax)
     # points per unit of time: the axes' width before the figure's layout widens it
     points = ax.get_position().width * ax.figure.get_figwidth() * 72 / xmax
+    size = max(7.0, least_points(ax.figure))  # the numbers, readable when the figure is a slide
     for s, row in enumerate(sim.intervals):
         for i, (op, m, start, end) in enumerate(row):
             light = bool(chunks and chunks[s][i])
             ax.broken_barh([(start, end - start)], (s - 0.4, 0.8),
                            facecolors=(LIGHT if light else COLOURS)[op], edgecolors="white",
                            linewidth=0.5)
-            if (end - start) * points >= 4.5 * len(str(m)) + 2:  # a 7-point digit: ~4.5 pt
-                ax.text((start + end) / 2, s, str(m), ha="center", va="center", fontsize=7,
+            if (end - start) * points >= 0.64 * size * len(str(m)) + 2:  # a digit's width
+                ax.text((start + end) / 2, s, str(m), ha="center", va="center", fontsize=size,
                         color="black" if light or op == "W" else "white")
     ax.set_yticks(range(len(sim.intervals)), [f"stage {s}" for s in range(len(sim.intervals))])
     ax.invert_yaxis()
@@ -46,6 +48,7 @@ def simulated_gantt(sim, ax, title=None, xmax=None, chunks=None):
     return ax
 
 
+@for_slides
 def schedules_figure(num_stages=4, num_microbatches=8, t_forward=1.0, t_backward=2.0,
                      virtual_stages=2):
     """Naive, GPipe, 1F1B and interleaved 1F1B (``virtual_stages`` chunks per rank) on N stages,
@@ -60,7 +63,7 @@ def schedules_figure(num_stages=4, num_microbatches=8, t_forward=1.0, t_backward
         k = M if schedule == "naive" else 1  # the naive schedule: the whole batch at once
         sims[schedule] = pipeline.simulate(schedule, N, M, k * t_forward, k * t_backward,
                                            virtual_stages=v)
-    fig, axes = plt.subplots(len(sims), 1, figsize=(10, 9.5))
+    fig, axes = plt.subplots(len(sims), 1, figsize=(12, 6.75))  # a slide's shape
     for ax in axes[2:]:  # the naive run keeps an axis of its own
         ax.sharex(axes[1])
     streamed = max(sims[s].makespan for s in sims if s != "naive")
@@ -103,6 +106,7 @@ def schedules_figure(num_stages=4, num_microbatches=8, t_forward=1.0, t_backward
     return fig
 
 
+@for_slides
 def zero_bubble_figure(num_stages=4, num_microbatches=8):
     """1F1B, ZB-H1 and ZB-V simulated on one time axis for the same work: a forward F, and a
     backward of 2F that the zero-bubble schedules split into B (the input's gradient) and W
@@ -133,6 +137,7 @@ def zero_bubble_figure(num_stages=4, num_microbatches=8):
     return fig
 
 
+@for_slides
 def collective_matmul_figure(results):
     """Left: the share of the all-gather's time the collective matmul hid, measured (points,
     one per link) against the α-β model min(1, m/c) over c/m, a block's message time over its
@@ -166,6 +171,7 @@ def collective_matmul_figure(results):
     return fig
 
 
+@for_slides
 def measured_vs_simulated(reports, schedule, num_microbatches, t_forward, t_backward):
     """The measured Gantt chart of one step (every stage's Timeline) over the simulated one.
     Introduced in notebooks/09_model_parallelism.ipynb."""
@@ -189,6 +195,7 @@ def measured_vs_simulated(reports, schedule, num_microbatches, t_forward, t_back
     return fig
 
 
+@for_slides
 def bubble_figure(rows):
     """Measured bubble against M (points) over (N-1)/(M+N-1) (lines), and the peak live
     micro-batches of GPipe and 1F1B. ``rows``: of ``bench.pipeline.measure``.
@@ -221,6 +228,7 @@ def bubble_figure(rows):
     return fig
 
 
+@for_slides
 def tp_vs_pp_figure(results):
     """Step time of tensor vs pipeline parallelism for each link. ``results``: ``{link label:
     {"tensor": s, "pipeline": s}}`` (the slowest rank's, from

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from course_lib.figures import raise_small_text
+
 
 def plot_memory_architectures(path=None):
     """Four sketches: shared memory (UMA), NUMA, distributed memory, hybrid. Returns a Figure."""
@@ -68,6 +70,7 @@ def plot_memory_architectures(path=None):
     for ax in axes:
         ax.set(xlim=(0, 1), ylim=(0, 1))
         ax.axis("off")
+    raise_small_text(fig)
     if path is not None:
         fig.savefig(path, dpi=110, bbox_inches="tight")
     return fig

@@ -7,12 +7,13 @@ import numpy as np
 
 from course_lib import costmodel
 from course_lib import scale_plan as S
-from course_lib.figures import save_figure
+from course_lib.figures import for_slides, save_figure
 
 MEMORY = ("parameters", "gradients", "optimizer", "activations")
 TIME = ("compute", "tp", "cp", "pp", "bubble", "dp", "optimizer")
 
 
+@for_slides
 def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024,
                  sequence: int = 2048, cluster: str = "A100 (Selene)",
                  between_gbs: float | None = None, shown: int = 6):
@@ -59,6 +60,7 @@ def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024
     return fig
 
 
+@for_slides
 def published_figure():
     """The plan's TFLOP/s per GPU beside the published ones, for each run of
     :data:`scale_plan.PUBLISHED`. Introduced in notebooks/16_planning_a_run.ipynb."""
@@ -86,6 +88,7 @@ def save_all(out_dir):
             save_figure(published_figure(), out_dir, "16_published_runs.png")]
 
 
+@for_slides
 def gpu_figure(report: dict):
     """A GPU report (:func:`course_lib.gpu.measure`): left, the FLOP/s reached by a bare matrix
     product and by the transformer's step against the datasheet's peaks (the ratio to the 16-bit
@@ -131,6 +134,7 @@ def gpu_figure(report: dict):
     return fig
 
 
+@for_slides
 def fp8_figure(outliers, errors, scaling, axes=None):
     """Two panels: the error of ordinary numbers beside an outlier, per format and scaling
     (``precision.outlier_errors``), and each step's error under current and delayed scaling
@@ -160,6 +164,7 @@ def fp8_figure(outliers, errors, scaling, axes=None):
     return axes
 
 
+@for_slides
 def dry_run_figure(run: dict, planned: list, planned_memory: dict, axes=None):
     """One rank's dry run (:func:`course_lib.dry_run.dry_run`) against the plan: left, the GiB
     its collectives carry by kind and dimension (whole tensors), each bar labelled with its

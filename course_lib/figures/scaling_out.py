@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import costmodel, ps_vs_ring
-from course_lib.figures import save_figure
+from course_lib.figures import for_slides, save_figure
 
 COLORS = {"ps1": "C3", "ps": "C1", "ring": "C0"}
 
@@ -27,6 +27,7 @@ def _names(servers):
     return {**ps_vs_ring.NAMES, "ps": f"PS, {servers} servers"}
 
 
+@for_slides
 def measured_throughput(rows, ax=None):
     """Samples per second against N for each method (rows of ``ps_vs_ring.measure``): measured as
     dots on solid lines, the formula dashed in the same colour, and ideal scaling (N times one
@@ -62,6 +63,7 @@ def measured_throughput(rows, ax=None):
     return ax
 
 
+@for_slides
 def efficiency_vs_workers(workload=ps_vs_ring.RESNET50, links=tuple(costmodel.LINKS),
                           servers="N/4", workers=ps_vs_ring.WORKERS, axes=None):
     """The model's scaling efficiency against N (1 .. 4096) for the PS with 1 server, the PS
@@ -102,6 +104,7 @@ def efficiency_vs_workers(workload=ps_vs_ring.RESNET50, links=tuple(costmodel.LI
     return axes
 
 
+@for_slides
 def tc_versus_emulated(rows, ax=None):
     """Seconds per allreduce for each world size and algorithm (rows of
     :func:`course_lib.bench.allreduce.tc_versus_emulated`): the alpha-beta model, the emulated
@@ -127,6 +130,7 @@ def tc_versus_emulated(rows, ax=None):
     return ax
 
 
+@for_slides
 def horovod_vs_tensorflow(rows=None, axes=None):
     """Uber's published numbers, drawn here (:data:`course_lib.ps_vs_ring.UBER_128`,
     :data:`~course_lib.ps_vs_ring.RDMA_SPEEDUP`; sources in their comments). Left: scaling
@@ -183,6 +187,7 @@ def horovod_vs_tensorflow(rows=None, axes=None):
 SIZES = 2.0 ** np.arange(20, 31)  # 1 MiB .. 1 GiB: whole chunks, so no ragged last chunk
 
 
+@for_slides
 def gpu_transfer(rows=None, sizes=SIZES, chunk_bytes=4 << 20, axes=None):
     """What staging through host memory costs, by :func:`course_lib.costmodel.path_time`:
     effective bandwidth (bytes / seconds) against size, 1 MB to 1 GB, of each path of
@@ -241,6 +246,7 @@ def gpu_transfer(rows=None, sizes=SIZES, chunk_bytes=4 << 20, axes=None):
     return drawn
 
 
+@for_slides
 def job_timeline(run, ax=None):
     """The phases of each pod of a :class:`course_lib.k8s.watch.JobRun` as they were observed
     (Pending, Running, Succeeded or Failed) and, on top, the job's state (its last condition,

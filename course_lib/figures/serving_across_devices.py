@@ -8,10 +8,11 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import serving
-from course_lib.figures import save_figure
+from course_lib.figures import for_slides, save_figure
 from course_lib.speculative import expected_speedup
 
 
+@for_slides
 def roofline_figure(batches, seconds, params: int, itemsize: int, flops: float,
                     bandwidth: float, prefill: tuple | None = None):
     """Left: a decode step's time against the batch, measured, beside the roofline's
@@ -45,6 +46,7 @@ def roofline_figure(batches, seconds, params: int, itemsize: int, flops: float,
     return fig
 
 
+@for_slides
 def batching_figure(runs: dict):
     """Each policy's requests over time (waiting, then running) and the cache positions it
     allocated against those it used. ``runs``: policy name -> (requests, log) of
@@ -71,6 +73,7 @@ def batching_figure(runs: dict):
     return fig
 
 
+@for_slides
 def speculative_figure(rows: list[dict]):
     """Measured speed-up over the target alone against k for each draft, beside
     :func:`speculative.expected_speedup` with that draft's measured acceptance and cost and the
@@ -94,6 +97,7 @@ def speculative_figure(rows: list[dict]):
     return fig
 
 
+@for_slides
 def deployment_figure(model: serving.ServedModel = serving.LLAMA3_70B,
                       chip: serving.Chip = serving.TPU_V5E, chips: int = 8, length: int = 8192,
                       itemsize: float = 1):

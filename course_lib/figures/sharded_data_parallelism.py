@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from course_lib.figures import save_figure
+from course_lib.figures import for_slides, save_figure
 from course_lib.zero import STAGES, zero_memory
 
 NAMES = {0: "DDP", 1: "ZeRO-1 (optimizer state)", 2: "ZeRO-2 (+ gradients)",
          3: "ZeRO-3 (+ parameters)"}
 
 
+@for_slides
 def memory_vs_ranks(num_params=7.5e9, device_gb=80, ax=None):
     """GB per rank for each stage against N, mixed-precision Adam as in the ZeRO paper (2-byte
     parameters and gradients, K = 12 bytes of optimizer state per parameter), with one device's
@@ -45,6 +46,7 @@ def memory_vs_ranks(num_params=7.5e9, device_gb=80, ax=None):
     return ax
 
 
+@for_slides
 def measured_memory(reports, num_params, world_size, bytes_per_number=8, optimizer_numbers=2,
                     ax=None):
     """Bytes one rank holds at its peak, by kind, per stage (bars), beside the paper's
@@ -79,6 +81,7 @@ def measured_memory(reports, num_params, world_size, bytes_per_number=8, optimiz
     return ax
 
 
+@for_slides
 def step_times(rows, link, ax=None):
     """Step time of the course's DDP and ZeRO stages on an emulated ``link`` (rows of
     ``bench.zero.measure`` at one N), each bar's hatched part the time the link needs for the
