@@ -16,7 +16,9 @@ fi
 head="| notebook |"; rule="|---|"; row="| Run All (s) |"
 for nb in "$@"; do
     start=$(date +%s.%N)
-    if .venv/bin/jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=600 \
+    # nbconvert, its waits for a cell's reply in short polls (course_lib.runtime.kernel_replies)
+    if .venv/bin/python -m course_lib.runtime.kernel_replies --to notebook --execute \
+            --ExecutePreprocessor.timeout=600 \
             --output-dir "$out" "$nb" >"$out/log" 2>&1; then
         took=$(python3 -c "import sys; print(round(float(sys.argv[2]) - float(sys.argv[1])))" \
                "$start" "$(date +%s.%N)")

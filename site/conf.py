@@ -17,6 +17,8 @@ from pathlib import Path
 from jupyter_client.manager import KernelManager
 from sphinx.util.matching import Matcher
 
+from course_lib.runtime.kernel_replies import poll_in_slices
+
 ROOT = Path(__file__).resolve().parents[1]
 MATHJAX = ROOT / "slides" / "vendor" / "mathjax"
 
@@ -37,6 +39,8 @@ nb_execution_raise_on_error = True
 nb_execution_excludepatterns = ["labs/*"]
 # kernels get CurveZMQ keys, as with `make lab` and `make slides` (myst-nb has no option for it)
 KernelManager.class_traits()["transport_encryption"].default_value = "auto"
+# each cell's reply read in short polls: one long poll can miss it and wait out the timeout
+poll_in_slices()
 
 autodoc_member_order = "bysource"
 autodoc_default_options = {"members": True}

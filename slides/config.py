@@ -20,6 +20,12 @@ from traitlets import Bool, Unicode
 
 HERE = Path(__file__).resolve().parent
 
+# nbclient waits for each cell's reply in short polls: one long poll can miss the reply and wait
+# out the cell's whole timeout (notebook 16's widget cell: 10 minutes)
+from course_lib.runtime.kernel_replies import poll_in_slices  # noqa: E402
+
+poll_in_slices()
+
 
 class CachedExecute(ExecutePreprocessor):
     """The notebook's outputs from the cache, or executed (in its folder) and cached; with

@@ -238,7 +238,10 @@ def write_course(root: str | Path, labs: list[str] | None = None,
         f"c.CourseDirectory.course_id = {course_id!r}\n"
         f"c.Exchange.root = {exchange_root(exchange)!r}\n"
         "c.Execute.timeout = 300  # seconds per cell, as CI runs the labs\n"
-        "c.ClearSolutions.text_stub = '*Your answer here.*'\n", encoding="utf-8")
+        "c.ClearSolutions.text_stub = '*Your answer here.*'\n"
+        "# each cell's reply read in short polls (a long one can wait out the whole timeout)\n"
+        "from course_lib.runtime.kernel_replies import poll_in_slices  # noqa: E402\n"
+        "poll_in_slices()\n", encoding="utf-8")
     written = []
     for solution in solutions:
         out = root / "source" / assignment_name(solution) / solution.name
