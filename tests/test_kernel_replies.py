@@ -35,7 +35,7 @@ class Channel:
 
 def test_a_reply_whose_wake_up_was_lost_is_read_after_one_short_poll():
     socket = LostWakeUp()
-    reply = asyncio.run(kernel_replies._get_msg_in_slices(Channel(socket), timeout=600))
+    reply = asyncio.run(kernel_replies.get_msg_in_slices(Channel(socket), timeout=600))
     assert reply == {"msg_type": "execute_reply"}
     # jupyter_client's own get_msg polls once for the whole 600 s: [600000]
     assert socket.polls == [kernel_replies.SLICE_S * 1000]
@@ -44,7 +44,7 @@ def test_a_reply_whose_wake_up_was_lost_is_read_after_one_short_poll():
 def test_the_timeout_is_kept_and_ends_in_empty():
     socket = LostWakeUp(replies=0)
     with pytest.raises(Empty):
-        asyncio.run(kernel_replies._get_msg_in_slices(Channel(socket), timeout=0.6))
+        asyncio.run(kernel_replies.get_msg_in_slices(Channel(socket), timeout=0.6))
     assert len(socket.polls) >= 2 and max(socket.polls) <= kernel_replies.SLICE_S * 1000
     assert sum(socket.polls) >= 590  # the whole timeout was waited, in slices
 
@@ -67,7 +67,7 @@ def test_a_real_kernel_answers_through_the_sliced_channels():
     original = AsyncZMQSocketChannel.get_msg
     kernel_replies.poll_in_slices()
     try:
-        assert AsyncZMQSocketChannel.get_msg is kernel_replies._get_msg_in_slices
+        assert AsyncZMQSocketChannel.get_msg is kernel_replies.get_msg_in_slices
         assert asyncio.run(run())["content"]["status"] == "ok"
     finally:
         AsyncZMQSocketChannel.get_msg = original

@@ -25,8 +25,9 @@ from queue import Empty
 SLICE_S = 0.25  # the longest a reply already received waits to be read
 
 
-async def _get_msg_in_slices(self, timeout: float | None = None) -> dict:
-    """jupyter_client's ``AsyncZMQSocketChannel.get_msg``, polling at most ``SLICE_S`` at once."""
+async def get_msg_in_slices(self, timeout: float | None = None) -> dict:
+    """jupyter_client's ``AsyncZMQSocketChannel.get_msg``, polling at most ``SLICE_S`` at once.
+    Introduced in notebooks/16_planning_a_run.ipynb."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         left = SLICE_S if deadline is None else min(SLICE_S, max(0.0, deadline - time.monotonic()))
@@ -40,7 +41,7 @@ def poll_in_slices() -> None:
     """Make jupyter_client's asyncio channels wait for messages in polls of at most
     ``SLICE_S`` (idempotent). Introduced in notebooks/16_planning_a_run.ipynb."""
     from jupyter_client.channels import AsyncZMQSocketChannel
-    AsyncZMQSocketChannel.get_msg = _get_msg_in_slices
+    AsyncZMQSocketChannel.get_msg = get_msg_in_slices
 
 
 def main(argv: list[str] | None = None) -> int:
