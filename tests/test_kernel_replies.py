@@ -1,6 +1,6 @@
-"""A headless notebook run reads each cell's reply in short polls (course_lib.runtime.kernel_replies):
-a reply whose wake-up was lost is read at the end of a quarter-second poll, not of the cell's
-whole timeout."""
+"""A headless notebook run reads each cell's reply in short polls
+(course_lib.runtime.kernel_replies): a reply whose wake-up was lost is read at the end of a
+quarter-second poll, not of the cell's whole timeout."""
 
 import asyncio
 from queue import Empty
