@@ -286,17 +286,18 @@ def cost_model_figure(link="100GbE", n_bytes=100e6, p_fixed=8, path=None):
             title=f"p = {p_fixed}: time against message size")
     ax2.set_ylim(bottom=0.3 * link.alpha)
     n_star = costmodel.crossover_bytes("tree", "ring", p_fixed, link)
+    a_tree = costmodel.allreduce_time("tree", 0, p_fixed, link)
     if np.isfinite(n_star) and sizes[0] < n_star < sizes[-1]:
         ax2.axvline(n_star, color="0.5", ls=":", lw=1)
-        ax2.text(n_star * 1.15, 0.5 * link.alpha, f"ring beats tree\nabove {_bytes(n_star)}",
-                 fontsize=8, color="0.3", va="bottom")
+        ax2.text(n_star * 0.87, 5 * a_tree, f"ring beats tree\nabove {_bytes(n_star)}",
+                 fontsize=8, color="0.3", ha="right", va="bottom")
     a_ring = costmodel.allreduce_time("ring", 0, p_fixed, link)
     ax2.text(sizes[0] * 2, a_ring * 1.25, f"naive and ring: {2 * (p_fixed - 1)} steps each",
              fontsize=8, color="0.3")
-    ax2.text(sizes[0] * 2, 2 * link.alpha, "latency-bound:\ntime ≈ (number of steps)·alpha",
-             fontsize=8, color="0.3")
-    ax2.text(1.5e8, 2 * link.alpha, "bandwidth-bound:\ntime ≈ (bytes per link)·beta",
-             fontsize=8, color="0.3", ha="center")
+    ax2.text(sizes[0] * 2, 0.4 * link.alpha, "latency-bound:\ntime ≈ steps·alpha",
+             fontsize=8, color="0.3", va="bottom")  # below every line: under each step count
+    ax2.text(sizes[-1], 0.4 * link.alpha, "bandwidth-bound:\ntime ≈ bytes per link·beta",
+             fontsize=8, color="0.3", ha="right", va="bottom")
     ax1.legend(fontsize=8)
     fig.suptitle(f"alpha-beta model, {link}", fontsize=11)
     return _finish(fig, path)

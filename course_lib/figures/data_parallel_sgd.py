@@ -94,12 +94,12 @@ def sync_step_figure(world_size=3, path=None):
     gradient, one allreduce (average) across all ranks, the same update.
 
     Introduced in notebooks/06_data_parallel_sgd.ipynb."""
-    fig = Figure(figsize=(10, 0.9 + 0.8 * world_size))
+    fig = Figure(figsize=(10, 1.3 + 0.8 * world_size))
     ax = fig.add_subplot()
-    phases = [("same start\n(broadcast from rank 0)", "tab:brown"),
-              ("forward + backward\non this rank's B/N samples", "tab:orange"),
-              ("allreduce:\nsum of the N gradients", "tab:purple"),
-              ("divide by N:\nthe global-batch gradient", "tab:red"),
+    phases = [("same start\n(broadcast\nfrom rank 0)", "tab:brown"),
+              ("forward +\nbackward on this\nrank's B/N samples", "tab:orange"),
+              ("allreduce:\nsum of the\nN gradients", "tab:purple"),
+              ("divide by N:\nthe global-\nbatch gradient", "tab:red"),
               ("update\nθ ← θ − η ĝ", "tab:green")]
     width, gap = 1.6, 0.35
     for r in range(world_size):

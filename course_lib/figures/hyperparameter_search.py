@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from course_lib.figures import for_slides, raise_small_text, save_figure
+from course_lib.figures import for_slides, least_points, raise_small_text, save_figure
 
 
 @for_slides
@@ -23,7 +23,11 @@ def gantt(results, axes=None):
         fig, axes = plt.subplots(len(results), 1, figsize=(9, 1.2 + 0.9 * len(results) * (
             1 + len(results[0].ranks) / 6)), sharex=True, squeeze=False)
         axes = axes[:, 0]
+    fig = axes[0].figure
+    size = max(6.0, least_points(fig))  # the ids, readable when the figure is a slide
+    span = max(r.elapsed for r in results)  # the shared time axis
     for ax, result in zip(axes, results, strict=True):
+        points = ax.get_position().width * fig.get_figwidth() * 72 / span  # per second
         rungs = max(j.rung for j in result.jobs) + 1
         for job in result.jobs:
             if job.rank is None:
@@ -32,9 +36,9 @@ def gantt(results, axes=None):
             left, width = job.start - result.started, job.end - job.start
             ax.barh(row, width, left=left, height=0.8, color=f"C{job.rung}",
                     edgecolor="white", linewidth=0.5)
-            if width > 0.04 * result.elapsed:
+            if width * points >= 0.64 * size * len(str(job.config_id)) + 4:  # room for it
                 ax.text(left + width / 2, row, str(job.config_id), ha="center", va="center",
-                        fontsize=6, color="white")
+                        fontsize=size, color="white")
         ax.set_yticks(range(len(result.ranks)), [f"rank {r}" for r in result.ranks],
                       fontsize=7)
         ax.invert_yaxis()
