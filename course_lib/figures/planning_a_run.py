@@ -42,8 +42,8 @@ def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024
         left += v
     mem.axvline(c.memory / S.GiB, color="k", ls="--", label="device memory")
     mem.set(yticks=y, yticklabels=names, xlabel="GiB per device",
-            title=f"{model} on {devices} x {cluster}")
-    mem.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
+            title=f"{model}\non {devices} x {cluster}")
+    mem.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
     left = np.zeros(len(chosen))
     for i, term in enumerate(TIME):
         v = np.array([r["time"][term] for r in chosen])
@@ -53,10 +53,10 @@ def plans_figure(model: str = "GPT 145B", devices: int = 1024, batch: int = 1024
         text = f" MFU {r['mfu']:.0%}" if r["fits"] else f" does not fit: {r['breaks']}"
         step.text(r["time"]["total"], yi, text, va="center", fontsize=10)
     step.set(yticks=y, yticklabels=[], xlabel="seconds per step",
-             title=f"batch {batch} x {sequence} tokens, between nodes "
+             title=f"batch {batch} x {sequence} tokens,\nbetween nodes "
                    f"{c.between.bandwidth / 1e9:.3g} GB/s",
              xlim=(0, 1.45 * max(r["time"]["total"] for r in chosen)))
-    step.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=4)
+    step.legend(fontsize=10, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
     return fig
 
 
@@ -66,7 +66,7 @@ def published_figure():
     :data:`scale_plan.PUBLISHED`. Introduced in notebooks/16_planning_a_run.ipynb."""
     import matplotlib.pyplot as plt
     rows = S.predict_published()
-    fig, ax = plt.subplots(figsize=(10, 3.4), layout="constrained")
+    fig, ax = plt.subplots(figsize=(12, 3.8), layout="constrained")
     x = np.arange(len(rows))
     ax.bar(x - 0.2, [r["published"].tflops for r in rows], 0.4, label="published")
     ax.bar(x + 0.2, [r["tflops"] for r in rows], 0.4, label="planned")

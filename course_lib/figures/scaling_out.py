@@ -143,7 +143,7 @@ def horovod_vs_tensorflow(rows=None, axes=None):
     import matplotlib.pyplot as plt
     if axes is None:
         axes = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained",
-                            gridspec_kw={"width_ratios": [1.6, 1]})[1]
+                            gridspec_kw={"width_ratios": [1.4, 1]})[1]
     ax, right = axes
     bars = [(f"{r['system']}, {r['network']}\n{r['models']}, {r['gpus']} GPUs",
              100 * r["efficiency"], r["approx"], "C3" if "TensorFlow" in r["system"] else "C0")
@@ -176,9 +176,8 @@ def horovod_vs_tensorflow(rows=None, axes=None):
             right.plot([i - 0.3, i + 0.3], [100 * low] * 2, color="k", lw=1)
         right.text(i, 100 * high + 0.8, f"{100 * low:.0f}-{100 * high:.0f}%" if high > low
                    else f"{100 * high:.0f}%", ha="center", fontsize=9)
-    right.set_xticks(range(len(models)), [
-        f"{m}\n{ps_vs_ring.PARAMETERS[m] / 1e6:.0f}M parameters\n"
-        f"{4 * ps_vs_ring.PARAMETERS[m] / 1e6:.0f} MB gradient" for m in models], fontsize=8)
+    right.set_xticks(range(len(models)), [  # a float32 gradient: 4 bytes a parameter
+        f"{m}\n{4 * ps_vs_ring.PARAMETERS[m] / 1e6:.0f} MB\ngradient" for m in models], fontsize=8)
     right.set(ylabel="RDMA over TCP: speed-up (%)", ylim=(0, 36),
               title="Horovod, 25 Gbit/s: RDMA against TCP")
     return axes
