@@ -7,7 +7,7 @@ by edge, and pyzmq's asyncio poll can miss the edge of a reply that arrives whil
 messages of the cell (a widget's, for one) are being handled: the reply then sits unread until
 the poll's timeout expires, and the notebook goes on as if nothing happened (nbclient issue
 #312). Measured here: notebook 16, whose explorer cell is an ``ipywidgets.interact``, took
-680 s under nbconvert instead of 82 s, the stall exactly the 600 s cell timeout; with
+680 s under nbconvert, its stall the whole 600 s cell timeout (three runs of three); with
 ``--ExecutePreprocessor.timeout=120``, 207 s; with the polls below, 77 s.
 
 ``poll_in_slices()`` makes every wait of jupyter_client's asyncio channels a loop of polls of
