@@ -44,9 +44,10 @@ def raise_small_text(fig, least=SLIDE_TEXT_PX):
     fig.draw_without_rendering()  # the tick labels exist
     for ax in fig.axes:  # ticks made at a later draw copy these sizes
         for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
-            sizes = [t.get_fontsize() for t in axis.get_ticklabels(which="both")]
-            if sizes and min(sizes) < points:
-                ax.tick_params(axis=name, which="both", labelsize=max(points, min(sizes)))
+            for which in ("major", "minor"):
+                sizes = [t.get_fontsize() for t in axis.get_ticklabels(which=which)]
+                if sizes and min(sizes) < points:
+                    ax.tick_params(axis=name, which=which, labelsize=points)
     for text in fig.findobj(Text):
         if text.get_fontsize() < points:
             text.set_fontsize(points)
