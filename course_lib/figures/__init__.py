@@ -7,8 +7,19 @@ from course_lib.runtime.slide_text import (  # noqa: F401  (the figure modules' 
     for_slides,
     least_points,
     raise_small_text,
+    text_fits,
     too_small_for_slides,
 )
+
+
+def finish(fig, path=None):
+    """Raise the figure's small text to the slide floor, write it to ``path`` when one is
+    given, and return it: the end of a figure function that draws on a ``Figure`` of its own.
+    Introduced in notebooks/01_gradient_descent.ipynb."""
+    raise_small_text(fig)
+    if path is not None:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    return fig
 
 
 def save_figure(fig, out_dir, name, dpi=120):
@@ -17,7 +28,6 @@ def save_figure(fig, out_dir, name, dpi=120):
     import matplotlib.pyplot as plt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    raise_small_text(fig)
     if fig.get_layout_engine() is None:  # a figure made with layout="constrained" keeps it
         fig.tight_layout()
     fig.savefig(out / name, dpi=dpi)

@@ -28,14 +28,7 @@ from matplotlib.patches import Patch, Rectangle
 from course_lib import costmodel
 from course_lib.collectives import TAG_AG, TAG_RS, ring_allreduce
 from course_lib.comm import Message, run_ranks
-from course_lib.figures import raise_small_text
-
-
-def _finish(fig, path):
-    raise_small_text(fig)
-    if path is not None:
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-    return fig
+from course_lib.figures import finish
 
 
 # ----------------------------------------------------------------------------- the ring
@@ -186,7 +179,7 @@ def ring_steps_figure(world_size=4, path=None):
                  f"one chunk (1/{n} of the buffer) to its right neighbour\n(as recorded from "
                  f"collectives.ring_allreduce; chunk and rank numbers mod {n}; at the start "
                  "every rank holds only its own data)", fontsize=10)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 # ------------------------------------------------------------------------ naive and tree
@@ -245,7 +238,7 @@ def naive_and_tree_figure(world_size=8, path=None):
                         Patch(color="C1", label="broadcast: send the sum")],
                loc="outside lower center", ncol=2, fontsize=9, frameon=False)
     fig.suptitle(f"Allreduce on p = {p} ranks: who sends to whom, step by step", fontsize=11)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 # ------------------------------------------------------------------------- cost model
@@ -300,7 +293,7 @@ def cost_model_figure(link="100GbE", n_bytes=100e6, p_fixed=8, path=None):
              fontsize=8, color="0.3", ha="right", va="bottom")
     ax1.legend(fontsize=8)
     fig.suptitle(f"alpha-beta model, {link}", fontsize=11)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def latency_takes_over(n_bytes, link):
@@ -335,7 +328,7 @@ def links_figure(n_bytes=100e6, links=None, path=None):
     axes[0].set_ylabel("seconds")
     axes[0].legend(fontsize=7, loc="upper left")
     fig.suptitle(f"{_bytes(n_bytes)} allreduce, alpha-beta model, on each network", fontsize=11)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def emulated_link_figure(rows, loopback_rows=(), path=None):
@@ -391,7 +384,7 @@ def emulated_link_figure(rows, loopback_rows=(), path=None):
     ax2.legend(fontsize=7, loc="lower right")
     ax3.legend(fontsize=7)
     fig.suptitle(f"allreduce on an emulated link: {link}", fontsize=11)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def save_all(out_dir):

@@ -18,14 +18,7 @@ import matplotlib as mpl
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from course_lib.figures import raise_small_text
-
-
-def _finish(fig, path):
-    raise_small_text(fig)
-    if path is not None:
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-    return fig
+from course_lib.figures import finish
 
 
 def bucket_figure(names, sizes, cap_bytes, title=None, path=None):
@@ -64,7 +57,7 @@ def bucket_figure(names, sizes, cap_bytes, title=None, path=None):
         ax.spines[side].set_visible(False)
     ax.set_title(title or f"{len(sizes)} tensors, {total / 2**10:.0f} KiB, cap "
                           f"{cap_bytes / 2**10:g} KiB: {len(buckets)} buckets")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def bucket_sweep_figure(caps_mb, series, compute_ms, comm_ms, title="", path=None):
@@ -81,7 +74,7 @@ def bucket_sweep_figure(caps_mb, series, compute_ms, comm_ms, title="", path=Non
     ax.set(xlabel="bucket cap (MiB)", ylabel="step time (ms), median", ylim=(0, None),
            title=title)
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def _sub(r):
@@ -134,7 +127,7 @@ def sync_step_figure(world_size=3, path=None):
     ax.set(xlim=(-1.0, 5 * (width + gap)), ylim=(-0.2, world_size + 0.9))
     ax.axis("off")
     ax.set_title("one synchronous step: every rank ends with the same parameters")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def last_step_figure(timelines, title="", path=None):
@@ -153,7 +146,7 @@ def last_step_figure(timelines, title="", path=None):
     axes[0].set_xlim(0, longest * 1e3 * 1.02)
     if title:
         fig.suptitle(title, fontsize=11)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def save_all(out_dir):

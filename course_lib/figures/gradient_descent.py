@@ -17,14 +17,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from course_lib import data, gd, models
-from course_lib.figures import raise_small_text
-
-
-def _finish(fig, path):
-    raise_small_text(fig)
-    if path is not None:
-        fig.savefig(path, dpi=110, bbox_inches="tight")
-    return fig
+from course_lib.figures import finish
 
 
 def _epoch_means(hist):
@@ -61,7 +54,7 @@ def plot_loss_curves(histories, optimum=None, title="Full-data loss", path=None)
     ax = fig.add_subplot()
     _curves(ax, histories, optimum)
     ax.set_title(title)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_sgd_fluctuation(history, num_updates=400, path=None):
@@ -77,7 +70,7 @@ def plot_sgd_fluctuation(history, num_updates=400, path=None):
     ax.set_xlabel("update")
     ax.set_title("SGD: each step follows one sample, so the loss does not always decrease")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_lr_sweep(histories, lr_max=None, optimum=None, path=None):
@@ -112,7 +105,7 @@ def plot_lr_sweep(histories, lr_max=None, optimum=None, path=None):
     ax2.legend(fontsize=8)
     ax2.set(xscale="log", yscale="log", xlabel="learning rate", ylabel=ylabel + " at the end",
             title="too small: slow; too large: diverges")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_schedules(schedules, num_epochs, histories=None, optimum=None, path=None):
@@ -127,7 +120,7 @@ def plot_schedules(schedules, num_epochs, histories=None, optimum=None, path=Non
     if histories:
         _curves(axes[1], histories, optimum)
         axes[1].set_title("SGD with each schedule")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_contour_paths(problem, X, y, histories, optimum_theta=None, path=None):
@@ -155,7 +148,7 @@ def plot_contour_paths(problem, X, y, histories, optimum_theta=None, path=None):
         ax.plot(*optimum_theta, "r*", ms=14, label="least squares θ*")
     ax.set(xlabel="θ₀ (intercept)", ylabel="θ₁ (slope)", title="paths of θ on the loss surface")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_per_parameter_error(histories, theta_star, path=None):
@@ -169,7 +162,7 @@ def plot_per_parameter_error(histories, theta_star, path=None):
         ax.set(yscale="log", xlabel="epoch", title=name)
         ax.legend(fontsize=8)
     axes[0].set_ylabel("|θ_j - θ*_j|")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_two_minima(problem, histories, path=None):
@@ -186,7 +179,7 @@ def plot_two_minima(problem, histories, path=None):
     ax1.set(xlabel="θ", ylabel="J(θ)", title="where you start decides where you end")
     ax1.legend(fontsize=8)
     ax2.set(xlabel="update", ylabel="J(θ)", title="both runs converge, to different values")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_batch_size_tradeoff(problem, X, y, batch_sizes, lr, num_epochs=3, seed=0, path=None):
@@ -212,7 +205,7 @@ def plot_batch_size_tradeoff(problem, X, y, batch_sizes, lr, num_epochs=3, seed=
             title=f"loss after {num_epochs} epochs at lr={lr}")
     for ax in (ax1, ax2):
         ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def save_all(out_dir, seed=0):

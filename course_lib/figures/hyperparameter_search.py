@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from course_lib.figures import for_slides, least_points, raise_small_text, save_figure
+from course_lib.figures import for_slides, least_points, raise_small_text, save_figure, text_fits
 
 
 @for_slides
@@ -36,7 +36,7 @@ def gantt(results, axes=None):
             left, width = job.start - result.started, job.end - job.start
             ax.barh(row, width, left=left, height=0.8, color=f"C{job.rung}",
                     edgecolor="white", linewidth=0.5)
-            if width * points >= 0.64 * size * len(str(job.config_id)) + 4:  # room for it
+            if text_fits(width * points, str(job.config_id), size, margin=4):
                 ax.text(left + width / 2, row, str(job.config_id), ha="center", va="center",
                         fontsize=size, color="white")
         ax.set_yticks(range(len(result.ranks)), [f"rank {r}" for r in result.ranks],

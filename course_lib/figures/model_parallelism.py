@@ -13,13 +13,12 @@ from __future__ import annotations
 import numpy as np
 
 from course_lib import pipeline
-from course_lib.figures import for_slides, least_points, save_figure
+from course_lib.figures import for_slides, least_points, save_figure, text_fits
 
 COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "goldenrod"}
 LIGHT = {"F": "#9ecae1", "B": "#fdbf86", "W": "#eedc9a"}  # a rank's second chunk of layers
 
 
-@for_slides
 def simulated_gantt(sim, ax, title=None, xmax=None, chunks=None):
     """One row per stage: its forwards (blue), backwards (orange) and weight gradients (gold,
     a split backward's W) with the micro-batch number where the box has room for it; white is
@@ -37,7 +36,7 @@ def simulated_gantt(sim, ax, title=None, xmax=None, chunks=None):
             ax.broken_barh([(start, end - start)], (s - 0.4, 0.8),
                            facecolors=(LIGHT if light else COLOURS)[op], edgecolors="white",
                            linewidth=0.5)
-            if (end - start) * points >= 0.64 * size * len(str(m)) + 2:  # a digit's width
+            if text_fits((end - start) * points, str(m), size):
                 ax.text((start + end) / 2, s, str(m), ha="center", va="center", fontsize=size,
                         color="black" if light or op == "W" else "white")
     ax.set_yticks(range(len(sim.intervals)), [f"stage {s}" for s in range(len(sim.intervals))])

@@ -68,18 +68,25 @@ def for_slides(draw):
 
 
 def _figures_in(result):
+    """The figures of a figure, axes, or a list, tuple or array of axes; none for anything else."""
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-    items = list(result)[:100] if isinstance(result, (list, tuple)) else [result]
+    if getattr(getattr(result, "dtype", None), "kind", "") == "O":  # an array of axes
+        result = list(result.flat)
+    items = result if isinstance(result, (list, tuple)) else [result]
     found = []
-    for item in items:
-        if str(getattr(item, "dtype", "")) == "object" and len(items) < 1000:  # axes in an array
-            items.extend(item.flat)
-            continue
+    for item in items[:100]:
         fig = item if isinstance(item, Figure) else item.figure if isinstance(item, Axes) else None
         if fig is not None and fig not in found:
             found.append(fig)
     return found
+
+
+def text_fits(room, text, size, margin=2):
+    """Whether ``text`` at ``size`` points fits in ``room`` points across (a label inside a
+    bar): a digit or letter is about 0.64 of the size wide. Introduced in
+    notebooks/09_model_parallelism.ipynb."""
+    return room >= 0.64 * size * len(text) + margin
 
 
 SLIDE_TEXT_ENV = "COURSE_LIB_SLIDE_TEXT"  # set: every figure a cell shows is measured
