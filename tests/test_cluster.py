@@ -153,6 +153,31 @@ def test_stop_leaves_no_process_behind(capfd):
     assert "Failed to remove" not in out + err and "%|" not in out + err  # no log noise, no bar
 
 
+def test_cleaning_up_reads_no_live_cluster_of_another_kernel():
+    """Every start_cluster (and every watchdog) cleans up the clusters of killed kernels. It
+    must not load the live ones through ipyparallel: a loaded copy logged "Engine 2 not
+    running" in a kernel that was not the cluster's, rewrote the cluster's file, watched its
+    processes from a thread each, and dumped their logs when they ended."""
+    c = C.start_cluster(n=2, share=False)
+    try:
+        os.kill(c.pids[1], 9)  # a live kernel's cluster that lost an engine
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(c.pids[1]).wait(timeout=60)  # a hang guard
+        file = Path(c._ipp.cluster_file)
+        before = file.read_text()
+        script = ("import logging, threading\n"
+                  "logging.basicConfig(level=logging.DEBUG)\n"
+                  "from course_lib.runtime.launch import clean_clusters\n"
+                  "print(clean_clusters(), threading.active_count())\n")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=300)  # a hang guard
+        assert out.stdout.split() == ["[]", "1"], out.stdout + out.stderr
+        assert "not running" not in out.stderr, out.stderr
+        assert file.read_text() == before
+    finally:
+        c.stop()
+
+
 @contextlib.contextmanager
 def _notebook_session():
     """An nbval session's stand-in, a process of its own (not this pytest worker) whose kernels

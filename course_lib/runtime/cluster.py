@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -495,7 +496,7 @@ def _reuse(kind, n, *args):
 def _reuse_one(cluster_id, n, *args):
     try:
         ipp_cluster = ipp.Cluster.from_file(profile=PROFILE, cluster_id=cluster_id,
-                                            log_level=40)
+                                            log_level=logging.CRITICAL)
     except (OSError, ValueError):
         return None
     try:

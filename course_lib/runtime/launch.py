@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import logging
 import multiprocessing
 import os
 import shutil
@@ -147,27 +148,33 @@ def clean_clusters(all: bool = False, shared_by: int | str | None = None) -> lis
     Returns the ids of the clusters stopped. ``python -m course_lib cluster clean`` calls this.
     Introduced in notebooks/00_welcome_and_cluster.ipynb.
     """
-    stopped = []
     import ipyparallel as ipp  # standard library only at the top (see the module docstring)
-    manager = ipp.ClusterManager()
-    try:
-        clusters = manager.load_clusters(profile=PROFILE)
-    except Exception:  # noqa: BLE001 - no profile yet: no cluster to clean
-        clean_stores()
-        return stopped
 
     def doomed(cluster_id):
         return (all or not _owner_alive(cluster_id)
                 or cluster_id.startswith(f"{shared_by}-shared-"))
 
-    for c in clusters.values():
-        if doomed(c.cluster_id):
+    # Chosen by file name, and only those loaded: ipyparallel's loaded copy of a cluster
+    # watches each of its processes from a thread of this process, logs here what they print
+    # when they end ("Engine 2 not running" for one already gone) and rewrites the cluster's
+    # file. Another kernel's live cluster is left alone.
+    security = security_dir()
+    stopped = []
+    for file in sorted(security.glob("cluster-*.json")) if security else ():
+        cluster_id = file.stem[len("cluster-"):]
+        if not doomed(cluster_id):
+            continue
+        try:
+            c = ipp.Cluster.from_file(str(file), log_level=logging.CRITICAL)
+        except Exception:  # noqa: BLE001 - unreadable, or removed meanwhile
+            file.unlink(missing_ok=True)
+        else:
             try:
                 stop_and_reap(c)
             except Exception:  # noqa: BLE001 - already half gone: remove what is left
                 pass
             c.remove_cluster_file()
-            stopped.append(c.cluster_id)
+        stopped.append(cluster_id)
     # clusters whose file is gone (removed while they ran) are found by their processes
     leftovers = [found for found in _kill_leftovers(doomed) if found not in stopped]
     clean_stores()  # their rendezvous folders, and any other whose owner is gone
