@@ -228,7 +228,7 @@ def test_the_transformer_with_experts_splits_over_ranks_as_one_process():
         _, part = model(mine[:, :-1], mine[:, 1:])
         part.backward()
         total = allreduce(part.detach().reshape(1).clone(), comm, check=False)
-        errors = [abs(float(total) - float(loss))]
+        errors = [abs(float(total) - loss.item())]
         for name, p in model.named_parameters():
             if ".experts." in name:  # local expert e is global expert first + e
                 block, e, rest = name.split(".mlp.experts.")[0], *name.split(
