@@ -40,6 +40,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'course_lib' has no attribute {name!r}")
 
 
-if _os.environ.get("COURSE_LIB_SLIDE_TEXT"):  # runtime.slide_text: each figure shown, measured
+# runtime.slide_text.SLIDE_TEXT_ENV, spelt out: the module is imported only when it is set
+if _os.environ.get("COURSE_LIB_SLIDE_TEXT"):  # each figure a cell shows, measured
     from course_lib.runtime.slide_text import watch_slide_text as _watch_slide_text
     _watch_slide_text()

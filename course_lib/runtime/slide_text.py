@@ -15,14 +15,18 @@ SLIDE_PX = (1184, 664)
 SLIDE_TEXT_PX = 14  # the smallest figure text a room reads at 1280 x 720
 
 
+def _px_per_point(fig, slide=SLIDE_PX):
+    width, height = fig.get_size_inches()
+    return min(slide[0] / width, slide[1] / height) / 72
+
+
 def slide_text_px(fig, slide=SLIDE_PX):
     """The figure's texts (title, labels, ticks, legend, annotations) as ``[(px, text)]``,
     smallest first: each one's height in pixels when ``fig`` fills a 1280 x 720 slide.
     Introduced in notebooks/01_gradient_descent.ipynb."""
     from matplotlib.text import Text
     fig.draw_without_rendering()  # tick labels and the layout exist once drawn
-    width, height = fig.get_size_inches()
-    px_per_point = min(slide[0] / width, slide[1] / height) / 72
+    px_per_point = _px_per_point(fig, slide)
     shown = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()
              and (t.axes is None or t.axes.get_visible())]
     return sorted((round(t.get_fontsize() * px_per_point, 1), t.get_text()) for t in shown)
@@ -31,8 +35,7 @@ def slide_text_px(fig, slide=SLIDE_PX):
 def least_points(fig, least=SLIDE_TEXT_PX):
     """The font size, in points, that shows as ``least`` pixels when ``fig`` fills a slide.
     Introduced in notebooks/01_gradient_descent.ipynb."""
-    width, height = fig.get_size_inches()
-    return least * 72 / min(SLIDE_PX[0] / width, SLIDE_PX[1] / height)
+    return least / _px_per_point(fig)
 
 
 def raise_small_text(fig, least=SLIDE_TEXT_PX):
